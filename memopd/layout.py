@@ -1,0 +1,278 @@
+"""Packed-batch containers: `AttentionMeta` (who sees whom) and `PackedBatch`.
+
+All tokens of a batch live in one flat stream of `T` tokens (rows concatenated). A row
+is a unit of forward compute bounded by the token budget; segments never cross rows.
+
+Visibility (design section 3) is given by O(T) metadata, never by position ids:
+key `j` is visible to query `i` iff
+
+    seg_start[i] <= j <= i                        (own segment, causal)
+    or prefix_start[i] <= j < prefix_end[i]       (the prefix segment, in full)
+
+Prefix tokens have an empty prefix interval; padding tokens have `seg_start[i] = i + 1`
+and an empty prefix interval, so they see nothing (their attention output is zero).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+__all__ = ["SegmentKind", "AttentionMeta", "PackedBatch"]
+
+
+class SegmentKind:
+    PREFIX = 0  # q, once, causal inside itself
+    CALL = 1  # [x_t, a_t] (aligned) or [q, x_t, a_t] (unshared / independent)
+    PAD = 2  # padding: sees nothing, seen by nobody
+    HISTORY = 3  # one flattened trajectory (flatten layout)
+    NAMES = {0: "prefix", 1: "call", 2: "pad", 3: "history"}
+
+
+@dataclass
+class AttentionMeta:
+    """Explicit segment metadata of a packed stream of T tokens in S segments.
+
+    Segment level (a varlen kernel's view):
+      cu_seqlens      int32 [S+1]  segment s is tokens cu_seqlens[s] : cu_seqlens[s+1]
+      prefix_segment  int32 [S]    index of the prefix segment that segment s sees in
+                                   full, or -1
+      segment_kind    int8  [S]    `SegmentKind`
+    Token level (what a kernel reads per query row):
+      seg_start       int32 [T]    first key of the own segment (causal up to i)
+      prefix_start    int32 [T]    prefix interval [prefix_start, prefix_end) seen in full
+      prefix_end      int32 [T]
+    max_seqlen: longest segment; max_prefix_len: longest prefix interval.
+    """
+
+    cu_seqlens: torch.Tensor
+    prefix_segment: torch.Tensor
+    segment_kind: torch.Tensor
+    seg_start: torch.Tensor
+    prefix_start: torch.Tensor
+    prefix_end: torch.Tensor
+    max_seqlen: int
+    max_prefix_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seg_start.shape[0])
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.prefix_segment.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.seg_start.device
+
+    def to(self, device) -> "AttentionMeta":
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+    @classmethod
+    def from_segments(
+        cls,
+        cu_seqlens,
+        prefix_segment,
+        segment_kind,
+    ) -> "AttentionMeta":
+        """Derive the token-level arrays from segment boundaries and prefix links."""
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+        ps = torch.as_tensor(prefix_segment, dtype=torch.int64).cpu()
+        kind = torch.as_tensor(segment_kind, dtype=torch.int8).cpu()
+        S = ps.shape[0]
+        if cu.ndim != 1 or cu.shape[0] != S + 1 or kind.shape[0] != S:
+            raise ValueError(
+                f"metadata shapes disagree: cu_seqlens {tuple(cu.shape)}, prefix_segment {tuple(ps.shape)}, "
+                f"segment_kind {tuple(kind.shape)}"
+            )
+        if S and (cu[0] != 0 or bool((cu[1:] < cu[:-1]).any())):
+            raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
+        lens = cu[1:] - cu[:-1]
+        T = int(cu[-1]) if S else 0
+        seg_of_tok = torch.repeat_interleave(torch.arange(S), lens)
+        idx = torch.arange(T)
+        seg_start = cu[:-1][seg_of_tok]
+        pad = kind[seg_of_tok] == SegmentKind.PAD
+        seg_start = torch.where(pad, idx + 1, seg_start)
+        for s in range(S):
+            p = int(ps[s])
+            if p < 0:
+                continue
+            if p >= S or kind[p] != SegmentKind.PREFIX:
+                raise ValueError(f"segment {s} links to segment {p}, which is not a prefix segment")
+            if ps[p] >= 0:
+                raise ValueError(f"prefix segment {p} itself links to a prefix")
+        has_p = ps >= 0
+        pstart = torch.where(has_p, cu[:-1][ps.clamp(min=0)], torch.zeros_like(ps))
+        pend = torch.where(has_p, cu[1:][ps.clamp(min=0)], torch.zeros_like(ps))
+        prefix_lens = pend - pstart
+        return cls(
+            cu_seqlens=cu.to(torch.int32),
+            prefix_segment=ps.to(torch.int32),
+            segment_kind=kind,
+            seg_start=seg_start.to(torch.int32),
+            prefix_start=pstart[seg_of_tok].to(torch.int32),
+            prefix_end=pend[seg_of_tok].to(torch.int32),
+            max_seqlen=int(lens.max()) if S else 0,
+            max_prefix_len=int(prefix_lens.max()) if S else 0,
+        )
+
+    def visible(self) -> torch.Tensor:
+        """Dense [T, T] bool mask (query, key). For references and tests only: O(T^2)."""
+        T = self.num_tokens
+        i = torch.arange(T, device=self.device).unsqueeze(1)
+        j = torch.arange(T, device=self.device).unsqueeze(0)
+        own = (j >= self.seg_start.long().unsqueeze(1)) & (j <= i)
+        pre = (j >= self.prefix_start.long().unsqueeze(1)) & (j < self.prefix_end.long().unsqueeze(1))
+        return own | pre
+
+
+@dataclass
+class PackedBatch:
+    """A batch of trajectories laid out for one training forward.
+
+    Token stream [T] (rows concatenated, `cu_rows` [R+1] marks them):
+      input_ids, position_ids (restored), attn (`AttentionMeta`),
+      action_mask (m_act: the sampled occurrences of action tokens),
+      naive_action_mask (flatten only: every token that came from a model output,
+      re-encoded memory included; else None).
+    Per action token [A], in (trajectory, call, k) order:
+      action_index  packed index of the action token itself
+      pred_index    packed index whose output predicts it (g(t, k) of design section 3)
+      target_ids    the sampled id
+      sample_logprobs  log-prob at sampling time (NaN where not recorded)
+      teacher_mask  m_T (defaults to all True)
+      traj_index, call_index, token_index  the map back to (trajectory, call, k)
+    """
+
+    layout: str
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attn: AttentionMeta
+    cu_rows: torch.Tensor
+    action_mask: torch.Tensor
+    action_index: torch.Tensor
+    pred_index: torch.Tensor
+    target_ids: torch.Tensor
+    sample_logprobs: torch.Tensor
+    teacher_mask: torch.Tensor
+    traj_index: torch.Tensor
+    call_index: torch.Tensor
+    token_index: torch.Tensor
+    segment_traj: torch.Tensor
+    segment_call: torch.Tensor
+    naive_action_mask: Optional[torch.Tensor] = None
+    num_trajectories: int = 0
+    pad_id: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.cu_rows.shape[0]) - 1
+
+    @property
+    def num_actions(self) -> int:
+        return int(self.target_ids.shape[0])
+
+    @property
+    def row_lengths(self) -> list[int]:
+        return (self.cu_rows[1:] - self.cu_rows[:-1]).tolist()
+
+    @property
+    def padding_tokens(self) -> int:
+        # a padding token is the only kind that sees nothing, not even itself
+        idx = torch.arange(self.num_tokens, device=self.attn.seg_start.device)
+        return int((self.attn.seg_start.long() > idx).sum())
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.padding_tokens / max(1, self.num_tokens)
+
+    def to(self, device) -> "PackedBatch":
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (torch.Tensor, AttentionMeta)):
+                kw[f.name] = v.to(device)
+        return replace(self, **kw)
+
+    def stats(self) -> dict:
+        """Layout statistics: tokens, rows, segments, padding, action tokens."""
+        kinds = self.attn.segment_kind
+        return {
+            "layout": self.layout,
+            "trajectories": self.num_trajectories,
+            "rows": self.num_rows,
+            "tokens": self.num_tokens,
+            "max_row_tokens": max(self.row_lengths) if self.num_rows else 0,
+            "segments": self.attn.num_segments,
+            "prefix_segments": int((kinds == SegmentKind.PREFIX).sum()),
+            "padding_tokens": self.padding_tokens,
+            "padding_fraction": round(self.padding_fraction, 4),
+            "action_tokens": self.num_actions,
+            "naive_action_tokens": None
+            if self.naive_action_mask is None
+            else int(self.naive_action_mask.sum()),
+        }
+
+    def select_rows(self, start: int, stop: int) -> "PackedBatch":
+        """Rows [start, stop) as their own batch (indices rebased): a micro-batch."""
+        if not 0 <= start < stop <= self.num_rows:
+            raise IndexError(f"rows [{start}, {stop}) out of range for {self.num_rows} rows")
+        t0 = int(self.cu_rows[start])
+        t1 = int(self.cu_rows[stop])
+        cu = self.attn.cu_seqlens.long()
+        s0 = int(torch.searchsorted(cu, torch.tensor(t0), right=False))
+        s1 = int(torch.searchsorted(cu, torch.tensor(t1), right=False))
+        ps = self.attn.prefix_segment.long()[s0:s1]
+        ps = torch.where(ps >= 0, ps - s0, ps)
+        attn = AttentionMeta.from_segments(cu[s0 : s1 + 1] - t0, ps, self.attn.segment_kind[s0:s1])
+        keep = (self.action_index >= t0) & (self.action_index < t1)
+        return PackedBatch(
+            layout=self.layout,
+            input_ids=self.input_ids[t0:t1],
+            position_ids=self.position_ids[t0:t1],
+            attn=attn.to(self.input_ids.device),
+            cu_rows=self.cu_rows[start : stop + 1] - t0,
+            action_mask=self.action_mask[t0:t1],
+            action_index=self.action_index[keep] - t0,
+            pred_index=self.pred_index[keep] - t0,
+            target_ids=self.target_ids[keep],
+            sample_logprobs=self.sample_logprobs[keep],
+            teacher_mask=self.teacher_mask[keep],
+            traj_index=self.traj_index[keep],
+            call_index=self.call_index[keep],
+            token_index=self.token_index[keep],
+            segment_traj=self.segment_traj[s0:s1],
+            segment_call=self.segment_call[s0:s1],
+            naive_action_mask=None if self.naive_action_mask is None else self.naive_action_mask[t0:t1],
+            num_trajectories=self.num_trajectories,
+            pad_id=self.pad_id,
+        )
+
+    def micro_batches(self, max_tokens: int) -> list["PackedBatch"]:
+        """Group consecutive rows into micro-batches of at most `max_tokens` tokens each."""
+        out = []
+        lens = self.row_lengths
+        start = 0
+        total = 0
+        for r, n in enumerate(lens):
+            if r > start and total + n > max_tokens:
+                out.append(self.select_rows(start, r))
+                start, total = r, 0
+            total += n
+        if lens:
+            out.append(self.select_rows(start, len(lens)))
+        return out

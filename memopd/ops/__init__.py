@@ -1,0 +1,35 @@
+"""Public tensor ops: packed attention, the fused linear distillation losses, references.
+
+Plain tensors in, plain tensors out. Each op dispatches by device: Triton kernels on
+CUDA, exact PyTorch on CPU. Names are resolved lazily so that importing `memopd.ops`
+never imports Triton.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "reference_packed_attention": "memopd.ops.reference_attention",
+    "dense_visibility_mask": "memopd.ops.reference_attention",
+    "packed_attention": "memopd.ops.packed_attention",
+    "fused_linear_reverse_kl": "memopd.ops.fused_distill",
+    "fused_linear_distill": "memopd.ops.fused_distill",
+    "reference_linear_reverse_kl": "memopd.ops.fused_distill",
+    "reference_linear_distill": "memopd.ops.fused_distill",
+    "DistillOutput": "memopd.ops.fused_distill",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'memopd.ops' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

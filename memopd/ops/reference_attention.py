@@ -1,0 +1,73 @@
+"""Reference packed attention: plain PyTorch with a dense [T, T] mask from the metadata.
+
+The oracle for every faster path (Triton kernel, per-segment SDPA). O(T^2) memory: use
+it for tests and audits, not for training at scale.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import AttentionMeta
+
+__all__ = ["reference_packed_attention", "dense_visibility_mask", "check_attention_inputs"]
+
+
+def dense_visibility_mask(meta: AttentionMeta) -> torch.Tensor:
+    """[T, T] bool: True where query i may attend to key j (design section 3)."""
+    return meta.visible()
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> None:
+    """Raise ValueError naming the problem for ill-shaped packed-attention inputs."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(
+            f"packed attention expects q, k, v as [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    T, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != T or k.shape[2] != D:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in tokens or head dim")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if meta.num_tokens != T:
+        raise ValueError(f"metadata describes {meta.num_tokens} tokens, q has {T}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device or meta.device != q.device:
+        raise ValueError(f"q/k/v/meta devices differ: {q.device}, {k.device}, {v.device}, {meta.device}")
+
+
+def reference_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMeta,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over k/v [T, Hkv, D] under the packed visibility.
+
+    Computed in float64 for float64 inputs and float32 otherwise; fully masked rows
+    (padding) give zeros. Differentiable.
+    """
+    check_attention_inputs(q, k, v, meta)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = q.to(cdt), k.to(cdt), v.to(cdt)
+    rep = Hq // Hkv
+    kf = kf.repeat_interleave(rep, dim=1)
+    vf = vf.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", qf, kf) * scale
+    vis = dense_visibility_mask(meta).unsqueeze(0)
+    scores = scores.masked_fill(~vis, float("-inf"))
+    any_vis = vis.any(-1, keepdim=True)
+    # fully masked rows: softmax of all -inf is NaN; give them zeros instead
+    scores = torch.where(any_vis, scores, torch.zeros_like(scores))
+    probs = torch.softmax(scores, dim=-1) * any_vis
+    out = torch.einsum("hij,jhd->ihd", probs, vf)
+    return out.to(q.dtype)

@@ -1,0 +1,1 @@
+"""PPO + on-policy distillation trainer of memopd (installed as `memopd.trainer`)."""
