@@ -1,0 +1,161 @@
+"""The `memopd` command line: one subcommand per job, each in its own function.
+
+    memopd audit   RCE audit tables (embedded default: tiny Qwen2 + generated trajectories)
+    memopd pack    layout statistics of a batch (what packing saves, what flatten adds)
+    memopd sft     SFT of the teacher and the student on expert episodes
+    memopd eval    EM/F1 of a model on held-out Q2/Q8/Q16
+    memopd train   the main job: PPO / persistent / MemOPD run on the embedded default
+    memopd plot    learning curves of a run directory
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["main"]
+
+_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def _load_model(path: str | None, arch: str, vocab_size: int, dtype_name: str, seed: int):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if path:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    from .models import tiny_causal_lm
+
+    # sharp random init: an untrained model whose predictions depend on the context
+    return tiny_causal_lm(arch, vocab_size=vocab_size, initializer_range=0.2, seed=seed, dtype=dtype)
+
+
+def _cmd_audit(args) -> int:
+    from .memory import POLICIES, random_trajectories
+    from .rce import audit, format_table
+    from .records import load_trajectories
+
+    t0 = time.time()
+    model = _load_model(args.model, args.arch, 256, args.dtype, args.seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    sets = []
+    if args.trajectories:
+        sets.append(("recorded", load_trajectories(args.trajectories, vocab_size=vocab)))
+    else:
+        policies = POLICIES if args.policy == "all" else [args.policy]
+        for p in policies:
+            trajs = random_trajectories(
+                p, args.num_trajectories, vocab_size=vocab, seed=args.seed, group_size=args.group_size,
+                calls=(3, 6), obs_len=(2, 12), action_len=(2, 12),
+            )
+            sets.append((p, trajs))
+    report = {"model": args.model or f"tiny-{args.arch} (random init)", "dtype": args.dtype, "policies": {}}
+    failed = []
+    for name, trajs in sets:
+        results = audit(model, trajs, max_tokens=args.max_tokens, attention_backend=args.attention_backend)
+        print(format_table(results, f"\n== memory policy: {name}  ({len(trajs)} trajectories) =="))
+        report["policies"][name] = [r.to_dict() for r in results]
+        failed += [f"{name}/{r.variant}" for r in results if r.must_pass and not r.passed]
+    report["seconds"] = round(time.time() - t0, 2)
+    report["passed"] = not failed
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nJSON report written to {args.json}")
+    print(f"\naudit finished in {report['seconds']} s: " + ("aligned layouts PASS" if not failed else f"FAILED: {', '.join(failed)}"))
+    return 0 if not failed else 1
+
+
+def _cmd_pack(args) -> int:
+    from .memory import POLICIES, random_trajectories
+    from .packing import LAYOUTS, pack
+    from .records import load_trajectories
+
+    if args.trajectories:
+        trajs = load_trajectories(args.trajectories)
+    else:
+        trajs = random_trajectories(args.policy, args.num_trajectories, seed=args.seed, group_size=args.group_size,
+                                    vocab_size=1000, calls=(4, 12), obs_len=(8, 40), action_len=(8, 40), prefix_len=(40, 120))
+    rows = []
+    for layout in LAYOUTS:
+        rows.append(pack(trajs, layout=layout, max_tokens=args.max_tokens).stats())
+    rows.append({**pack(trajs, layout="aligned", max_tokens=args.max_tokens, share_prefix="group").stats(),
+                 "layout": "aligned (group prefix)"})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    keys = ["layout", "rows", "tokens", "padding_fraction", "prefix_segments", "action_tokens", "naive_action_tokens"]
+    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for r in rows:
+        print("  ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)))
+    base = rows[LAYOUTS.index("independent")]["tokens"]
+    print("\ntokens vs independent: " + ", ".join(f"{r['layout']} {r['tokens'] / base:.2f}x" for r in rows))
+    return 0
+
+
+def _add_audit(sub) -> None:
+    from .memory import POLICIES
+
+    p = sub.add_parser("audit", help="RCE audit: packed vs independent logits, per layout and memory policy")
+    p.add_argument("--model", help="local HF checkpoint directory (default: a tiny random-init model)")
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="architecture of the default model")
+    p.add_argument("--trajectories", help="a trajectories .jsonl file (default: generated per memory policy)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--policy", default="all", choices=["all", *POLICIES])
+    p.add_argument("--num-trajectories", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4, help="trajectories per group (share a prefix)")
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "reference"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write a machine-readable report to this path")
+    p.set_defaults(func=_cmd_audit)
+
+
+def _add_pack(sub) -> None:
+    from .memory import POLICIES
+
+    p = sub.add_parser("pack", help="layout statistics: tokens, padding, prefixes, naive action domain")
+    p.add_argument("--trajectories", help="a trajectories .jsonl file (default: generated)")
+    p.add_argument("--policy", default="summary", choices=POLICIES)
+    p.add_argument("--num-trajectories", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_pack)
+
+
+def _add_external(sub, name: str, module: str, func: str, help_text: str) -> None:
+    """Subcommands whose parsers live in their own modules (they take raw argv)."""
+    p = sub.add_parser(name, help=help_text, add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def run(args):
+        import importlib
+
+        return getattr(importlib.import_module(module), func)(args.rest) or 0
+
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memopd", description="Memory-Aligned On-Policy Distillation")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_audit(sub)
+    _add_pack(sub)
+    for name, module, func, text in _EXTERNAL:
+        _add_external(sub, name, module, func, text)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+# (subcommand, module, function taking argv, help) — filled as the jobs land
+_EXTERNAL: list[tuple[str, str, str, str]] = []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Tiny Hugging Face causal LMs built from a config (random init, no download).
+
+Used by the audit's embedded default, the tests and the CPU benchmarks. Every model is
+a normal transformers model: save it with `save_pretrained` and it is a checkpoint dir.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tiny_causal_lm", "ARCHS"]
+
+ARCHS = ("qwen2", "llama")
+
+
+def tiny_causal_lm(
+    arch: str = "qwen2",
+    *,
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_positions: int = 4096,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
+    """A random-init Qwen2 or Llama causal LM (GQA when num_kv_heads < num_heads).
+
+    A larger `initializer_range` (e.g. 0.2) gives sharp, context-sensitive
+    distributions, which is what an audit needs from an untrained model.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    return model.to(dtype).eval()

@@ -1,0 +1,211 @@
+"""Rollout Context Equivalence (RCE) audit (design section 4).
+
+For every action token, compare the full-vocabulary logits of a packed forward with
+those of an independent forward of that call alone (`[q, x_t, a_t]`, positions 0..).
+Reported per layout: max L-inf of the logits, max and p99 |delta log-prob| of the
+sampled tokens, top-1 changes, and the fraction of tokens whose PPO ratio
+`exp(logp_packed - logp_reference)` leaves [0.8, 1.2]; for `flatten` also the spurious
+decision positions of the naive action domain. Two ablations of the aligned layout
+show which half of the sampling state matters: restored visibility with row-global
+positions (`positions_broken`) and restored positions with plain causal visibility over
+the row (`visibility_broken`).
+
+Logits are formed chunk by chunk from hidden states, so the audit never holds
+[action tokens x vocab] for a large vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Sequence
+
+import torch
+
+from .hf import independent_forward, lm_head_of, packed_forward
+from .layout import AttentionMeta, PackedBatch, SegmentKind
+from .packing import pack
+from .records import Trajectory
+
+__all__ = ["RCEResult", "audit", "default_tolerance", "VARIANTS", "format_table"]
+
+VARIANTS = (
+    "aligned",
+    "aligned_group",
+    "aligned_unshared",
+    "flatten",
+    "positions_broken",
+    "visibility_broken",
+)
+# which variants must pass (the restored states); the others are there to fail
+MUST_PASS = ("aligned", "aligned_group", "aligned_unshared")
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    return {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}.get(dtype, 1e-4)
+
+
+@dataclass
+class RCEResult:
+    variant: str
+    actions: int
+    max_logit_linf: float
+    max_dlogp: float
+    p99_dlogp: float
+    top1_changes: int
+    ratio_out_frac: float
+    spurious_positions: int | None
+    tolerance: float
+    must_pass: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.max_logit_linf <= self.tolerance
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+def _row_positions(batch: PackedBatch) -> PackedBatch:
+    """Aligned visibility, but positions counted 0.. along each row (not restored)."""
+    pos = torch.empty_like(batch.position_ids)
+    for r, n in enumerate(batch.row_lengths):
+        s = int(batch.cu_rows[r])
+        pos[s : s + n] = torch.arange(n)
+    return replace(batch, position_ids=pos)
+
+
+def _row_causal(batch: PackedBatch) -> PackedBatch:
+    """Restored positions, but plain causal attention over each whole row."""
+    n = batch.num_rows
+    meta = AttentionMeta.from_segments(batch.cu_rows, [-1] * n, [SegmentKind.HISTORY] * n)
+    return replace(batch, attn=meta.to(batch.input_ids.device))
+
+
+def _reference_hidden(model, trajs: Sequence[Trajectory]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Hidden states [A, H] predicting each action token in an independent forward."""
+    rows = []
+    keys = []
+    for b, tr in enumerate(trajs):
+        for t, inv in enumerate(tr.invocations):
+            h = independent_forward(model, inv.input_ids, output="hidden")
+            start = len(inv.prefix_ids) + len(inv.context_ids) - 1
+            rows.append(h[start : start + len(inv.action_ids)])
+            keys += [(b, t, k) for k in range(len(inv.action_ids))]
+    return torch.cat(rows), keys
+
+
+def _compare(head, h_pack, h_ref, targets, chunk: int = 256) -> dict:
+    linf = 0.0
+    dlogps = []
+    top1 = 0
+    out = 0
+    for s in range(0, h_ref.shape[0], chunk):
+        lp_pack = head(h_pack[s : s + chunk]).float()
+        lp_ref = head(h_ref[s : s + chunk]).float()
+        linf = max(linf, float((lp_pack - lp_ref).abs().max()))
+        top1 += int((lp_pack.argmax(-1) != lp_ref.argmax(-1)).sum())
+        y = targets[s : s + chunk].unsqueeze(1)
+        a = torch.log_softmax(lp_pack, -1).gather(1, y).squeeze(1)
+        b = torch.log_softmax(lp_ref, -1).gather(1, y).squeeze(1)
+        d = a - b
+        dlogps.append(d.abs())
+        ratio = torch.exp(d)
+        out += int(((ratio < 0.8) | (ratio > 1.2)).sum())
+    dl = torch.cat(dlogps).double()
+    n = dl.numel()
+    return {
+        "max_logit_linf": linf,
+        "max_dlogp": float(dl.max()) if n else 0.0,
+        "p99_dlogp": float(torch.quantile(dl, 0.99)) if n else 0.0,
+        "top1_changes": top1,
+        "ratio_out_frac": out / max(1, n),
+    }
+
+
+@torch.no_grad()
+def audit(
+    model,
+    trajectories: Sequence[Trajectory],
+    variants: Sequence[str] = VARIANTS,
+    *,
+    max_tokens: int = 8192,
+    tolerance: float | None = None,
+    attention_backend: str = "auto",
+) -> list[RCEResult]:
+    """Run the RCE audit of `variants` (see `VARIANTS`) and return one result each."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown audit variants {unknown}; choose from {', '.join(VARIANTS)}")
+    trajectories = list(trajectories)
+    vocab = lm_head_of(model).weight.shape[0]
+    for tr in trajectories:
+        tr.validate(vocab_size=vocab)
+    was_training = model.training
+    model.eval()
+    dtype = next(model.parameters()).dtype
+    tol = default_tolerance(dtype) if tolerance is None else tolerance
+    head = lm_head_of(model)
+    try:
+        h_ref, keys = _reference_hidden(model, trajectories)
+        results = []
+        for v in variants:
+            if v == "aligned":
+                batch = pack(trajectories, "aligned", max_tokens)
+            elif v == "aligned_group":
+                batch = pack(trajectories, "aligned", max_tokens, share_prefix="group")
+            elif v == "aligned_unshared":
+                batch = pack(trajectories, "aligned_unshared", max_tokens)
+            elif v == "flatten":
+                batch = pack(trajectories, "flatten", max_tokens)
+            elif v == "positions_broken":
+                batch = _row_positions(pack(trajectories, "aligned", max_tokens))
+            else:
+                batch = _row_causal(pack(trajectories, "aligned", max_tokens))
+            got = list(zip(batch.traj_index.tolist(), batch.call_index.tolist(), batch.token_index.tolist()))
+            if got != keys:  # both are in (trajectory, call, k) order by contract
+                raise RuntimeError("packed batch and reference disagree on the action order")
+            h_pack = packed_forward(model, batch, output="hidden", attention_backend=attention_backend)
+            targets = batch.target_ids.to(h_pack.device)
+            m = _compare(head, h_pack, h_ref, targets)
+            spurious = None
+            if batch.naive_action_mask is not None:
+                spurious = int(batch.naive_action_mask.sum()) - int(batch.action_mask.sum())
+            results.append(
+                RCEResult(variant=v, actions=len(keys), spurious_positions=spurious, tolerance=tol,
+                          must_pass=v in MUST_PASS, **m)
+            )
+        return results
+    finally:
+        model.train(was_training)
+
+
+def _fmt(x: float) -> str:
+    if x == 0:
+        return "0"
+    return f"{x:.2e}" if (abs(x) < 1e-2 or abs(x) >= 1e3) else f"{x:.3f}"
+
+
+def format_table(results: Sequence[RCEResult], title: str = "") -> str:
+    """Plain-text table of audit results (one line per variant)."""
+    head = ["layout", "actions", "max|dlogits|", "max|dlogp|", "p99|dlogp|", "top1 chg", "ratio out", "spurious", "verdict"]
+    rows = []
+    for r in results:
+        verdict = ("PASS" if r.passed else "FAIL") if r.must_pass else ("fails (expected)" if not r.passed else "passes?!")
+        rows.append([
+            r.variant, str(r.actions), _fmt(r.max_logit_linf), _fmt(r.max_dlogp), _fmt(r.p99_dlogp),
+            str(r.top1_changes), f"{100 * r.ratio_out_frac:.1f}%", "-" if r.spurious_positions is None else str(r.spurious_positions),
+            verdict,
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    out = []
+    if title:
+        out.append(title)
+    out.append(line(head))
+    out.append(line(["-" * w for w in widths]))
+    out += [line(r) for r in rows]
+    if results:
+        out.append(f"(tolerance {results[0].tolerance:g} on max|dlogits|; ratio = exp(logp_packed - logp_independent))")
+    return "\n".join(out)
