@@ -152,6 +152,8 @@ class PackedBatch:
       sample_logprobs  log-prob at sampling time (NaN where not recorded)
       teacher_mask  m_T (defaults to all True)
       traj_index, call_index, token_index  the map back to (trajectory, call, k)
+      action_id     position of the entry in the full batch's action order (kept by
+                    `select_rows`, so per-action data of the full batch can be indexed)
     """
 
     layout: str
@@ -170,6 +172,7 @@ class PackedBatch:
     token_index: torch.Tensor
     segment_traj: torch.Tensor
     segment_call: torch.Tensor
+    action_id: Optional[torch.Tensor] = None
     naive_action_mask: Optional[torch.Tensor] = None
     num_trajectories: int = 0
     pad_id: int = 0
@@ -257,6 +260,7 @@ class PackedBatch:
             token_index=self.token_index[keep],
             segment_traj=self.segment_traj[s0:s1],
             segment_call=self.segment_call[s0:s1],
+            action_id=self.action_id[keep] if self.action_id is not None else None,
             naive_action_mask=None if self.naive_action_mask is None else self.naive_action_mask[t0:t1],
             num_trajectories=self.num_trajectories,
             pad_id=self.pad_id,

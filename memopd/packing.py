@@ -118,6 +118,7 @@ class _Builder:
             token_index=take(self.a_k, torch.long),
             segment_traj=torch.tensor(self.seg_traj, dtype=torch.long),
             segment_call=torch.tensor(self.seg_call, dtype=torch.long),
+            action_id=torch.arange(len(order), dtype=torch.long),
             naive_action_mask=torch.tensor(self.naive, dtype=torch.bool) if layout == "flatten" else None,
             num_trajectories=n_traj,
             pad_id=pad_id,

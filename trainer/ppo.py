@@ -1,0 +1,136 @@
+"""PPO math on action tokens: token rewards, GAE, clipped policy and value losses.
+
+Every tensor here is indexed by action token in (trajectory, call, k) order, as
+`memopd.pack` lays them out, so one trajectory's tokens are contiguous and in time
+order. Only action tokens (m_act) enter: context tokens are never decisions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "token_rewards",
+    "gae",
+    "whiten",
+    "policy_loss",
+    "value_loss",
+    "PolicyLossStats",
+]
+
+
+def _check_same(*named):
+    n = named[0][1].shape
+    for name, t in named:
+        if t.shape != n:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(n)}")
+
+
+def token_rewards(
+    final_reward: torch.Tensor,
+    traj_index: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_ref: torch.Tensor | None,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: `-kl_coef * [logp_old - logp_ref]_+` on every action token, plus
+    the trajectory's reward on its final action token.
+
+    Returns (rewards [A], kl_penalty [A]). `final_reward` is [B], `traj_index` [A].
+    """
+    if traj_index.numel() == 0:
+        z = torch.zeros(0, dtype=torch.float32, device=traj_index.device)
+        return z, z
+    if logp_ref is None or kl_coef == 0:
+        pen = torch.zeros_like(logp_old, dtype=torch.float32)
+    else:
+        _check_same(("logp_old", logp_old), ("logp_ref", logp_ref))
+        pen = kl_coef * (logp_old.float() - logp_ref.float()).clamp(min=0)
+    r = -pen
+    last = torch.ones_like(traj_index, dtype=torch.bool)
+    last[:-1] = traj_index[1:] != traj_index[:-1]
+    r = r + torch.where(last, final_reward.float()[traj_index], torch.zeros_like(r))
+    return r, pen
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    traj_index: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each trajectory's action tokens.
+
+    The value after a trajectory's last action token is 0 (the episode ends). Returns
+    (advantages, returns) with returns = advantages + values.
+    """
+    _check_same(("rewards", rewards), ("values", values), ("traj_index", traj_index))
+    A = rewards.shape[0]
+    adv = torch.zeros(A, dtype=torch.float32, device=rewards.device)
+    r = rewards.float().cpu()
+    v = values.float().cpu()
+    ti = traj_index.cpu()
+    out = torch.zeros(A, dtype=torch.float32)
+    running = 0.0
+    for i in range(A - 1, -1, -1):
+        last = i == A - 1 or ti[i + 1] != ti[i]
+        next_v = 0.0 if last else float(v[i + 1])
+        if last:
+            running = 0.0
+        delta = float(r[i]) + gamma * next_v - float(v[i])
+        running = delta + gamma * lam * running
+        out[i] = running
+    adv = out.to(rewards.device)
+    return adv, adv + values.float()
+
+
+def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Zero-mean, unit-variance (the usual PPO advantage normalisation)."""
+    if x.numel() < 2:
+        return x - x.mean() if x.numel() else x
+    return (x - x.mean()) / (x.std() + eps)
+
+
+@dataclass
+class PolicyLossStats:
+    clip_frac: torch.Tensor
+    approx_kl: torch.Tensor
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Clipped surrogate per token: max(-A r, -A clip(r, 1-eps, 1+eps)). Returns the
+    per-token loss [A] (the caller reduces) and statistics."""
+    _check_same(("logp", logp), ("logp_old", logp_old), ("advantages", advantages))
+    log_ratio = logp - logp_old
+    ratio = torch.exp(log_ratio)
+    l1 = -advantages * ratio
+    l2 = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss = torch.maximum(l1, l2)
+    with torch.no_grad():
+        clip_frac = (l2 > l1).float().mean() if loss.numel() else loss.new_zeros(())
+        # the low-variance estimator k3 of KL(old || new)
+        approx_kl = ((ratio - 1) - log_ratio).mean() if loss.numel() else loss.new_zeros(())
+    return loss, PolicyLossStats(clip_frac, approx_kl)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    clip: float | None = 0.2,
+) -> torch.Tensor:
+    """Clipped value loss per token: 0.5 * max((v - R)^2, (clip(v) - R)^2)."""
+    _check_same(("values", values), ("old_values", old_values), ("returns", returns))
+    l1 = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * l1
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    l2 = (v_clip - returns) ** 2
+    return 0.5 * torch.maximum(l1, l2)

@@ -1,0 +1,210 @@
+"""One PPO + OPD update on a batch of recorded trajectories.
+
+`score(...)` runs the no-grad passes once per rollout batch: the student's log-probs of
+the sampled tokens (logp_old, under the aligned layout, i.e. the restored sampling
+states), the reference model's (for the KL penalty), the critic's values, the teacher's
+last hidden states (aligned for the `memopd` arm, flattened persistent history for the
+`persistent` arm), then token rewards and GAE advantages.
+
+`update(...)` runs `ppo_epochs` passes over shuffled minibatches of trajectories, each
+packed with `memopd.pack` (aligned, group-shared prefixes) and cut into micro-batches
+under the token budget:
+
+    L_actor  = mean_act[ PPO clip loss ] - alpha * mean_act[ H ] + lambda * mean_T[ KL ]
+    L_critic = mean_act[ clipped value loss ]
+
+Student log-probs, entropy and reverse KL come from one fused pass over the vocabulary
+(`memopd.ops.fused_linear_reverse_kl`). Means are over the whole minibatch (all
+micro-batches, all ranks): each micro-batch contributes sum / global count * world.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from memopd.hf import lm_head_of, packed_hidden_states
+from memopd.packing import pack
+from memopd.records import Trajectory
+
+from .modules import Actor, Critic
+from .ppo import gae, policy_loss, token_rewards, value_loss, whiten
+
+__all__ = ["Scored", "score", "update", "call_offsets", "actor_loss"]
+
+
+@dataclass
+class Scored:
+    """Per action token of the rollout batch, in (trajectory, call, k) order."""
+
+    logp_old: torch.Tensor
+    logp_ref: torch.Tensor | None
+    values: torch.Tensor
+    rewards: torch.Tensor
+    kl_penalty: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    teacher_hidden: torch.Tensor | None
+    offsets: torch.Tensor  # [B, max_calls]: global action id of (b, t, k=0)
+    sample_dlogp: float  # max |logp_old - recorded sampling log-prob| (RCE in training)
+
+
+def call_offsets(trajs: Sequence[Trajectory]) -> torch.Tensor:
+    n_calls = max(len(tr.invocations) for tr in trajs)
+    out = torch.full((len(trajs), n_calls), -1, dtype=torch.long)
+    a = 0
+    for b, tr in enumerate(trajs):
+        for t, inv in enumerate(tr.invocations):
+            out[b, t] = a
+            a += len(inv.action_ids)
+    return out
+
+
+def _pack(trajs, max_tokens):
+    return pack(trajs, layout="aligned", max_tokens=max_tokens, share_prefix="group")
+
+
+@torch.no_grad()
+def _per_action(fn, batch, max_tokens) -> torch.Tensor:
+    """Apply `fn(micro_batch) -> [A_mb, ...]` over micro-batches, in action order."""
+    parts = []
+    ids = []
+    for mb in batch.micro_batches(max_tokens):
+        parts.append(fn(mb).float())
+        ids.append(mb.action_id)
+    out = torch.cat(parts)
+    order = torch.cat(ids).argsort()
+    return out[order.to(out.device)]
+
+
+@torch.no_grad()
+def score(
+    actor: Actor,
+    critic: Critic,
+    ref_lm,
+    teacher_lm,
+    trajs: Sequence[Trajectory],
+    *,
+    teacher_layout: str | None,
+    max_tokens: int,
+    kl_coef: float,
+    gamma: float,
+    lam: float,
+) -> Scored:
+    batch = _pack(trajs, max_tokens)
+
+    def logp_of(lm):
+        def fn(mb):
+            h = packed_hidden_states(lm, mb, attention_backend=actor.attention_backend)
+            h = h.index_select(0, mb.pred_index.to(h.device))
+            logits = lm_head_of(lm)(h).float()
+            return torch.log_softmax(logits, -1).gather(1, mb.target_ids.to(h.device)[:, None])[:, 0]
+        return fn
+
+    logp_old = _per_action(logp_of(actor.lm), batch, max_tokens)
+    logp_ref = _per_action(logp_of(ref_lm), batch, max_tokens) if ref_lm is not None else None
+    values = _per_action(critic, batch, max_tokens)
+    teacher_hidden = None
+    if teacher_lm is not None and teacher_layout is not None:
+        tbatch = pack(trajs, layout=teacher_layout, max_tokens=max_tokens, share_prefix="group") \
+            if teacher_layout == "aligned" else pack(trajs, layout=teacher_layout, max_tokens=max_tokens)
+
+        def th(mb):
+            h = packed_hidden_states(teacher_lm, mb, attention_backend=actor.attention_backend)
+            return h.index_select(0, mb.pred_index.to(h.device))
+
+        teacher_hidden = _per_action(th, tbatch, max_tokens)
+    ti = batch.traj_index.to(logp_old.device)
+    final = torch.tensor([float(tr.reward) for tr in trajs], device=logp_old.device)
+    rewards, pen = token_rewards(final, ti, logp_old, logp_ref, kl_coef)
+    adv, ret = gae(rewards, values, ti, gamma, lam)
+    recorded = batch.sample_logprobs.to(logp_old.device)
+    known = ~torch.isnan(recorded)
+    sample_dlogp = float((logp_old[known] - recorded[known]).abs().max()) if bool(known.any()) else math.nan
+    return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, call_offsets(trajs), sample_dlogp)
+
+
+def actor_loss(out, logp_old, adv, teacher_mask, *, clip_eps, entropy_coef, opd_coef, n_act, n_teacher, world):
+    """Sum-form actor loss of one micro-batch, scaled to a global token mean."""
+    pg, st = policy_loss(out.logprobs, logp_old, adv, clip_eps)
+    kl = out.kl * teacher_mask
+    loss = (pg.sum() - entropy_coef * out.entropy.sum()) * (world / max(n_act, 1))
+    if opd_coef:
+        loss = loss + opd_coef * kl.sum() * (world / max(n_teacher, 1))
+    return loss, pg, st
+
+
+def update(
+    actor_backend,
+    critic_backend,
+    trajs: Sequence[Trajectory],
+    scored: Scored,
+    *,
+    teacher_weight: torch.Tensor | None,
+    ppo_epochs: int,
+    minibatches: int,
+    max_tokens: int,
+    clip_eps: float,
+    value_clip: float,
+    entropy_coef: float,
+    opd_coef: float,
+    generator: torch.Generator,
+    whiten_advantages: bool = True,
+) -> dict:
+    """PPO epochs over minibatches; returns averaged statistics."""
+    adv_all = whiten(scored.advantages) if whiten_advantages else scored.advantages
+    device = scored.logp_old.device
+    stats = {"pg_loss": 0.0, "vf_loss": 0.0, "entropy": 0.0, "kl_teacher": 0.0, "clip_frac": 0.0,
+             "approx_kl": 0.0, "actor_grad_norm": 0.0, "critic_grad_norm": 0.0}
+    n_updates = 0
+    B = len(trajs)
+    world = actor_backend.world_size
+    for _ in range(ppo_epochs):
+        perm = torch.randperm(B, generator=generator).tolist()
+        chunks = [perm[i::minibatches] for i in range(minibatches)]
+        for chunk in chunks:
+            if not chunk:
+                continue
+            chunk = sorted(chunk)
+            sub = [trajs[i] for i in chunk]
+            batch = _pack(sub, max_tokens)
+            gmap = torch.tensor(chunk, dtype=torch.long)
+            mbs = batch.micro_batches(max_tokens)
+            counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
+            counts = actor_backend.all_reduce_sum(counts)
+            n_act, n_t = float(counts[0]), float(counts[1])
+            agg = {k: 0.0 for k in ("pg", "vf", "ent", "kl", "clip", "akl")}
+            for j, mb in enumerate(mbs):
+                last = j == len(mbs) - 1
+                gid = scored.offsets[gmap[mb.traj_index], mb.call_index] + mb.token_index
+                gid = gid.to(device)
+                th = scored.teacher_hidden.index_select(0, gid) if scored.teacher_hidden is not None else None
+                out = actor_backend.module(mb, th, teacher_weight)
+                tm = mb.teacher_mask.to(device).float()
+                loss, pg, st = actor_loss(
+                    out, scored.logp_old[gid], adv_all[gid], tm, clip_eps=clip_eps, entropy_coef=entropy_coef,
+                    opd_coef=opd_coef if th is not None else 0.0, n_act=n_act, n_teacher=n_t, world=world,
+                )
+                actor_backend.backward(loss, last_micro_batch=last)
+                v = critic_backend.module(mb)
+                vl = value_loss(v, scored.values[gid], scored.returns[gid], value_clip)
+                critic_backend.backward(vl.sum() * (world / max(n_act, 1)), last_micro_batch=last)
+                w = mb.num_actions / max(n_act / world, 1)
+                agg["pg"] += float(pg.mean()) * w if pg.numel() else 0.0
+                agg["vf"] += float(vl.mean()) * w if vl.numel() else 0.0
+                agg["ent"] += float(out.entropy.mean()) * w if pg.numel() else 0.0
+                agg["kl"] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if th is not None else 0.0
+                agg["clip"] += float(st.clip_frac) * w
+                agg["akl"] += float(st.approx_kl) * w
+            stats["actor_grad_norm"] += actor_backend.step()
+            stats["critic_grad_norm"] += critic_backend.step()
+            stats["pg_loss"] += agg["pg"]
+            stats["vf_loss"] += agg["vf"]
+            stats["entropy"] += agg["ent"]
+            stats["kl_teacher"] += agg["kl"]
+            stats["clip_frac"] += agg["clip"]
+            stats["approx_kl"] += agg["akl"]
+            n_updates += 1
+    return {k: v / max(n_updates, 1) for k, v in stats.items()} | {"optimizer_steps": n_updates}
