@@ -1,0 +1,771 @@
+"""Optimisation backend of the trainer: plain PyTorch (1..N processes) or DeepSpeed ZeRO 1/2/3.
+
+The training loop only talks to a `TrainBackend`, built by `make_backend(model, ...)`:
+
+    backend = make_backend(model, lr=1e-5, warmup_steps=10, total_steps=1000,
+                           max_grad_norm=1.0, deepspeed_config=None | dict | "ds.json")
+    for step in ...:
+        n_global = backend.all_reduce_sum(torch.tensor(float(local_token_count)))
+        for i, mb in enumerate(micro_batches):          # same count on every rank
+            out = backend.module(**mb)                   # forward through backend.module
+            loss = token_loss(out, mb).sum() / n_global * backend.world_size
+            backend.backward(loss, last_micro_batch=(i == len(micro_batches) - 1))
+        grad_norm = backend.step()                       # clip, optimiser step, LR step, zero grads
+    backend.save_checkpoint("ckpt/step_1000", client_state={...})   # every rank
+    backend.save_pretrained("ckpt/step_1000/hf")                     # every rank; main rank writes
+
+Loss-scaling contract
+---------------------
+Both backends *average* gradients over ranks (DeepSpeed's ZeRO reduction divides by the
+data-parallel world size; the plain backend all-reduces and divides by world size too),
+and neither divides by the number of micro-batches. So the loop computes, for every
+micro-batch, ``loss = (sum of this micro-batch's token losses) / N * world_size`` where
+``N = backend.all_reduce_sum(local token count of this optimiser step)`` is the global
+token count of the whole optimiser step (all ranks, all micro-batches). Summing the
+micro-batch gradients and averaging over ranks then yields exactly the gradient of the
+global token mean, however tokens are spread across ranks and micro-batches.
+
+Micro-batches: every rank must call `backward` the same number of times per optimiser
+step (ZeRO-2/3 run collectives inside every backward); a rank that runs out of data
+backs up a zero loss (e.g. ``out.logits.sum() * 0``). The last call of a step passes
+``last_micro_batch=True`` and must be followed by `step()`; both backends enforce this
+order so a loop bug shows on the CPU backend too.
+
+Checkpoint design (one design, both backends)
+---------------------------------------------
+`save_checkpoint(dir, client_state=None)` / `load_checkpoint(dir) -> client_state` are
+the resume API. They are collective (call on every rank) and store *everything the
+backend owns*: weights, optimiser moments, optimiser and scheduler step counters (plus,
+for DeepSpeed, the engine counters and the rank-local ZeRO partitions, via
+`engine.save_checkpoint`). `client_state` is per rank (written as
+``client_state_rank{r}.pt``), so the loop can put each rank's RNG state and data position
+there. Resuming needs the same world size and ZeRO stage, and a filesystem all ranks share.
+After `load_checkpoint` the next steps are the ones the uninterrupted run takes (bit-for-bit
+in tests/test_backend.py, plain and ZeRO 1/2/3); the loop restores RNG and data position. The plain backend also offers in-memory `state_dict()` /
+`load_state_dict()` (optimiser + scheduler + counters, *not* weights); the DeepSpeed
+backend raises for those, because ZeRO state is partitioned across ranks.
+
+Optimiser and schedule
+----------------------
+torch.optim.AdamW (``fused=False`` on CPU), weight decay only on parameters with
+``ndim >= 2`` (biases and norm gains are not decayed), frozen parameters excluded.
+LambdaLR multiplier for the k-th optimiser step (k = 1, 2, ...): ``k / warmup_steps``
+while ``k <= warmup_steps``, then ``schedule="constant"`` (default) 1.0, ``"cosine"``
+or ``"linear"`` decay from 1.0 towards ``min_lr_ratio`` over the remaining
+``total_steps - warmup_steps`` steps. `lr()` is the rate the *next* step will use.
+`step()` returns the global gradient norm before clipping (``max_grad_norm=None`` or
+``<= 0`` disables clipping, the norm is still returned). Non-finite norms do not skip
+the step (as in DeepSpeed fp32/bf16); the loop decides what to do with them.
+
+Launching N processes
+---------------------
+`init_distributed()` reads the standard env vars RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT (set by ``torchrun`` and by the ``deepspeed`` launcher),
+initialises torch.distributed with nccl on CUDA (device = ``cuda:LOCAL_RANK``) or gloo
+on CPU, and is a no-op when WORLD_SIZE is unset or 1. `make_backend` calls it, so the
+loop need not (calling it first, e.g. to shard data by rank, is fine; it is idempotent).
+
+    # plain backend, N processes (gradients all-reduced in step())
+    torchrun --nproc_per_node N -m memopd.cli train ...
+    # DeepSpeed ZeRO, N processes on one node
+    torchrun --nproc_per_node N -m memopd.cli train deepspeed=path/ds.json ...
+    deepspeed --num_gpus N --no_local_rank --module memopd.cli train deepspeed=path/ds.json ...
+    # several nodes: torchrun --nnodes M --node_rank i --master_addr HOST --master_port P ...
+    # single process with a DeepSpeed config: plain `memopd train deepspeed=...` works, a
+    # one-rank process group on a free local port is created for DeepSpeed.
+
+``--no_local_rank`` keeps the deepspeed launcher from appending ``--local_rank=R`` to the
+CLI arguments (LOCAL_RANK is in the environment anyway). On a CPU-only machine prefer
+``torchrun``: the deepspeed launcher counts NUMA nodes as "accelerators".
+
+DeepSpeed on CPU (deepspeed 0.19.x)
+-----------------------------------
+* ``DS_ACCELERATOR=cpu`` is set (if unset) before deepspeed is imported when CUDA is not
+  available; without oneCCL DeepSpeed's CPU accelerator uses gloo, which is what
+  `init_distributed` picks.
+* DeepSpeed's torch comm backend JIT-compiles a shared-memory all-reduce extension
+  (``deepspeed_shm_comm``, ~2 min on 2 cores) on the first ``init_distributed`` of a
+  machine; it only serves ``inference_all_reduce`` (tensor-parallel inference), never
+  training, so it is marked incompatible before DeepSpeed's comm layer starts. Set
+  ``MEMOPD_DS_SHM_COMM=1`` to keep it.
+* fp16 is rejected on CPU (use fp32 or bf16). torch AdamW is on DeepSpeed's list of ZeRO
+  optimisers, so no ``zero_allow_untested_optimizer`` is needed. ZeRO stages 1, 2 and 3
+  run on CPU with gloo.
+
+DeepSpeed config handling (`resolve_deepspeed_config`)
+------------------------------------------------------
+Defaults filled only when absent: ``train_micro_batch_size_per_gpu`` (1, or
+``train_batch_size / world_size``), ``gradient_accumulation_steps`` = 1,
+``gradient_clipping`` = max_grad_norm (0.0 when clipping is off). Errors (ValueError,
+before any process group is touched): ZeRO stage missing/0/unknown, fp16 on CPU,
+``gradient_accumulation_steps != 1`` (the loop owns accumulation), a ``train_batch_size``
+inconsistent with that, ``gradient_clipping`` different from max_grad_norm, an
+``optimizer`` or ``scheduler`` section (the backend builds both from make_backend's
+arguments), ``managed_gradient_accumulation: false``, and a half-precision model
+without the matching ``bf16``/``fp16`` section.
+
+Gradient accumulation under DeepSpeed: ``gradient_accumulation_steps`` is 1 and
+`backward` calls ``engine.set_gradient_accumulation_boundary(last_micro_batch)`` before
+``engine.backward(loss, scale_wrt_gas=False)``, so ZeRO accumulates gradients over the
+loop's variable number of micro-batches and treats the last as the boundary;
+`step()` then calls ``engine.step()`` once. `backend.module` is the DeepSpeed engine
+(its forward registers the backward hooks ZeRO needs; attribute access falls through
+to the HF model); `backend.unwrapped` is the HF model (config, generate).
+
+ZeRO-3 with several ranks gathers parameters collectively in *every* forward, so all
+ranks must run the same number of forwards (no-grad ones included) in the same order;
+for generation pass ``synced_gpus=backend.synced_gpus`` to HF ``generate`` (transformers
+only turns it on by itself when an HfDeepSpeedConfig is alive, which we do not create).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "TrainBackend",
+    "PlainBackend",
+    "DeepSpeedBackend",
+    "DistInfo",
+    "make_backend",
+    "init_distributed",
+    "resolve_deepspeed_config",
+    "build_optimizer",
+    "build_lr_lambda",
+    "SCHEDULES",
+    "SUPPORTED_ZERO_STAGES",
+]
+
+SCHEDULES = ("constant", "cosine", "linear")
+SUPPORTED_ZERO_STAGES = (1, 2, 3)
+# Plain-backend gradient all-reduce bucket size (elements): few collectives, bounded extra memory.
+_BUCKET_NUMEL = 8 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None  # None when single process without a process group
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _current_info() -> DistInfo:
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=_env_int("LOCAL_RANK", 0) or 0,
+        backend=str(dist.get_backend()),
+    )
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
+    """Initialise torch.distributed from RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT.
+
+    No-op (returns rank 0 of 1) when WORLD_SIZE is unset or 1; idempotent when a process
+    group already exists. Backend: nccl when CUDA is available, else gloo (override
+    with `backend`). On CUDA the current device is set to LOCAL_RANK.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return _current_info()
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size is None or world_size <= 1:
+        return DistInfo(0, 1, _env_int("LOCAL_RANK", 0) or 0, None)
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with torchrun "
+            "or the deepspeed launcher, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"
+        )
+    rank = _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK", 0) or 0
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    from datetime import timedelta
+
+    dist.init_process_group(
+        backend=backend, init_method="env://", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return DistInfo(rank, world_size, local_rank, backend)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_process_group() -> DistInfo:
+    """A process group for DeepSpeed: the launcher's, or a one-rank group on a free port."""
+    info = init_distributed()
+    if info.backend is not None:
+        return info
+    # DeepSpeed needs torch.distributed even for one process; without the env vars its own
+    # init would try MPI discovery. Export them so DeepSpeed sees a consistent world of 1.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ["WORLD_SIZE"] = "1"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank)
+    dist.init_process_group(backend=backend, init_method="env://", rank=0, world_size=1)
+    return DistInfo(0, 1, info.local_rank, backend)
+
+
+def _world_size_hint() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return max(1, _env_int("WORLD_SIZE", 1) or 1)
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------- optimiser
+
+
+def build_optimizer(
+    model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; decay on ndim >= 2 only (not biases/norm gains)."""
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():  # named_parameters de-duplicates tied weights
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError("model has no trainable parameters")
+    groups = [
+        {"params": ps, "weight_decay": wd}
+        for ps, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
+        if ps  # DeepSpeed's ZeRO flattening does not like empty groups
+    ]
+    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    kw: dict[str, Any] = {} if on_cuda else {"fused": False}
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **kw)
+
+
+def build_lr_lambda(
+    warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0
+) -> Callable[[int], float]:
+    """LR multiplier as a function of the number of optimiser steps already taken."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if warmup_steps < 0 or total_steps < 1:
+        raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    decay_steps = max(1, total_steps - warmup_steps)
+
+    def lr_lambda(taken: int) -> float:
+        k = taken + 1  # the step this rate is used for, 1-based
+        if warmup_steps > 0 and k <= warmup_steps:
+            return k / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        # first post-warmup step uses the full rate; never reaches the floor within total_steps
+        progress = min(1.0, (k - warmup_steps - 1) / decay_steps)
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+    return lr_lambda
+
+
+def _sync_lr_from_scheduler(optimizer: torch.optim.Optimizer, scheduler) -> None:
+    # LRScheduler.load_state_dict restores last_epoch/_last_lr but not the param groups'
+    # "lr", which a fresh scheduler set to lambda(0); the next step must use lambda(last_epoch).
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+
+
+# --------------------------------------------------------------------------- base
+
+
+class TrainBackend:
+    """Interface the training loop uses; see the module docstring for the contract."""
+
+    module: torch.nn.Module
+    unwrapped: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    rank: int = 0
+    world_size: int = 1
+    max_grad_norm: float | None = None
+
+    def __init__(self) -> None:
+        self._n_micro = 0  # backward calls since the last step()
+        self._boundary = False  # last backward was marked last_micro_batch
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.unwrapped.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    @property
+    def synced_gpus(self) -> bool:
+        """Whether HF generate must run in lockstep across ranks (ZeRO-3, world_size > 1)."""
+        return False
+
+    @property
+    def global_step(self) -> int:
+        """Optimiser steps taken (restored by load_checkpoint)."""
+        return int(self.scheduler.last_epoch)
+
+    # micro-batch bookkeeping shared by both backends, so a loop bug shows on CPU too
+    def _before_backward(self, last_micro_batch: bool) -> None:
+        if self._boundary:
+            raise RuntimeError("backward() after a last_micro_batch=True backward; call step() first")
+        self._n_micro += 1
+        self._boundary = bool(last_micro_batch)
+
+    def _before_step(self) -> None:
+        if not self._boundary:
+            raise RuntimeError(
+                "step() needs a preceding backward(..., last_micro_batch=True) "
+                f"({self._n_micro} backward call(s) since the last step, none marked last)"
+            )
+
+    def _after_step(self) -> None:
+        self._n_micro = 0
+        self._boundary = False
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        raise NotImplementedError
+
+    def step(self) -> float:
+        raise NotImplementedError
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (a new tensor; the input is not modified); identity for one rank."""
+        if self.world_size == 1:
+            return t
+        out = t.detach().clone()
+        if out.is_cuda and dist.get_backend() == "gloo":
+            cpu = out.cpu()
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+            return cpu.to(out.device)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def barrier(self) -> None:
+        _barrier(self.world_size)
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise NotImplementedError
+
+    def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
+        raise NotImplementedError
+
+    def load_checkpoint(self, path: str) -> dict | None:
+        raise NotImplementedError
+
+    def save_pretrained(self, path: str) -> None:
+        raise NotImplementedError
+
+    # per-rank client state, same layout for both backends
+    def _save_client_state(self, path: str, client_state: dict | None) -> None:
+        os.makedirs(path, exist_ok=True)
+        torch.save(client_state, os.path.join(path, f"client_state_rank{self.rank}.pt"))
+
+    def _load_client_state(self, path: str) -> dict | None:
+        f = os.path.join(path, f"client_state_rank{self.rank}.pt")
+        if not os.path.exists(f):
+            return None
+        # our own checkpoint; may hold numpy RNG state, which weights_only refuses
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+# --------------------------------------------------------------------------- plain
+
+
+class PlainBackend(TrainBackend):
+    """torch AdamW + LambdaLR; with a process group of N > 1, gradients are averaged in step().
+
+    Instead of DDP (whose no_sync() must wrap the *forward*, while the loop only says
+    which micro-batch is last at backward time), gradients accumulate locally and are
+    all-reduced once per optimiser step in flat buckets, the same arithmetic as DDP
+    with no_sync on all but the last micro-batch (without comm/compute overlap).
+    Parameters are broadcast from rank 0 at construction, as DDP does.
+    """
+
+    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float | None, info: DistInfo):
+        super().__init__()
+        self.module = self.unwrapped = model
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.max_grad_norm = max_grad_norm
+        self.rank, self.world_size = info.rank, info.world_size
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.world_size > 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    dist.broadcast(p.data, src=0)
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        self._before_backward(last_micro_batch)
+        loss.backward()
+
+    def _average_grads(self) -> None:
+        grads = []
+        for p in self._params:
+            if p.grad is None:  # every rank must flatten the same layout
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        bucket: list[torch.Tensor] = []
+        numel = 0
+        for g in grads + [None]:
+            flush = g is None or (bucket and (numel + g.numel() > _BUCKET_NUMEL
+                                              or g.dtype != bucket[0].dtype or g.device != bucket[0].device))
+            if flush and bucket:
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                flat.div_(self.world_size)
+                for b, f in zip(bucket, flat.split([b.numel() for b in bucket])):
+                    b.copy_(f.view_as(b))
+                bucket, numel = [], 0
+            if g is not None:
+                bucket.append(g)
+                numel += g.numel()
+
+    def step(self) -> float:
+        self._before_step()
+        if self.world_size > 1:
+            self._average_grads()
+        clip = self.max_grad_norm if self.max_grad_norm else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._after_step()
+        return float(norm)
+
+    def state_dict(self) -> dict:
+        """Optimiser + scheduler state (moments, step counters), not the weights."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        _sync_lr_from_scheduler(self.optimizer, self.scheduler)
+        self._after_step()
+
+    def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
+        """Collective: weights + optimiser + scheduler (main rank) and per-rank client_state."""
+        self._save_client_state(path, client_state)
+        if self.is_main:
+            state = self.state_dict()
+            state["model"] = self.unwrapped.state_dict()
+            tmp = os.path.join(path, "backend.pt.tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(path, "backend.pt"))  # never a half-written file
+        self.barrier()
+
+    def load_checkpoint(self, path: str) -> dict | None:
+        f = os.path.join(path, "backend.pt")
+        if not os.path.exists(f):
+            raise FileNotFoundError(f"no plain-backend checkpoint at {f}")
+        # replicated state: loading under another world size is fine (client_state is per rank)
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        with torch.no_grad():
+            self.unwrapped.load_state_dict(state["model"])
+        # tensors of the optimiser state are moved to the params' device by Optimizer.load_state_dict
+        self.load_state_dict(state)
+        return self._load_client_state(path)
+
+    def save_pretrained(self, path: str) -> None:
+        """Collective when world_size > 1 (barrier); the main rank writes the HF checkpoint."""
+        if self.is_main:
+            self.unwrapped.save_pretrained(path)
+        self.barrier()
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+
+def _load_config(config: dict | str | os.PathLike) -> dict:
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        raise TypeError(f"deepspeed_config must be a dict or a JSON path, got {type(config).__name__}")
+    return json.loads(json.dumps(config))  # deep copy; the caller's dict is never modified
+
+
+def resolve_deepspeed_config(
+    config: dict | str | os.PathLike,
+    *,
+    max_grad_norm: float | None,
+    world_size: int,
+    on_cpu: bool,
+    model_dtype: torch.dtype | None = None,
+) -> dict:
+    """Validate a DeepSpeed config and fill the defaults the user omitted (never overriding).
+
+    Raises ValueError for settings that conflict with this backend; see the module docstring.
+    """
+    cfg = _load_config(config)
+
+    zero = cfg.get("zero_optimization")
+    if zero is None:
+        raise ValueError(
+            "DeepSpeed config has no zero_optimization section; set zero_optimization.stage to "
+            f"one of {SUPPORTED_ZERO_STAGES} (or pass deepspeed_config=None for the plain backend)"
+        )
+    if not isinstance(zero, dict):
+        raise ValueError(f"zero_optimization must be a JSON object, got {zero!r}")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in SUPPORTED_ZERO_STAGES:
+        extra = " (stage 0 is plain data parallelism: pass deepspeed_config=None)" if stage == 0 else ""
+        raise ValueError(f"unknown/unsupported ZeRO stage {stage!r}; choose one of {SUPPORTED_ZERO_STAGES}{extra}")
+
+    for key in ("optimizer", "scheduler"):
+        if key in cfg:
+            raise ValueError(
+                f"DeepSpeed config has an {key!r} section, but this backend builds AdamW and the LR "
+                "schedule from make_backend(lr=..., weight_decay=..., betas=..., eps=..., warmup_steps=..., "
+                f"total_steps=...); remove {key!r} from the config"
+            )
+
+    fp16 = bool((cfg.get("fp16") or {}).get("enabled", False))
+    bf16 = bool((cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled", False))
+    if fp16 and on_cpu:
+        raise ValueError("fp16 is enabled in the DeepSpeed config but there is no CUDA device; "
+                         "on CPU use fp32 (no fp16/bf16 section) or bf16")
+    if model_dtype is torch.bfloat16 and not bf16:
+        raise ValueError("the model is bfloat16 but the DeepSpeed config does not enable bf16 "
+                         "(add \"bf16\": {\"enabled\": true} or pass a float32 model)")
+    if model_dtype is torch.float16 and not fp16:
+        raise ValueError("the model is float16 but the DeepSpeed config does not enable fp16")
+
+    if cfg.get("managed_gradient_accumulation", True) is False:
+        raise ValueError("managed_gradient_accumulation=false conflicts with this backend, which marks the "
+                         "accumulation boundary itself (set_gradient_accumulation_boundary); remove it")
+
+    gas = cfg.get("gradient_accumulation_steps")
+    if gas is not None and gas != 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={gas} in the DeepSpeed config: the training loop owns micro-batch "
+            "accumulation (backward(..., last_micro_batch=...)), so it must be 1 or absent"
+        )
+    cfg["gradient_accumulation_steps"] = 1
+    tbs = cfg.get("train_batch_size")
+    mbs = cfg.get("train_micro_batch_size_per_gpu")
+    if tbs is not None:
+        if mbs is None:
+            if tbs % world_size:
+                raise ValueError(f"train_batch_size={tbs} is not divisible by world_size={world_size}")
+            mbs = tbs // world_size
+        elif tbs != mbs * world_size:
+            raise ValueError(
+                f"train_batch_size={tbs} != train_micro_batch_size_per_gpu={mbs} x world_size={world_size} "
+                "(gradient_accumulation_steps is 1 here); fix or drop train_batch_size"
+            )
+    cfg["train_micro_batch_size_per_gpu"] = 1 if mbs is None else mbs
+
+    clip = float(max_grad_norm) if max_grad_norm and max_grad_norm > 0 else 0.0
+    if "gradient_clipping" in cfg:
+        if float(cfg["gradient_clipping"]) != clip:
+            raise ValueError(
+                f"gradient_clipping={cfg['gradient_clipping']} in the DeepSpeed config conflicts with "
+                f"max_grad_norm={max_grad_norm}; set one of them, or make them equal"
+            )
+    cfg["gradient_clipping"] = clip
+    return cfg
+
+
+def _import_deepspeed():
+    if not torch.cuda.is_available():
+        # must precede DeepSpeed's accelerator detection (first get_accelerator() call)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("deepspeed_config given but deepspeed is not installed "
+                          "(pip install 'memopd[deepspeed]')") from e
+    return deepspeed
+
+
+def _attach_deepspeed_comm(deepspeed, backend: str) -> None:
+    """Start DeepSpeed's comm layer on our existing process group."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu" and os.environ.get("MEMOPD_DS_SHM_COMM", "0") != "1":
+        # Skip the JIT build of the shm all-reduce op (inference-only, ~2 min): DeepSpeed
+        # builds it only when its probe dict says compatible, and documents that edits to
+        # that dict persist for the process.
+        try:
+            compat = deepspeed.ops.__compatible_ops__
+            if isinstance(compat, dict):
+                compat["deepspeed_shm_comm"] = False
+        except Exception:  # older/newer layouts: worst case the op gets built once and cached
+            pass
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+class DeepSpeedBackend(TrainBackend):
+    """DeepSpeed engine with ZeRO 1/2/3 around a torch AdamW + LambdaLR built by make_backend."""
+
+    def __init__(self, model, optimizer, scheduler, *, config: dict, max_grad_norm: float | None):
+        super().__init__()
+        deepspeed = _import_deepspeed()
+        info = _ensure_process_group()
+        _attach_deepspeed_comm(deepspeed, info.backend)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        self.engine = engine
+        self.module = engine  # forward through the engine: it registers ZeRO's backward hooks
+        self.unwrapped = engine.module
+        self.optimizer, self.scheduler = optimizer, scheduler  # the torch objects ZeRO wraps
+        self.config = config
+        self.zero_stage = int(config["zero_optimization"]["stage"])
+        self.max_grad_norm = max_grad_norm
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.engine.device)
+
+    @property
+    def synced_gpus(self) -> bool:
+        return self.zero_stage == 3 and self.world_size > 1
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        self._before_backward(last_micro_batch)
+        # set before backward: the ZeRO backward prologue reads it to decide reduce/accumulate
+        self.engine.set_gradient_accumulation_boundary(bool(last_micro_batch))
+        # gradient_accumulation_steps is 1, so scale_wrt_gas would be a no-op; be explicit
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self._before_step()
+        self.engine.step()  # boundary: reduce/clip/AdamW/LambdaLR/zero grads
+        self._after_step()
+        norm = self.engine.get_global_grad_norm()  # computed before clipping
+        return float("nan") if norm is None else float(norm)
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("ZeRO optimiser state is partitioned across ranks; "
+                                  "use save_checkpoint(dir) / load_checkpoint(dir)")
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise NotImplementedError("use load_checkpoint(dir) with the DeepSpeed backend")
+
+    def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
+        """Collective: DeepSpeed checkpoint (tag 'backend') + per-rank client_state."""
+        self._save_client_state(path, client_state)
+        self.engine.save_checkpoint(path, tag="backend", client_state={})
+        self.barrier()
+
+    def load_checkpoint(self, path: str) -> dict | None:
+        load_path, _ = self.engine.load_checkpoint(path, tag="backend")
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint (tag 'backend') under {path}")
+        _sync_lr_from_scheduler(self.optimizer, self.scheduler)
+        self._after_step()
+        return self._load_client_state(path)
+
+    def save_pretrained(self, path: str) -> None:
+        """Collective (ZeRO-3 gathers layer by layer to rank 0); the main rank writes."""
+        state_dict = None
+        if self.zero_stage == 3:
+            # weights in the training dtype (fp32 master copies stay in the optimiser)
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()
+        if self.is_main:
+            self.unwrapped.save_pretrained(path, state_dict=state_dict)
+        self.barrier()
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def make_backend(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    warmup_steps: int = 0,
+    total_steps: int,
+    max_grad_norm: float | None = 1.0,
+    deepspeed_config: dict | str | os.PathLike | None = None,
+    schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
+) -> TrainBackend:
+    """Plain backend when deepspeed_config is None, else DeepSpeed ZeRO (stage from the config).
+
+    Calls init_distributed() (no-op for one process). Place the model on its device
+    (``cuda:LOCAL_RANK``) before calling for the plain backend; DeepSpeed moves it itself.
+    The train/eval mode of the model is left as it is (use backend.train()).
+    Extra over the base interface: `schedule` ("constant" | "cosine" | "linear") and
+    `min_lr_ratio` (floor of the decaying schedules).
+    """
+    lr_lambda = build_lr_lambda(warmup_steps, total_steps, schedule, min_lr_ratio)
+    cfg = None
+    if deepspeed_config is not None:
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        # validate before touching any process group, so config errors are cheap and clear
+        cfg = resolve_deepspeed_config(
+            deepspeed_config,
+            max_grad_norm=max_grad_norm,
+            world_size=_world_size_hint(),
+            on_cpu=not torch.cuda.is_available(),
+            model_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
+        )
+    optimizer = build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    if cfg is None:
+        info = init_distributed()
+        return PlainBackend(model, optimizer, scheduler, max_grad_norm=max_grad_norm, info=info)
+    return DeepSpeedBackend(model, optimizer, scheduler, config=cfg, max_grad_norm=max_grad_norm)

@@ -1,0 +1,237 @@
+"""The training loop: rollouts -> scoring -> PPO + OPD update, with run management.
+
+Each step: sample question sets, roll out `group_size` episodes per set with the
+student (every call recorded exactly), score them (old/ref log-probs, values, teacher
+hidden states under the arm's layout, GAE), then `ppo_epochs` x `minibatches` optimiser
+steps. Arms: `ppo` (no teacher), `persistent` (teacher scores the flattened persistent
+history: the matched control), `memopd` (teacher scores the restored aligned calls).
+
+Everything random is a pure function of (seed, step, rank): task sampling, the
+sampler's seeds and the minibatch shuffles. So a resumed run only needs the weights,
+optimiser and scheduler state, and continues with exactly the next steps of an
+uninterrupted run. Checkpoints: RUN_DIR/checkpoints/step_N/{actor,critic}/ (+ "latest").
+Metrics: RUN_DIR/metrics.jsonl (one line per step; eval lines carry "eval/..." keys).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+import time
+from typing import Callable
+
+import torch
+import yaml
+
+from .backend import init_distributed, make_backend
+from .config import TrainConfig
+from .modules import Actor, Critic, register_zero3_external_params
+from .update import score, update
+
+__all__ = ["Trainer", "train"]
+
+
+def _mix(*xs: int) -> int:
+    """A deterministic 31-bit seed from integers (no Python hash randomisation)."""
+    h = 1469598103934665603
+    for x in xs:
+        h = ((h ^ (int(x) & 0xFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFF
+
+
+def _set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _peak_context(trajs) -> int:
+    return max((len(inv.prefix_ids) + len(inv.context_ids) for tr in trajs for inv in tr.invocations), default=0)
+
+
+class Trainer:
+    """Holds the models, backends and environment of one run."""
+
+    def __init__(self, cfg: TrainConfig, *, student_lm, teacher_lm, env, world, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.env = env
+        self.world = world
+        self.log = log
+        self.info = init_distributed()
+        self.rank = self.info.rank
+        self.world_size = self.info.world_size
+        ds = cfg.deepspeed or None
+        self.ref_lm = copy.deepcopy(student_lm).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm != "ppo") else None
+        actor = Actor(student_lm)
+        critic = Critic(copy.deepcopy(student_lm))
+        if ds and _zero_stage(ds) == 3:
+            register_zero3_external_params(actor)
+        total = cfg.steps * cfg.ppo_epochs * cfg.minibatches
+        self.actor = make_backend(actor, lr=cfg.actor_lr, warmup_steps=cfg.warmup_steps, total_steps=total,
+                                  max_grad_norm=cfg.max_grad_norm, deepspeed_config=ds)
+        self.critic = make_backend(critic, lr=cfg.critic_lr, warmup_steps=cfg.warmup_steps, total_steps=total,
+                                   max_grad_norm=cfg.max_grad_norm, deepspeed_config=ds)
+        dev = self.actor.device
+        for m in (self.ref_lm, self.teacher_lm):
+            if m is not None:
+                m.to(dev)
+        self.step = 0
+
+    # ---- paths ---------------------------------------------------------------------
+    @property
+    def ckpt_root(self) -> str:
+        return os.path.join(self.cfg.run_dir, "checkpoints")
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.cfg.run_dir, "metrics.jsonl")
+
+    # ---- one step ------------------------------------------------------------------
+    def rollout(self, step: int):
+        from memopd.env.rollout import HFEngine, rollout
+
+        cfg = self.cfg
+        k = cfg.train_k[step % len(cfg.train_k)]
+        tasks = self.world.sample_tasks(k, cfg.tasks_per_step, split="train", seed=_mix(cfg.seed, step, self.rank))
+        lm = self.actor.unwrapped.lm
+        lm.eval()
+        engine = HFEngine(lm, pad_id=self.env.tokens.pad)
+        with torch.no_grad():
+            trajs = rollout(self.env, engine, tasks, group_size=cfg.group_size, temperature=cfg.temperature,
+                            top_p=cfg.top_p, seed=_mix(cfg.seed, step, self.rank, 1), group_prefix=f"s{step}r{self.rank}-")
+        return trajs, k
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        t0 = time.time()
+        trajs, k = self.rollout(step)
+        t_roll = time.time() - t0
+        self.actor.unwrapped.eval()
+        self.critic.unwrapped.eval()
+        teacher_layout = {"ppo": None, "persistent": "flatten", "memopd": "aligned"}[cfg.arm]
+        scored = score(self.actor.unwrapped, self.critic.unwrapped, self.ref_lm, self.teacher_lm, trajs,
+                       teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, kl_coef=cfg.kl_coef,
+                       gamma=cfg.gamma, lam=cfg.lam)
+        self.actor.train()
+        self.critic.train()
+        gen = torch.Generator().manual_seed(_mix(cfg.seed, step, self.rank, 2))
+        tw = None
+        if self.teacher_lm is not None:
+            tw = self.teacher_lm.get_output_embeddings().weight.detach()
+        stats = update(self.actor, self.critic, trajs, scored, teacher_weight=tw, ppo_epochs=cfg.ppo_epochs,
+                       minibatches=cfg.minibatches, max_tokens=cfg.max_tokens, clip_eps=cfg.clip_eps,
+                       value_clip=cfg.value_clip, entropy_coef=cfg.entropy_coef, opd_coef=cfg.opd_coef,
+                       generator=gen)
+        rewards = torch.tensor([float(tr.reward) for tr in trajs])
+        em = [float(tr.rewards.get("em_mean", float("nan"))) for tr in trajs]
+        f1 = [float(tr.rewards.get("f1_mean", float("nan"))) for tr in trajs]
+        m = {
+            "step": step + 1,
+            "rollout/k": k,
+            "rollout/episodes": len(trajs),
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/em_mean": sum(em) / len(em),
+            "rollout/f1_mean": sum(f1) / len(f1),
+            "rollout/calls_mean": sum(len(t) for t in trajs) / len(trajs),
+            "rollout/peak_context": _peak_context(trajs),
+            "rollout/action_tokens": int(scored.logp_old.numel()),
+            "rce/max_dlogp_vs_sampling": scored.sample_dlogp,
+            "train/kl_penalty_mean": float(scored.kl_penalty.mean()) if scored.kl_penalty.numel() else 0.0,
+            "train/lr": self.actor.lr(),
+            **{f"train/{k2}": v for k2, v in stats.items()},
+            "time/rollout_s": round(t_roll, 3),
+            "time/step_s": round(time.time() - t0, 3),
+        }
+        return m
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def save(self, step: int) -> str:
+        path = os.path.join(self.ckpt_root, f"step_{step}")
+        client = {"step": step, "config": self.cfg.to_dict()}
+        self.actor.save_checkpoint(os.path.join(path, "actor"), client_state=client)
+        self.critic.save_checkpoint(os.path.join(path, "critic"), client_state=client)
+        self.actor.barrier()
+        if self.rank == 0:
+            with open(os.path.join(self.ckpt_root, "latest"), "w") as f:
+                f.write(f"step_{step}\n")
+        self.actor.barrier()
+        return path
+
+    def latest_checkpoint(self) -> str | None:
+        p = os.path.join(self.ckpt_root, "latest")
+        if not os.path.exists(p):
+            return None
+        with open(p) as f:
+            name = f.read().strip()
+        path = os.path.join(self.ckpt_root, name)
+        return path if os.path.isdir(path) else None
+
+    def resume(self) -> int:
+        path = self.latest_checkpoint()
+        if path is None:
+            self.log(f"no checkpoint under {self.ckpt_root}: starting from step 0")
+            return 0
+        client = self.actor.load_checkpoint(os.path.join(path, "actor")) or {}
+        self.critic.load_checkpoint(os.path.join(path, "critic"))
+        step = int(client.get("step", 0))
+        if self.rank == 0 and os.path.exists(self.metrics_path):
+            # drop lines written after the checkpoint, so the file matches an uninterrupted run
+            with open(self.metrics_path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
+            with open(self.metrics_path, "w") as f:
+                f.writelines(lines)
+        self.log(f"resumed from {path} (step {step})")
+        return step
+
+    def write_metrics(self, m: dict) -> None:
+        if self.rank != 0:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+
+    # ---- the run -------------------------------------------------------------------
+    def fit(self, *, resume: bool = False, evaluate: Callable[[int], dict] | None = None,
+            stop_after: int | None = None) -> list[dict]:
+        cfg = self.cfg
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        if self.rank == 0:
+            with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        start = self.resume() if resume else 0
+        if not resume and self.rank == 0 and os.path.exists(self.metrics_path):
+            os.remove(self.metrics_path)
+        history = []
+        bar = None
+        if cfg.progress and self.rank == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=start, desc=f"train[{cfg.arm}]", unit="step")
+        for step in range(start, cfg.steps):
+            if stop_after is not None and step >= stop_after:
+                break
+            m = self.train_step(step)
+            if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                m.update(evaluate(step + 1))
+            self.write_metrics(m)
+            history.append(m)
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                self.save(step + 1)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m['train/kl_teacher']:.3f}")
+        if bar is not None:
+            bar.close()
+        return history
+
+
+def _zero_stage(ds) -> int:
+    if isinstance(ds, str):
+        with open(ds) as f:
+            ds = json.load(f)
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> dict:  # pragma: no cover - wired in cli
+    raise NotImplementedError

@@ -1,0 +1,93 @@
+"""`memopd plot RUN_DIR`: learning curves of a run (metrics.jsonl) drawn to PNG.
+
+Panels: reward, EM / F1 per Qk (from evaluations), KL to the teacher, clip fraction,
+entropy, peak context length. Metrics absent from the run are skipped, not faked.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+__all__ = ["read_metrics", "plot_run", "plot_main"]
+
+PANELS = [
+    ("reward", ["rollout/reward_mean"], "reward"),
+    ("eval EM (mean)", ["eval/em_mean_q*"], "EM"),
+    ("eval F1 (mean)", ["eval/f1_mean_q*"], "F1"),
+    ("KL to teacher", ["train/kl_teacher"], "KL"),
+    ("clip fraction", ["train/clip_frac"], "fraction"),
+    ("entropy", ["train/entropy"], "nats"),
+    ("peak context", ["rollout/peak_context"], "tokens"),
+]
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is {run_dir!r} a memopd run directory?")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+    return rows
+
+
+def _series(rows, pattern):
+    import fnmatch
+
+    keys = sorted({k for r in rows for k in r if fnmatch.fnmatch(k, pattern)})
+    for k in keys:
+        pts = [(r["step"], r[k]) for r in rows if k in r and r[k] is not None]
+        if pts:
+            yield k, pts
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    out = out or os.path.join(run_dir, "curves.png")
+    panels = [(t, [s for p in pats for s in _series(rows, p)], y) for t, pats, y in PANELS]
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        raise ValueError(f"no plottable metrics in {run_dir}/metrics.jsonl")
+    cols = 3
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.0 * nrows), squeeze=False)
+    for ax, (title, series, ylabel) in zip(axes.flat, panels):
+        for key, pts in series:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=key.split("/")[-1])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memopd plot", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
+    args = p.parse_args(argv)
+    path = plot_run(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0
