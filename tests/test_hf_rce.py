@@ -15,7 +15,7 @@ from memopd.memory import POLICIES
 from memopd.models import tiny_causal_lm
 from memopd.rce import audit
 
-BACKEND = "reference"
+BACKEND = "auto"
 
 
 @pytest.fixture(scope="module")

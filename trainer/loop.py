@@ -233,5 +233,91 @@ def _zero_stage(ds) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> dict:  # pragma: no cover - wired in cli
-    raise NotImplementedError
+def _load_lm(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+
+
+def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
+    """Models and environment of a run: SFT'd defaults from the cache unless given."""
+    from memopd.env.qa import EnvConfig, QAEnv
+    from memopd.env.sft import read_env_meta, run_sft
+    from memopd.env.tokenizer import load_tokenizer
+    from memopd.env.world import World, WorldConfig
+
+    info = init_distributed()
+    sft_dir = os.path.join(cfg.cache_dir, "sft")
+    need = [r for r, given in (("student", cfg.student), ("teacher", cfg.teacher)) if not given]
+    if cfg.arm == "ppo" and "teacher" in need and cfg.student:
+        need.remove("teacher")
+    if need:
+        if info.rank == 0:
+            run_sft(sft_dir, roles=need, world_config=WorldConfig(seed=cfg.world_seed), progress=cfg.progress, log=log)
+        if info.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+    student_dir = cfg.student or os.path.join(sft_dir, "student")
+    teacher_dir = cfg.teacher or os.path.join(sft_dir, "teacher")
+    meta = read_env_meta(student_dir)
+    world = World.generate(WorldConfig.from_json(meta["world"]))
+    tokenizer = load_tokenizer(student_dir)
+    env_kw = dict(meta.get("env", {}))
+    env_kw["policy"] = cfg.policy
+    env = QAEnv.from_world(world, tokenizer, EnvConfig(**env_kw))
+    student = _load_lm(student_dir)
+    teacher = _load_lm(teacher_dir) if cfg.arm != "ppo" else None
+    return student, teacher, env, world, tokenizer, student_dir, teacher_dir
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
+    """The whole job: prepare, fit, evaluate on held-out Q-k sets, save the final model."""
+    from memopd.env.evaluate import evaluate_model, format_eval_table
+
+    t0 = time.time()
+    cpu0 = time.process_time()
+    _set_seed(cfg.seed)
+    student, teacher, env, world, tokenizer, student_dir, teacher_dir = prepare(cfg, log)
+    trainer = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=log)
+
+    def evaluate(step: int) -> dict:
+        res = evaluate_model(trainer.actor.unwrapped.lm, env, world, ks=cfg.eval_k, n_tasks=cfg.eval_tasks)
+        return {f"eval/{k}": v for k, v in _flatten_eval(res).items()}
+
+    history = trainer.fit(resume=resume, evaluate=evaluate)
+    report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
+                    "teacher": teacher_dir if cfg.arm != "ppo" else None}
+    if trainer.rank == 0:
+        final = evaluate_model(trainer.actor.unwrapped.lm, env, world, ks=cfg.eval_k, n_tasks=cfg.eval_tasks)
+        m = {"step": cfg.steps, **{f"eval/{k}": v for k, v in _flatten_eval(final).items()}}
+        trainer.write_metrics(m)
+        report["eval"] = final
+        log(format_eval_table(final, title=f"final evaluation ({cfg.arm}, {cfg.steps} steps)"))
+    final_dir = os.path.join(cfg.run_dir, "final")
+    trainer.actor.unwrapped.lm.config.use_cache = True
+    if trainer.rank == 0:
+        from memopd.env.sft import ENV_META_FILE
+
+        trainer.actor.unwrapped.lm.save_pretrained(final_dir)
+        tokenizer.save_pretrained(final_dir)
+        shutil.copy(os.path.join(student_dir, ENV_META_FILE), os.path.join(final_dir, ENV_META_FILE))
+    report["final_model"] = final_dir
+    report["wall_s"] = round(time.time() - t0, 1)
+    report["cpu_s"] = round(time.process_time() - cpu0, 1)
+    report["history_tail"] = history[-1] if history else None
+    if trainer.rank == 0:
+        with open(os.path.join(cfg.run_dir, "report.json"), "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return report
+
+
+def _flatten_eval(res: dict) -> dict:
+    """{"q2": {"em_mean": .., ...}, ...} -> {"em_mean_q2": .., ...} for metrics lines."""
+    out = {}
+    for qk, row in res.items():
+        if isinstance(row, dict):
+            for name, v in row.items():
+                if isinstance(v, (int, float)):
+                    out[f"{name}_{qk}"] = v
+    return out

@@ -62,6 +62,16 @@ def call_offsets(trajs: Sequence[Trajectory]) -> torch.Tensor:
     return out
 
 
+def _max_over_ranks(n: int, world: int, device=None) -> int:
+    if world == 1:
+        return n
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 def _pack(trajs, max_tokens):
     return pack(trajs, layout="aligned", max_tokens=max_tokens, share_prefix="group")
 
@@ -172,12 +182,18 @@ def update(
             batch = _pack(sub, max_tokens)
             gmap = torch.tensor(chunk, dtype=torch.long)
             mbs = batch.micro_batches(max_tokens)
+            # ZeRO runs collectives inside every backward: all ranks make the same number
+            # of backward calls; a rank with fewer micro-batches repeats its last one at
+            # zero weight
+            n_real = len(mbs)
+            mbs = mbs + [mbs[-1]] * (_max_over_ranks(n_real, world, actor_backend.device) - n_real)
             counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
             counts = actor_backend.all_reduce_sum(counts)
             n_act, n_t = float(counts[0]), float(counts[1])
             agg = {k: 0.0 for k in ("pg", "vf", "ent", "kl", "clip", "akl")}
             for j, mb in enumerate(mbs):
                 last = j == len(mbs) - 1
+                weight = 1.0 if j < n_real else 0.0
                 gid = scored.offsets[gmap[mb.traj_index], mb.call_index] + mb.token_index
                 gid = gid.to(device)
                 th = scored.teacher_hidden.index_select(0, gid) if scored.teacher_hidden is not None else None
@@ -187,11 +203,11 @@ def update(
                     out, scored.logp_old[gid], adv_all[gid], tm, clip_eps=clip_eps, entropy_coef=entropy_coef,
                     opd_coef=opd_coef if th is not None else 0.0, n_act=n_act, n_teacher=n_t, world=world,
                 )
-                actor_backend.backward(loss, last_micro_batch=last)
+                actor_backend.backward(loss * weight, last_micro_batch=last)
                 v = critic_backend.module(mb)
                 vl = value_loss(v, scored.values[gid], scored.returns[gid], value_clip)
-                critic_backend.backward(vl.sum() * (world / max(n_act, 1)), last_micro_batch=last)
-                w = mb.num_actions / max(n_act / world, 1)
+                critic_backend.backward(vl.sum() * (world / max(n_act, 1)) * weight, last_micro_batch=last)
+                w = weight * mb.num_actions / max(n_act / world, 1)
                 agg["pg"] += float(pg.mean()) * w if pg.numel() else 0.0
                 agg["vf"] += float(vl.mean()) * w if vl.numel() else 0.0
                 agg["ent"] += float(out.entropy.mean()) * w if pg.numel() else 0.0
