@@ -143,6 +143,13 @@ def _add_external(sub, name: str, module: str, func: str, help_text: str) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for name, module, func, _ in _EXTERNAL:
+        if argv and argv[0] == name:
+            import importlib
+
+            # these subcommands own their parsers: hand them the raw arguments
+            return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="memopd", description="Memory-Aligned On-Policy Distillation")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_audit(sub)
@@ -154,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # (subcommand, module, function taking argv, help) — filled as the jobs land
-_EXTERNAL: list[tuple[str, str, str, str]] = []
+_EXTERNAL: list[tuple[str, str, str, str]] = [
+    ("sft", "memopd.env.cli", "sft_main", "SFT of the teacher and the student on scripted-expert episodes"),
+    ("eval", "memopd.env.cli", "eval_main", "EM/F1 of a checkpoint on held-out Q2/Q8/Q16 question sets"),
+    ("train", "memopd.trainer.cli", "train_main", "the main job: PPO / persistent / MemOPD training run"),
+    ("plot", "memopd.trainer.plot", "plot_main", "learning curves of a run directory to PNG"),
+]
 
 
 if __name__ == "__main__":

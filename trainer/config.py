@@ -122,7 +122,15 @@ class TrainConfig:
                 value = [value]
             if str(types[key]) == "str" and value is not None and not isinstance(value, str):
                 value = str(raw)
-            if str(types[key]) == "float" and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
+            if str(types[key]) == "float" and not isinstance(value, bool):
+                try:  # YAML 1.1 reads "1e-4" as a string
+                    value = float(value)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{key} must be a number, got {raw!r}") from None
+            if str(types[key]) == "int" and isinstance(value, str):
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise ConfigError(f"{key} must be an integer, got {raw!r}") from None
             d[key] = value
         return cls.from_dict(d)

@@ -271,9 +271,27 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
     return student, teacher, env, world, tokenizer, student_dir, teacher_dir
 
 
+def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -> None:
+    """The current actor as a normal HF checkpoint dir that `memopd eval` can load."""
+    from memopd.env.sft import ENV_META_FILE
+
+    if trainer.rank != 0:
+        return
+    lm = trainer.actor.unwrapped.lm
+    lm.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(student_dir, ENV_META_FILE)) as f:
+        meta = json.load(f)
+    meta["env"]["policy"] = trainer.cfg.policy
+    meta["role"] = f"student+{trainer.cfg.arm}"
+    with open(os.path.join(out_dir, ENV_META_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
     """The whole job: prepare, fit, evaluate on held-out Q-k sets, save the final model."""
-    from memopd.env.evaluate import evaluate_model, format_eval_table
+    from memopd.env.evaluate import evaluate as evaluate_dir
+    from memopd.env.evaluate import format_table
 
     t0 = time.time()
     cpu0 = time.process_time()
@@ -282,42 +300,39 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
     trainer = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=log)
 
     def evaluate(step: int) -> dict:
-        res = evaluate_model(trainer.actor.unwrapped.lm, env, world, ks=cfg.eval_k, n_tasks=cfg.eval_tasks)
-        return {f"eval/{k}": v for k, v in _flatten_eval(res).items()}
+        d = os.path.join(cfg.run_dir, "eval_model")
+        _save_agent(trainer, tokenizer, student_dir, d)
+        res = evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks) if trainer.rank == 0 else {"results": {}}
+        return {f"eval/{k}": v for k, v in _flatten_eval(res["results"]).items()}
 
     history = trainer.fit(resume=resume, evaluate=evaluate)
     report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
                     "teacher": teacher_dir if cfg.arm != "ppo" else None}
-    if trainer.rank == 0:
-        final = evaluate_model(trainer.actor.unwrapped.lm, env, world, ks=cfg.eval_k, n_tasks=cfg.eval_tasks)
-        m = {"step": cfg.steps, **{f"eval/{k}": v for k, v in _flatten_eval(final).items()}}
-        trainer.write_metrics(m)
-        report["eval"] = final
-        log(format_eval_table(final, title=f"final evaluation ({cfg.arm}, {cfg.steps} steps)"))
     final_dir = os.path.join(cfg.run_dir, "final")
-    trainer.actor.unwrapped.lm.config.use_cache = True
-    if trainer.rank == 0:
-        from memopd.env.sft import ENV_META_FILE
-
-        trainer.actor.unwrapped.lm.save_pretrained(final_dir)
-        tokenizer.save_pretrained(final_dir)
-        shutil.copy(os.path.join(student_dir, ENV_META_FILE), os.path.join(final_dir, ENV_META_FILE))
+    _save_agent(trainer, tokenizer, student_dir, final_dir)
     report["final_model"] = final_dir
+    if trainer.rank == 0:
+        final = evaluate_dir(final_dir, ks=cfg.eval_k, n=cfg.eval_tasks)
+        trainer.write_metrics({"step": cfg.steps, **{f"eval/{k}": v for k, v in _flatten_eval(final["results"]).items()}})
+        report["eval"] = final["results"]
+        log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
+        log(format_table(final))
     report["wall_s"] = round(time.time() - t0, 1)
     report["cpu_s"] = round(time.process_time() - cpu0, 1)
-    report["history_tail"] = history[-1] if history else None
+    report["last_step"] = history[-1] if history else None
     if trainer.rank == 0:
         with open(os.path.join(cfg.run_dir, "report.json"), "w") as f:
             json.dump(report, f, indent=2, default=str)
+        log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")
     return report
 
 
 def _flatten_eval(res: dict) -> dict:
-    """{"q2": {"em_mean": .., ...}, ...} -> {"em_mean_q2": .., ...} for metrics lines."""
+    """{"Q2": {"em_mean": .., ...}, ...} -> {"em_mean_q2": .., ...} for metrics lines."""
     out = {}
     for qk, row in res.items():
         if isinstance(row, dict):
             for name, v in row.items():
                 if isinstance(v, (int, float)):
-                    out[f"{name}_{qk}"] = v
+                    out[f"{name}_{qk.lower()}"] = v
     return out

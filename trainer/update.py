@@ -208,10 +208,11 @@ def update(
                 vl = value_loss(v, scored.values[gid], scored.returns[gid], value_clip)
                 critic_backend.backward(vl.sum() * (world / max(n_act, 1)) * weight, last_micro_batch=last)
                 w = weight * mb.num_actions / max(n_act / world, 1)
-                agg["pg"] += float(pg.mean()) * w if pg.numel() else 0.0
-                agg["vf"] += float(vl.mean()) * w if vl.numel() else 0.0
-                agg["ent"] += float(out.entropy.mean()) * w if pg.numel() else 0.0
-                agg["kl"] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if th is not None else 0.0
+                with torch.no_grad():
+                    agg["pg"] += float(pg.mean()) * w if pg.numel() else 0.0
+                    agg["vf"] += float(vl.mean()) * w if vl.numel() else 0.0
+                    agg["ent"] += float(out.entropy.mean()) * w if pg.numel() else 0.0
+                    agg["kl"] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if th is not None else 0.0
                 agg["clip"] += float(st.clip_frac) * w
                 agg["akl"] += float(st.approx_kl) * w
             stats["actor_grad_norm"] += actor_backend.step()

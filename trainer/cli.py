@@ -1,0 +1,40 @@
+"""`memopd train`: run the PPO / persistent / MemOPD trainer from a config and overrides.
+
+    memopd train                                  # the embedded default (CPU, minutes)
+    memopd train arm=ppo steps=20 run_dir=runs/ppo
+    memopd train --config my.yaml --resume        # continue from RUN_DIR/checkpoints/latest
+    torchrun --nproc_per_node 2 -m memopd.cli train deepspeed=trainer/configs/ds_zero2.json
+"""
+from __future__ import annotations
+
+import argparse
+
+from .config import ConfigError, TrainConfig
+
+__all__ = ["train_main"]
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="memopd train",
+        description="PPO + on-policy distillation of a compact-memory agent (arms: ppo, persistent, memopd).",
+        epilog="Overrides are key=value pairs of TrainConfig (trainer/config.py), e.g. arm=ppo steps=20.",
+    )
+    p.add_argument("--config", help="YAML file of TrainConfig fields")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = p.parse_args(argv)
+    try:
+        cfg = TrainConfig.load(args.config, args.overrides)
+    except ConfigError as e:
+        p.error(str(e))
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    from .loop import train
+
+    train(cfg, resume=args.resume)
+    return 0
