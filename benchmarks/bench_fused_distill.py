@@ -1,0 +1,248 @@
+"""Benchmark: fused linear reverse-KL + log-prob + entropy vs the naive materialising op.
+
+Run: `pytest benchmarks/bench_fused_distill.py --benchmark-only` (add `-s` to also see
+the per-case lines; the summary table is written to the terminal either way).
+
+What is measured (forward + backward of the actor-style loss
+`loss + 0.1·Σ logprobs - 0.01·Σ entropy`, gradients to student hidden and weight):
+
+* CPU, fp32, Hs = Ht = 512: N=4096 × V=32000, and N=256 × V=128000.
+  - time: pytest-benchmark, in this process (`MEMOPD_BENCH_ROUNDS` rounds, default 1,
+    each one full forward+backward).
+  - peak memory: each variant runs once more in a fresh subprocess
+    (`python bench_fused_distill.py --measure ...`), which builds its inputs, resets the
+    kernel's peak-RSS counter (`echo 5 > /proc/self/clear_refs` resets VmHWM), and
+    reports VmHWM minus the RSS right before the call. That is the peak *resident*
+    memory the op adds on top of its inputs: every torch CPU allocation it touches,
+    gradients included (plus whatever the allocator keeps mapped), not an estimate.
+    Where clear_refs is unavailable it falls back to ru_maxrss (then the input
+    construction peak is a lower bound of the reported number; flagged in the table).
+* GPU (skipped without CUDA): bf16 at Qwen2.5-3B / 7B lm_head shapes (H = 2048 / 3584,
+  V = 151936), N = 4096: ours, the naive op, and Liger's `LigerFusedLinearJSD`
+  with jsd_beta=1 (= reverse KL; imported lazily, skipped if absent). Memory is
+  `torch.cuda.max_memory_allocated` above the inputs; only the divergence is
+  backpropagated there, since Liger computes nothing else.
+
+Every figure goes into `benchmark.extra_info`; a table with the memory ratio
+(naive / fused) and the time ratio (fused / naive) is printed at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from memopd.ops import fused_linear_distill, reference_linear_distill
+
+ROUNDS = int(os.environ.get("MEMOPD_BENCH_ROUNDS", "1"))
+CPU_CASES = {
+    "N4096-H512-V32000": dict(N=4096, Hs=512, Ht=512, V=32000),
+    "N256-H512-V128000": dict(N=256, Hs=512, Ht=512, V=128000),
+}
+GPU_CASES = {
+    "qwen2.5-3b": dict(N=4096, Hs=2048, Ht=2048, V=151936),
+    "qwen2.5-7b": dict(N=4096, Hs=3584, Ht=3584, V=151936),
+    "3b-student-7b-teacher": dict(N=4096, Hs=2048, Ht=3584, V=151936),
+}
+IMPLS = {"fused": fused_linear_distill, "naive": reference_linear_distill}
+RESULTS: dict = {}
+
+
+def make_inputs(N, Hs, Ht, V, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    hs = torch.randn(N, Hs, generator=g, device=device, dtype=dtype).requires_grad_()
+    ws = torch.randn(V, Hs, generator=g, device=device, dtype=dtype).mul_(Hs ** -0.5).requires_grad_()
+    ht = torch.randn(N, Ht, generator=g, device=device, dtype=dtype)
+    wt = torch.randn(V, Ht, generator=g, device=device, dtype=dtype).mul_(Ht ** -0.5)
+    y = torch.randint(0, V, (N,), generator=g, device=device)
+    mask = torch.ones(N, dtype=torch.bool, device=device)
+    return hs, ws, ht, wt, y, mask
+
+
+def actor_step(impl, hs, ws, ht, wt, y, mask):
+    out = IMPLS[impl](hs, ws, ht, wt, y, mask=mask)
+    loss = out.loss + 0.1 * out.logprobs.sum() - 0.01 * out.entropy.sum()
+    return torch.autograd.grad(loss, [hs, ws])
+
+
+# ----------------------------------------------------------------------------------
+# peak resident memory of one forward+backward, in a fresh process
+# ----------------------------------------------------------------------------------
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def _warm_up(impl, device="cpu", dtype=torch.float32):
+    # first-call costs (lazy imports, op registration, thread pools) are not the op's
+    actor_step(impl, *make_inputs(8, 16, 16, 64, device=device, dtype=dtype))
+
+
+def _measure(impl, N, Hs, Ht, V):
+    _warm_up(impl)
+    inputs = make_inputs(N, Hs, Ht, V)
+    exact = True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+    except OSError:
+        exact = False
+    base_kb = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    grads = actor_step(impl, *inputs)
+    dt = time.perf_counter() - t0
+    peak_kb = _status_kb("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del grads
+    return dict(peak_bytes=(peak_kb - base_kb) * 1024, seconds=dt, exact=exact)
+
+
+def measure_in_subprocess(impl, case):
+    c = CPU_CASES[case]
+    cmd = [sys.executable, __file__, "--measure", impl, str(c["N"]), str(c["Hs"]), str(c["Ht"]), str(c["V"])]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"memory probe failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------
+# summary table
+# ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def _summary(request):
+    yield
+    if not RESULTS:
+        return
+    lines = ["", "fused linear distillation: forward+backward, fused vs naive",
+             f"{'case':<24}{'impl':<8}{'time s':>9}{'peak MiB':>11}{'mem ratio':>11}{'time ratio':>12}"]
+    for case in sorted({k[0] for k in RESULTS}):
+        naive = RESULTS.get((case, "naive"))
+        for impl in ("naive", "fused", "liger", "fused_actor"):
+            r = RESULTS.get((case, impl))
+            if r is None:
+                continue
+            mr = tr = ""
+            if naive and impl != "naive":
+                mr = f"{naive['peak_bytes'] / max(r['peak_bytes'], 1):.1f}x"
+                tr = f"{r['seconds'] / naive['seconds']:.2f}x"
+            flag = "" if r.get("exact", True) else " (ru_maxrss)"
+            lines.append(f"{case:<24}{impl:<8}{r['seconds']:>9.3f}{r['peak_bytes'] / 2**20:>11.1f}"
+                         f"{mr:>11}{tr:>12}{flag}")
+    lines.append("mem ratio = naive peak / this peak; time ratio = this time / naive time")
+    text = "\n".join(lines)
+    # module teardown output is captured like a test's: print past the capture
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            print(text, flush=True)
+    else:
+        print(text)
+
+
+def _record(benchmark, case, impl, mem):
+    seconds = benchmark.stats.stats.mean if benchmark.stats else mem.get("seconds", float("nan"))
+    RESULTS[(case, impl)] = dict(seconds=seconds, peak_bytes=mem["peak_bytes"], exact=mem.get("exact", True))
+    benchmark.extra_info.update(case=case, impl=impl, peak_bytes=mem["peak_bytes"],
+                                peak_mib=round(mem["peak_bytes"] / 2**20, 1),
+                                peak_measure=mem.get("how", "VmHWM delta in a fresh process"),
+                                probe_seconds=mem.get("seconds"))
+    other = RESULTS.get((case, "naive" if impl != "naive" else "fused"))
+    if other is not None:
+        naive, fused = (other, RESULTS[(case, impl)]) if impl != "naive" else (RESULTS[(case, impl)], other)
+        ratios = dict(memory_ratio_naive_over_fused=naive["peak_bytes"] / max(fused["peak_bytes"], 1),
+                      time_ratio_fused_over_naive=fused["seconds"] / naive["seconds"])
+        benchmark.extra_info.update(ratios)
+        print(f"{case}: memory ratio {ratios['memory_ratio_naive_over_fused']:.1f}x, "
+              f"time ratio {ratios['time_ratio_fused_over_naive']:.2f}x")
+
+
+# ----------------------------------------------------------------------------------
+# CPU
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["naive", "fused"])
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_cpu_forward_backward(benchmark, case, impl):
+    mem = measure_in_subprocess(impl, case)
+    _warm_up(impl)
+    inputs = make_inputs(**CPU_CASES[case])
+    benchmark.group = f"cpu {case}"
+    benchmark.pedantic(actor_step, args=(impl, *inputs), rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    _record(benchmark, case, impl, mem)
+
+
+# ----------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------
+def _liger_loss_fn():
+    try:
+        from liger_kernel.transformers import LigerFusedLinearJSD
+    except Exception as e:  # not installed / no compatible build
+        pytest.skip(f"liger-kernel not available: {e}")
+    try:
+        mod = LigerFusedLinearJSD(jsd_beta=1.0, temperature=1.0)  # beta=1: reverse KL
+    except (AssertionError, ValueError) as e:  # old versions only allow 0 < beta < 1
+        pytest.skip(f"this liger-kernel does not support jsd_beta=1: {e}")
+
+    def fn(hs, ws, ht, wt, y, mask):
+        return mod(hs, ws, ht, wt, torch.where(mask, y, torch.full_like(y, -100)))
+
+    return fn
+
+
+def _gpu_step(impl):
+    if impl == "liger":
+        liger = _liger_loss_fn()
+        return lambda hs, ws, ht, wt, y, mask: torch.autograd.grad(liger(hs, ws, ht, wt, y, mask), [hs, ws])
+
+    def kl_only(hs, ws, ht, wt, y, mask):
+        out = IMPLS["naive" if impl == "naive" else "fused"](hs, ws, ht, wt, y, mask=mask)
+        if impl == "fused_actor":
+            loss = out.loss + 0.1 * out.logprobs.sum() - 0.01 * out.entropy.sum()
+        else:
+            loss = out.loss
+        return torch.autograd.grad(loss, [hs, ws])
+
+    return kl_only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU benchmark: needs a CUDA device")
+@pytest.mark.parametrize("impl", ["naive", "fused", "fused_actor", "liger"])
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_forward_backward(benchmark, case, impl):
+    c = GPU_CASES[case]
+    step = _gpu_step(impl)
+    inputs = make_inputs(**c, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    try:
+        step(*inputs)  # warm-up: Triton autotuning / compilation
+    except torch.cuda.OutOfMemoryError:
+        pytest.skip(f"{impl} runs out of memory at {case}")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(*inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+
+    def timed():
+        step(*inputs)
+        torch.cuda.synchronize()
+
+    benchmark.group = f"gpu {case}"
+    benchmark.pedantic(timed, rounds=max(ROUNDS, 5), iterations=1, warmup_rounds=1)
+    _record(benchmark, case, impl, dict(peak_bytes=peak, how="torch.cuda.max_memory_allocated above inputs"))
+
+
+if __name__ == "__main__" and len(sys.argv) >= 7 and sys.argv[1] == "--measure":
+    impl_, N_, Hs_, Ht_, V_ = sys.argv[2], *map(int, sys.argv[3:7])
+    print(json.dumps(_measure(impl_, N_, Hs_, Ht_, V_)))

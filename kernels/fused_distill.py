@@ -1,0 +1,736 @@
+"""Triton kernels of the fused linear distillation op (reverse KL / forward KL / JSD).
+
+The public, validated, dispatching wrapper is `memopd.ops.fused_distill`; this module
+only holds the kernels and thin launchers that assume validated, contiguous inputs.
+
+Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
+
+* Masked-out tokens are never computed. The wrapper passes `order`, a permutation that
+  puts the kept rows first (a stable argsort of ~keep, made on the device), and
+  `count`, the number of kept rows as a 1-element device tensor. Programs whose whole
+  token block lies at or beyond `count` run their loops zero times (the loop bound is
+  read from device memory), so nothing is synchronised with the host.
+* Forward (`_distill_fwd_kernel`): grid (token blocks of BLOCK_N kept tokens) x
+  (vocabulary splits). Each program loops over its split in BLOCK_V tiles, computes
+  the student and the teacher logits tile with `tl.dot` (fp32 accumulation), and folds
+  each tile into fp32 online statistics per token: running maxima and sum-exps of both
+  distributions, the entropy sum, the target logit, the expectation of d = s - t
+  under the student (or the teacher), and a *joint-max* sum of exp(s) - exp(t)
+  written as exp(t)·expm1(d). That last sum gives lse_s - lse_t = log1p(ΔZ / Z_t)
+  with relative precision even when the teacher equals the student up to noise,
+  which is where the textbook "E_p[s] - lse_s - E_p[t] + lse_t" form loses everything
+  to cancellation. The vocabulary split exists for occupancy: with N = 4096 and
+  BLOCK_N = 64 there are only 64 token blocks for 132 SMs, so the vocabulary is cut
+  into enough splits for ~4 programs per SM; the partial statistics are merged
+  log-sum-exp style by a few device-side torch ops (`merge_partials`), and the
+  per-token outputs are finalised by the same code as the PyTorch path.
+  The generalised JSD needs log(β q + (1-β) p) per entry, i.e. normalised
+  distributions, so it runs a second kernel (`_jsd_pass_kernel`, same grid) once
+  both log-sum-exps are known.
+* Backward, per chunk of TOKEN_CHUNK kept tokens (bounded scratch of
+  TOKEN_CHUNK × V, never N × V):
+  - `_distill_dlogits_kernel` (2-D grid over token blocks × vocab tiles) recomputes the
+    logit tiles with `tl.dot` and writes dL/dlogits into the scratch;
+  - `_dh_kernel` computes dH = dlogits @ W_s and writes each token's row directly at
+    its original index (masked rows get zeros);
+  - `_dw_kernel` (grid over vocab blocks × hidden blocks) accumulates
+    dW += dlogits^T @ H into an fp32 buffer. Each output tile is owned by one program
+    and the token loop runs in a fixed order: deterministic, no atomics.
+  A fully recomputing backward that keeps dH in registers is only possible when the
+  hidden size is small (like flash-attention's head dim); with H = 2048..4096 the
+  dH / dW accumulators do not fit, and re-reading them from global memory once per
+  vocabulary tile costs far more than one bf16 scratch write, hence the scratch.
+
+Written for H100/H200: bf16 (or fp16) tiles into `tl.dot`, fp32 accumulation,
+BLOCK sizes 64..128, `@triton.autotune` only when a real GPU driver is present. fp32
+inputs use `input_precision="ieee"` (no silent TF32). Under `TRITON_INTERPRET=1` bf16
+arithmetic is unreliable, so loads are upcast to fp32 there (the UPCAST constexpr).
+Only plain pointer arithmetic is used (no block pointers) so the same source runs on
+Triton 3.4 .. 3.9.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Divergence codes shared with memopd.ops.fused_distill.
+REVERSE_KL, FORWARD_KL, JSD = 0, 1, 2
+
+# Stats rows saved by the forward for the backward ([5, N] fp32, one contiguous row each;
+# built by memopd.ops.fused_distill from the merged online statistics).
+STAT_LSE_S, STAT_LSE_T, STAT_DLSE, STAT_AUX, STAT_ENT = range(5)
+NUM_STATS = 5
+
+# Finite "minus infinity" so that (m_old - m_new) * 0 stays 0, never NaN. A constexpr:
+# compiled Triton refuses plain Python globals inside kernels (the interpreter does not).
+_NEG = tl.constexpr(-1.0e30)
+
+
+def _gpu_driver_present() -> bool:
+    """True only with a real GPU driver (autotune and driver queries crash without one)."""
+    if INTERPRET:
+        return False
+    try:
+        if not torch.cuda.is_available():
+            return False
+        return triton.runtime.driver.active.get_current_target() is not None
+    except Exception:  # no driver, no device, or an old Triton without the query
+        return False
+
+
+AUTOTUNE = _gpu_driver_present()
+
+
+# ----------------------------------------------------------------------------------
+# small numerics helpers (plain exp/log so they exist in every Triton version)
+# ----------------------------------------------------------------------------------
+@triton.jit
+def _expm1_small(x):
+    # Kahan's trick: accurate expm1 for |x| < 1 from exp and log only.
+    u = tl.exp(x)
+    um1 = u - 1.0
+    safe = tl.where(um1 == 0.0, 1.0, um1)
+    return tl.where(um1 == 0.0, x, safe * x / tl.log(tl.where(um1 == 0.0, 2.0, u)))
+
+
+@triton.jit
+def _log1p_small(x):
+    # Kahan's trick: accurate log1p for |x| < 1.
+    u = 1.0 + x
+    um1 = u - 1.0
+    safe = tl.where(um1 == 0.0, 1.0, um1)
+    return tl.where(um1 == 0.0, x, tl.log(tl.where(um1 == 0.0, 2.0, u)) * x / safe)
+
+
+@triton.jit
+def _jsd_u(delta, beta):
+    # u = log(beta + (1 - beta) * exp(delta)) = lm - lt, with delta = ls - lt.
+    # Small |delta|: log1p((1-beta) * expm1(delta)) keeps the O(delta) precision that the
+    # JSD of two close distributions needs; large |delta|: the direct forms cannot
+    # overflow because the exponent is always <= 0.
+    small = tl.abs(delta) < 0.5
+    d_small = tl.where(small, delta, 0.0)
+    u_small = _log1p_small((1.0 - beta) * _expm1_small(d_small))
+    pos = delta > 0.0
+    d_pos = tl.where(pos, delta, 0.0)
+    d_neg = tl.where(pos, 0.0, delta)
+    u_pos = d_pos + tl.log((1.0 - beta) + beta * tl.exp(-d_pos))
+    u_neg = tl.log(beta + (1.0 - beta) * tl.exp(d_neg))
+    return tl.where(small, u_small, tl.where(pos, u_pos, u_neg))
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w,
+                 k_end, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Raw logits tile h[rows] @ w[cols]^T (+ b[cols]) in fp32, [BLOCK_N, BLOCK_V]."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols64 = cols.to(tl.int64)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < H
+        h = tl.load(h_ptr + rows64[:, None] * stride_h + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols64[:, None] * stride_w + kk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(h, tl.trans(w), acc)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    return acc
+
+
+# ----------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------
+NUM_PART = 10  # m_s, z_s, a_s, m_t, z_t, e_d, m_j, zt_j, dz_j, s_y  (per split, per row)
+
+
+@triton.jit
+def _distill_fwd_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr, order_ptr, count_ptr, part_ptr,
+    N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp,
+    HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, DIV: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Online statistics of one token block over one vocabulary split.
+
+    Grid (token blocks, splits): splitting the vocabulary keeps every SM busy when N is
+    small (N = 4096 gives only 64 token blocks of 64); the per-split partial statistics
+    are merged afterwards (log-sum-exp style, on the device).
+    """
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    count = tl.load(count_ptr)
+    pos = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = pos < N
+    row_ok = pos < count
+    rows = tl.load(order_ptr + pos, mask=in_range, other=0)
+    rows64 = rows.to(tl.int64)
+    y = tl.load(tgt_ptr + rows64, mask=row_ok, other=-1).to(tl.int32)
+    v_lo = pid_s * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    # Whole block masked out: every loop below runs zero times (no host sync needed).
+    active = pid * BLOCK_N < count
+    v_end = tl.where(active, v_hi, v_lo)
+    ks_end = tl.where(active, Hs, 0)
+    kt_end = tl.where(active, Ht, 0)
+
+    m_s = tl.full([BLOCK_N], _NEG, tl.float32)   # running max of s
+    z_s = tl.zeros([BLOCK_N], tl.float32)        # sum exp(s - m_s)
+    a_s = tl.zeros([BLOCK_N], tl.float32)        # sum exp(s - m_s) * (s - m_s)  (entropy)
+    m_t = tl.full([BLOCK_N], _NEG, tl.float32)
+    z_t = tl.zeros([BLOCK_N], tl.float32)
+    e_d = tl.zeros([BLOCK_N], tl.float32)        # sum exp(s - m_s) * d  (reverse, JSD) or
+                                                 # sum exp(t - m_t) * d  (forward)
+    m_j = tl.full([BLOCK_N], _NEG, tl.float32)   # joint max of s and t
+    zt_j = tl.zeros([BLOCK_N], tl.float32)       # sum exp(t - m_j)
+    dz_j = tl.zeros([BLOCK_N], tl.float32)       # sum exp(s - m_j) - exp(t - m_j)
+    s_y = tl.zeros([BLOCK_N], tl.float32)
+
+    for v0 in range(v_lo, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_hi
+        valid = col_ok[None, :]
+        # Student tile first, folded into the student-only sums before the teacher tile
+        # is computed: only the shifted tile `sc` stays live across the teacher's K-loop.
+        s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
+                         stride_ws, ks_end, HAS_BS, UPCAST, IEEE_S, BLOCK_N, BLOCK_V, BLOCK_K)
+        s = tl.where(valid, s * inv_temp, _NEG)
+        s_y += tl.sum(tl.where(cols[None, :] == y[:, None], s, 0.0), axis=1)
+        m_s_new = tl.maximum(m_s, tl.max(s, axis=1))
+        alpha_s = tl.exp(m_s - m_s_new)
+        sc = s - m_s_new[:, None]            # <= 0; about -1e30 on padded columns
+        es = tl.exp(sc)                      # exactly 0 on padded columns
+        a_s = alpha_s * (a_s + (m_s - m_s_new) * z_s) + tl.sum(es * tl.where(valid, sc, 0.0), axis=1)
+        z_s = alpha_s * z_s + tl.sum(es, axis=1)
+
+        t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
+                         stride_wt, kt_end, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
+        t = tl.where(valid, t * inv_temp, _NEG)
+        m_t_new = tl.maximum(m_t, tl.max(t, axis=1))
+        alpha_t = tl.exp(m_t - m_t_new)
+        tc = t - m_t_new[:, None]
+        et = tl.exp(tc)
+        z_t = alpha_t * z_t + tl.sum(et, axis=1)
+
+        # d = s - t from the shifted tiles (0 on padded columns)
+        d = tl.where(valid, (sc - tc) + (m_s_new - m_t_new)[:, None], 0.0)
+        es = tl.exp(sc)  # recomputed rather than kept live across the teacher dot
+        if DIV == 1:
+            e_d = alpha_t * e_d + tl.sum(et * d, axis=1)
+        else:
+            e_d = alpha_s * e_d + tl.sum(es * d, axis=1)
+
+        # joint-max difference of the two normalisers, precise where d is small
+        m_j_new = tl.maximum(m_s_new, m_t_new)
+        r_j = tl.exp(m_j - m_j_new)
+        eS = es * tl.exp(m_s_new - m_j_new)[:, None]
+        eT = et * tl.exp(m_t_new - m_j_new)[:, None]
+        small = tl.abs(d) < 0.5
+        g = tl.where(small, eT * _expm1_small(tl.where(small, d, 0.0)), eS - eT)
+        zt_j = r_j * zt_j + tl.sum(eT, axis=1)
+        dz_j = r_j * dz_j + tl.sum(g, axis=1)
+
+        m_s = m_s_new
+        m_t = m_t_new
+        m_j = m_j_new
+
+    # part[stat, split, row]
+    base = part_ptr + pid_s * N + rows64
+    step = n_split * N
+    tl.store(base + 0 * step, m_s, mask=in_range)
+    tl.store(base + 1 * step, z_s, mask=in_range)
+    tl.store(base + 2 * step, a_s, mask=in_range)
+    tl.store(base + 3 * step, m_t, mask=in_range)
+    tl.store(base + 4 * step, z_t, mask=in_range)
+    tl.store(base + 5 * step, e_d, mask=in_range)
+    tl.store(base + 6 * step, m_j, mask=in_range)
+    tl.store(base + 7 * step, zt_j, mask=in_range)
+    tl.store(base + 8 * step, dz_j, mask=in_range)
+    tl.store(base + 9 * step, s_y, mask=in_range)
+
+
+@triton.jit
+def _jsd_pass_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, order_ptr, count_ptr, stats_ptr, part_ptr,
+    N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp, beta,
+    HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Second JSD pass: partial KL(p || M) and KL(q || M) per split, once lse_s, lse_t are known."""
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    count = tl.load(count_ptr)
+    pos = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = pos < N
+    row_ok = pos < count
+    rows = tl.load(order_ptr + pos, mask=in_range, other=0)
+    rows64 = rows.to(tl.int64)
+    lse_s = tl.load(stats_ptr + 0 * N + rows64, mask=row_ok, other=0.0)
+    lse_t = tl.load(stats_ptr + 1 * N + rows64, mask=row_ok, other=0.0)
+    dlse = tl.load(stats_ptr + 2 * N + rows64, mask=row_ok, other=0.0)
+    v_lo = pid_s * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    active = pid * BLOCK_N < count
+    v_end = tl.where(active, v_hi, v_lo)
+    kl_pm = tl.zeros([BLOCK_N], tl.float32)
+    kl_qm = tl.zeros([BLOCK_N], tl.float32)
+    for v0 in range(v_lo, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_hi
+        valid = col_ok[None, :]
+        s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
+                         stride_ws, Hs, HAS_BS, UPCAST, IEEE_S, BLOCK_N, BLOCK_V, BLOCK_K)
+        t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
+                         stride_wt, Ht, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
+        s = s * inv_temp
+        t = t * inv_temp
+        p = tl.where(valid, tl.exp(s - lse_s[:, None]), 0.0)
+        q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
+        delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
+        u = _jsd_u(delta, beta)
+        kl_pm += tl.sum(p * (delta - u), axis=1)
+        kl_qm += tl.sum(q * (-u), axis=1)
+    base = part_ptr + pid_s * N + rows64
+    tl.store(base, kl_pm, mask=in_range)
+    tl.store(base + n_split * N, kl_qm, mask=in_range)
+
+
+# ----------------------------------------------------------------------------------
+# backward: dlogits tiles into a bounded scratch, then two deterministic GEMMs
+# ----------------------------------------------------------------------------------
+@triton.jit
+def _distill_dlogits_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr, order_ptr, count_ptr, stats_ptr,
+    gdiv_ptr, glp_ptr, gent_ptr, out_ptr,
+    N, Hs, Ht, V, c0, n_rows, stride_hs, stride_ws, stride_ht, stride_wt, stride_out,
+    inv_temp, beta,
+    HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, DIV: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr,
+    HAS_GDIV: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    count = tl.load(count_ptr)
+    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pos = c0 + local
+    in_chunk = local < n_rows
+    row_ok = in_chunk & (pos < count)
+    rows = tl.load(order_ptr + pos, mask=in_chunk, other=0)
+    rows64 = rows.to(tl.int64)
+    active = c0 + pid_n * BLOCK_N < count
+    ks_end = tl.where(active, Hs, 0)
+    kt_end = tl.where(active, Ht, 0)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    valid = col_ok[None, :]
+
+    s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
+                     stride_ws, ks_end, HAS_BS, UPCAST, IEEE_S, BLOCK_N, BLOCK_V, BLOCK_K)
+    s = s * inv_temp
+    lse_s = tl.load(stats_ptr + 0 * N + rows64, mask=row_ok, other=0.0)
+    ls = s - lse_s[:, None]
+    p = tl.where(valid, tl.exp(ls), 0.0)
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    if HAS_GLP:
+        g_lp = tl.load(glp_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        y = tl.load(tgt_ptr + rows64, mask=row_ok, other=-1).to(tl.int32)
+        onehot = tl.where(cols[None, :] == y[:, None], 1.0, 0.0)
+        acc += g_lp[:, None] * (onehot - p)
+    if HAS_GENT:
+        g_h = tl.load(gent_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        ent = tl.load(stats_ptr + 4 * N + rows64, mask=row_ok, other=0.0)
+        acc -= g_h[:, None] * p * tl.where(valid, ls + ent[:, None], 0.0)
+    if HAS_GDIV:
+        g_d = tl.load(gdiv_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
+                         stride_wt, kt_end, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
+        t = t * inv_temp
+        dlse = tl.load(stats_ptr + 2 * N + rows64, mask=row_ok, other=0.0)
+        aux = tl.load(stats_ptr + 3 * N + rows64, mask=row_ok, other=0.0)
+        if DIV == 0:
+            # d KL(p||q) / ds_v = p_v * ((ls_v - lt_v) - KL)
+            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
+            acc += g_d[:, None] * p * (delta - aux[:, None])
+        elif DIV == 1:
+            # d KL(q||p) / ds_v = p_v - q_v = -p_v expm1(-δ_v): relative precision when
+            # q ~ p; the plain difference where |δ| is large (no cancellation, no overflow)
+            lse_t = tl.load(stats_ptr + 1 * N + rows64, mask=row_ok, other=0.0)
+            q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
+            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
+            small = tl.abs(delta) < 0.5
+            pq = tl.where(small, -p * _expm1_small(-tl.where(small, delta, 0.0)), p - q)
+            acc += g_d[:, None] * pq
+        else:
+            # d JSD / ds_v = (1 - beta) * p_v * ((ls_v - lm_v) - KL(p||M))
+            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
+            u = _jsd_u(delta, beta)
+            acc += ((1.0 - beta) * g_d)[:, None] * p * ((delta - u) - aux[:, None])
+    ds = tl.where(valid & row_ok[:, None], acc * inv_temp, 0.0)
+    out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, ds.to(out_ptr.dtype.element_ty), mask=in_chunk[:, None] & valid)
+
+
+@triton.jit
+def _dh_kernel(
+    g_ptr, w_ptr, order_ptr, count_ptr, dh_ptr,
+    V, H, c0, n_rows, stride_g, stride_w, stride_dh,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dH[order[c0 + i]] = dlogits[i] @ W  (rows of masked tokens get zeros)."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    count = tl.load(count_ptr)
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_chunk = local < n_rows
+    rows = tl.load(order_ptr + c0 + local, mask=in_chunk, other=0).to(tl.int64)
+    hh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < H
+    active = c0 + pid_m * BLOCK_M < count
+    k_end = tl.where(active, V, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < V
+        a = tl.load(g_ptr + local.to(tl.int64)[:, None] * stride_g + kk[None, :],
+                    mask=in_chunk[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + kk.to(tl.int64)[:, None] * stride_w + hh[None, :],
+                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(b.dtype), b, acc)
+    tl.store(dh_ptr + rows[:, None] * stride_dh + hh[None, :], acc.to(dh_ptr.dtype.element_ty),
+             mask=in_chunk[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def _dw_kernel(
+    g_ptr, h_ptr, order_ptr, count_ptr, dw_ptr,
+    V, H, c0, n_rows, stride_g, stride_h, stride_dw,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dW32[v] += sum_i dlogits[i, v] * h[order[c0 + i]]  (fp32 buffer, fixed order)."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    count = tl.load(count_ptr)
+    vv = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    v_ok = vv < V
+    hh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < H
+    # Only kept tokens of this chunk contribute: loop bound from device memory.
+    k_end = tl.minimum(tl.maximum(count - c0, 0), n_rows)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_end
+        a = tl.load(g_ptr + kk.to(tl.int64)[:, None] * stride_g + vv[None, :],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        rows = tl.load(order_ptr + c0 + kk, mask=k_ok, other=0).to(tl.int64)
+        b = tl.load(h_ptr + rows[:, None] * stride_h + hh[None, :],
+                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(a.to(b.dtype)), b, acc)
+    out = dw_ptr + vv.to(tl.int64)[:, None] * stride_dw + hh[None, :]
+    omask = v_ok[:, None] & h_ok[None, :]
+    prev = tl.load(out, mask=omask, other=0.0)
+    tl.store(out, prev + acc, mask=omask)
+
+
+# ----------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------
+def _cfg(bn, bv, bk, warps, stages):
+    return triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk},
+                         num_warps=warps, num_stages=stages)
+
+
+# Two [BLOCK_N, BLOCK_V] fp32 tiles (student, teacher) plus the online statistics are
+# live at once. These lists were checked by compiling every kernel variant for sm_90
+# (ptxas resource usage, with the 16-divisibility hints the launcher gives for real
+# shapes): the 16-bit KL lists do not spill at all; a 128x128 forward tile does (over
+# 1 KB of stack per thread) and is only offered to the KL dlogits kernel. The JSD
+# (three-way log/exp per entry) needs 8 warps on 64x64 tiles or narrower; fp32 inputs
+# use FMA "ieee" dots, which need small tiles (a few bytes of spill remain there).
+_KL16_CONFIGS = [
+    _cfg(64, 64, 64, 4, 3),
+    _cfg(64, 64, 64, 8, 3),
+    _cfg(64, 128, 64, 8, 3),
+    _cfg(128, 64, 64, 8, 3),
+    _cfg(64, 128, 64, 8, 4),
+]
+_JSD16_CONFIGS = [
+    _cfg(64, 64, 64, 8, 3),
+    _cfg(64, 64, 32, 8, 3),
+    _cfg(32, 128, 64, 8, 3),
+    _cfg(64, 64, 64, 8, 4),
+]
+_FP32_CONFIGS = [
+    _cfg(64, 64, 32, 8, 2),
+    _cfg(32, 64, 32, 4, 2),
+]
+
+
+def _configs(kind: str, divergence: int, fp32: bool):
+    if fp32:
+        return _FP32_CONFIGS
+    if kind == "fwd":  # the forward kernel is the same for every divergence
+        return _KL16_CONFIGS
+    if divergence == JSD:  # the JSD pass and the JSD dlogits
+        return _JSD16_CONFIGS
+    if kind == "dlogits" and divergence == REVERSE_KL:
+        return _KL16_CONFIGS + [_cfg(128, 128, 64, 8, 3)]
+    return _KL16_CONFIGS
+
+
+# Fixed GEMM tiling for the (non-idempotent) dW accumulation and for dH: autotuning a
+# kernel that accumulates into its output would corrupt it across benchmark runs.
+_GEMM_GPU = dict(BLOCK_M=128, BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=3)
+_GEMM_GPU_FP32 = dict(BLOCK_M=64, BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
+_GEMM_INTERP = dict(BLOCK_M=32, BLOCK_H=32, BLOCK_K=32)
+_LOSS_INTERP = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=32)
+
+_KERNELS = {"fwd": _distill_fwd_kernel, "jsd": _jsd_pass_kernel, "dlogits": _distill_dlogits_kernel}
+_KEYS = {"fwd": ["Hs", "Ht", "V", "DIV"],
+         "jsd": ["Hs", "Ht", "V"],
+         "dlogits": ["Hs", "Ht", "V", "DIV", "HAS_GDIV", "HAS_GLP", "HAS_GENT"]}
+_TUNERS = {}
+
+
+def _launcher(kind: str, divergence: int, fp32: bool):
+    """(kernel or autotuner, explicit meta-parameters) for one kernel variant."""
+    if INTERPRET:
+        return _KERNELS[kind], dict(_LOSS_INTERP)
+    cfgs = _configs(kind, divergence, fp32)
+    if not AUTOTUNE:
+        c = cfgs[0]
+        return _KERNELS[kind], dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    name = (kind, divergence, fp32)
+    if name not in _TUNERS:
+        _TUNERS[name] = triton.autotune(cfgs, key=_KEYS[kind])(_KERNELS[kind])
+    return _TUNERS[name], {}
+
+
+def _gemm_meta(fp32: bool):
+    if INTERPRET:
+        return dict(_GEMM_INTERP)
+    return dict(_GEMM_GPU_FP32 if fp32 else _GEMM_GPU)
+
+
+def _upcast(*dtypes) -> bool:
+    # The interpreter gets bf16 arithmetic / dot wrong: compute it in fp32 there.
+    return INTERPRET and any(d in (torch.bfloat16, torch.float16) for d in dtypes)
+
+
+def _ieee(dtype) -> bool:
+    return dtype == torch.float32
+
+
+def _compaction(keep: torch.Tensor):
+    """Kept rows first (stable), and their count as a device tensor: no host sync."""
+    order = torch.argsort((~keep).to(torch.int8), stable=True).to(torch.int32)
+    count = keep.sum(dtype=torch.int32).reshape(1)
+    return order, count
+
+
+def _num_splits(N: int, V: int, device) -> int:
+    """Vocabulary splits of the forward grid: ~4 programs per SM, >= 1024 columns each."""
+    env = os.environ.get("MEMOPD_DISTILL_SPLITS")
+    if env:
+        return max(1, int(env))
+    if INTERPRET:
+        return min(3, triton.cdiv(V, 128))  # small, but exercises the merge
+    try:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    except Exception:
+        sms = 132
+    want = triton.cdiv(4 * sms, triton.cdiv(N, 64))
+    return max(1, min(want, triton.cdiv(V, 1024)))
+
+
+def _split_plan(N: int, V: int, device):
+    splits = _num_splits(N, V, device)
+    # multiple of 128 so that no tile straddles two splits for any BLOCK_V <= 128
+    per = triton.cdiv(triton.cdiv(V, splits), 128) * 128
+    return triton.cdiv(V, per), per
+
+
+def merge_partials(part: torch.Tensor, divergence: int):
+    """Merge [NUM_PART, splits, N] partial statistics into [NUM_PART, N] (device ops only)."""
+    m_s, z_s, a_s, m_t, z_t, e_d, m_j, zt_j, dz_j, s_y = part.unbind(0)
+    M_s = m_s.amax(0)
+    w_s = torch.exp(m_s - M_s)
+    M_t = m_t.amax(0)
+    w_t = torch.exp(m_t - M_t)
+    M_j = m_j.amax(0)
+    w_j = torch.exp(m_j - M_j)
+    return torch.stack([
+        M_s, (w_s * z_s).sum(0), (w_s * (a_s + (m_s - M_s) * z_s)).sum(0),
+        M_t, (w_t * z_t).sum(0), ((w_t if divergence == FORWARD_KL else w_s) * e_d).sum(0),
+        M_j, (w_j * zt_j).sum(0), (w_j * dz_j).sum(0), s_y.sum(0),
+    ])
+
+
+def _common(hs, ws, bs, ht, wt, bt):
+    return (hs, ws, bs if bs is not None else ws, ht, wt, bt if bt is not None else wt)
+
+
+def distill_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_size, divergence):
+    """Launch the fused forward. Returns the merged online statistics [NUM_PART, N] fp32.
+
+    The per-token outputs are finalised from these by `memopd.ops.fused_distill` (the same
+    code as its PyTorch path); the JSD then needs `jsd_second_pass`.
+    """
+    N = hs.shape[0]
+    dev = hs.device
+    if N == 0:
+        return torch.zeros((NUM_PART, 0), device=dev, dtype=torch.float32)
+    order, count = _compaction(keep)
+    splits, per = _split_plan(N, vocab_size, dev)
+    part = torch.empty((NUM_PART, splits, N), device=dev, dtype=torch.float32)
+    fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
+    launch, meta = _launcher("fwd", divergence, fp32)
+    grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
+    launch[grid](
+        *_common(hs, ws, bs, ht, wt, bt), targets, order, count, part,
+        N, hs.shape[1], ht.shape[1], vocab_size, per,
+        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / temperature,
+        HAS_BS=bs is not None, HAS_BT=bt is not None, DIV=divergence,
+        UPCAST=_upcast(hs.dtype, ht.dtype), IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht.dtype),
+        **meta,
+    )
+    return part[:, 0] if splits == 1 else merge_partials(part, divergence)
+
+
+def jsd_second_pass(hs, ws, bs, ht, wt, bt, keep, stats, temperature, vocab_size, beta):
+    """KL(p||M) and KL(q||M) per token ([2, N] fp32) from stats rows lse_s, lse_t, dlse."""
+    N = hs.shape[0]
+    dev = hs.device
+    if N == 0:
+        return torch.zeros((2, 0), device=dev, dtype=torch.float32)
+    order, count = _compaction(keep)
+    splits, per = _split_plan(N, vocab_size, dev)
+    part = torch.empty((2, splits, N), device=dev, dtype=torch.float32)
+    fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
+    launch, meta = _launcher("jsd", JSD, fp32)
+    grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
+    launch[grid](
+        *_common(hs, ws, bs, ht, wt, bt), order, count, stats, part,
+        N, hs.shape[1], ht.shape[1], vocab_size, per,
+        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / temperature, float(beta),
+        HAS_BS=bs is not None, HAS_BT=bt is not None,
+        UPCAST=_upcast(hs.dtype, ht.dtype), IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht.dtype),
+        **meta,
+    )
+    return part.sum(1)
+
+
+def default_token_chunk(n_tokens: int, vocab_size: int, elem_bytes: int) -> int:
+    """Rows of the backward dlogits scratch: ~512 MiB by default (MEMOPD_DISTILL_SCRATCH_MB).
+
+    Each chunk adds one read-modify-write of the fp32 dW buffer (V x H x 8 bytes, ~4 GB
+    at Qwen2.5-7B shapes), so fewer, larger chunks are faster; the budget bounds memory.
+    """
+    budget = int(float(os.environ.get("MEMOPD_DISTILL_SCRATCH_MB", "512")) * 2**20)
+    rows = max(128, budget // max(1, vocab_size * elem_bytes))
+    rows = (rows // 128) * 128
+    return max(1, min(rows, n_tokens))
+
+
+def distill_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, stats,
+                     temperature, vocab_size, divergence, beta, need_dh, need_dw, need_db,
+                     token_chunk=0):
+    """Launch the backward. Returns (dh, dw, db); entries not needed are None."""
+    N, Hs = hs.shape
+    V_full = ws.shape[0]
+    dev = hs.device
+    dh = torch.empty_like(hs) if need_dh else None
+    # fp32 accumulation of dW across token chunks; rows of padded columns stay zero.
+    dw32 = torch.zeros((V_full, Hs), device=dev, dtype=torch.float32) if need_dw else None
+    db32 = torch.zeros(V_full, device=dev, dtype=torch.float32) if need_db else None
+    if N == 0 or not (need_dh or need_dw or need_db) or (g_div is None and g_lp is None and g_ent is None):
+        if dh is not None:
+            dh.zero_()
+        return (dh, None if dw32 is None else dw32.to(ws.dtype),
+                None if db32 is None else db32.to(bs.dtype))
+    order, count = _compaction(keep)
+    scratch_dtype = ws.dtype if ws.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    elem = torch.empty((), dtype=scratch_dtype).element_size()
+    chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, vocab_size, elem)
+    chunk = min(chunk, N)
+    scratch = torch.empty((chunk, vocab_size), device=dev, dtype=scratch_dtype)
+    dummy = stats
+    fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
+    launch, meta = _launcher("dlogits", divergence, fp32)
+    gm = _gemm_meta(scratch_dtype == torch.float32)
+    upcast = _upcast(hs.dtype, ht.dtype, scratch_dtype)
+    for c0 in range(0, N, chunk):
+        n_rows = min(chunk, N - c0)
+        grid = lambda m: (triton.cdiv(n_rows, m["BLOCK_N"]), triton.cdiv(vocab_size, m["BLOCK_V"]))  # noqa: E731
+        launch[grid](
+            hs, ws, bs if bs is not None else ws, ht, wt, bt if bt is not None else wt,
+            targets, order, count, stats,
+            g_div if g_div is not None else dummy, g_lp if g_lp is not None else dummy,
+            g_ent if g_ent is not None else dummy, scratch,
+            N, Hs, ht.shape[1], vocab_size, c0, n_rows,
+            hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), scratch.stride(0),
+            1.0 / temperature, float(beta),
+            HAS_BS=bs is not None, HAS_BT=bt is not None, DIV=divergence, UPCAST=upcast,
+            IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht.dtype),
+            HAS_GDIV=g_div is not None, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
+            **meta,
+        )
+        if need_dh:
+            grid_h = (triton.cdiv(n_rows, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
+            _dh_kernel[grid_h](
+                scratch, ws, order, count, dh, vocab_size, Hs, c0, n_rows,
+                scratch.stride(0), ws.stride(0), dh.stride(0),
+                UPCAST=upcast, IEEE=scratch_dtype == torch.float32, **gm,
+            )
+        if need_dw:
+            grid_w = (triton.cdiv(vocab_size, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
+            _dw_kernel[grid_w](
+                scratch, hs, order, count, dw32, vocab_size, Hs, c0, n_rows,
+                scratch.stride(0), hs.stride(0), dw32.stride(0),
+                UPCAST=upcast, IEEE=scratch_dtype == torch.float32, **gm,
+            )
+        if need_db:
+            # rows of masked tokens are zero in the scratch; torch's sum is deterministic
+            db32[:vocab_size] += scratch[:n_rows].sum(0, dtype=torch.float32)
+    dw = None
+    if need_dw:
+        dw = dw32 if ws.dtype == torch.float32 else dw32.to(ws.dtype)
+    db = None
+    if need_db:
+        db = db32 if bs.dtype == torch.float32 else db32.to(bs.dtype)
+    return dh, dw, db

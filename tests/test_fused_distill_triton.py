@@ -1,0 +1,288 @@
+"""Fused linear distillation: the Triton kernels, run by the Triton interpreter on CPU.
+
+`TRITON_INTERPRET=1` has to be set before Triton itself is imported (Triton decorates
+its own `tl.*` helpers at import time, in one mode or the other), so this file sets it
+at the very top. Two ways to run:
+
+* In process (a CPU-only session where Triton is not yet imported, the normal CI
+  case): the variable is set and the kernel module imported. The variable is left
+  set: Triton itself is now imported in interpreter mode for the whole process, so
+  any Triton kernel imported later on this GPU-less machine needs the interpreter
+  too (and Triton reads the variable again at launch time). Un-setting it afterwards
+  would only make later modules disagree with the already-imported Triton.
+* In a subprocess (a GPU host, or a session where Triton was already imported in
+  compiled mode): the in-process tests are skipped and `test_interpreter_suite_in_subprocess`
+  runs this same file in a fresh `python -m pytest` with TRITON_INTERPRET=1 and no
+  visible GPU, so the interpreted Triton never shares a process with compiled kernels.
+
+Sizes stay tiny (N <= 64, V <= 300, H <= 64): the interpreter runs each tile in numpy.
+bf16 arithmetic is unreliable in the interpreter, so the kernels upcast loaded tiles to
+fp32 there (the UPCAST constexpr); fp32 / fp16 / bf16 inputs are all exercised.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_CHILD = os.environ.get("MEMOPD_TRITON_INTERP_CHILD") == "1"
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+_TRITON_COMPILED_LOADED = "triton" in sys.modules and _PREV_INTERPRET != "1"
+IN_PROCESS = _CHILD or (not _TRITON_COMPILED_LOADED and not torch.cuda.is_available())
+
+kern = None
+if IN_PROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - triton is a test dependency on Linux
+        IN_PROCESS = False
+    else:
+        import memopd.kernels.fused_distill as kern
+
+from memopd.ops import fused_linear_distill, reference_linear_distill  # noqa: E402
+
+DIVS = ["reverse_kl", "forward_kl", "jsd"]
+inproc = pytest.mark.skipif(not IN_PROCESS, reason="interpreted Triton runs in a subprocess here "
+                            "(GPU host or Triton already imported in compiled mode)")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the interpreter tests run in this process")
+def test_interpreter_suite_in_subprocess():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", MEMOPD_TRITON_INTERP_CHILD="1",
+               CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    print(res.stdout[-5000:], res.stderr[-3000:])
+    assert res.returncode == 0, f"interpreted Triton tests failed:\n{res.stdout[-5000:]}"
+
+
+@pytest.fixture
+def seed(request):
+    """A fresh seed per test; MEMOPD_TEST_SEED replays one."""
+    s = int(os.environ.get("MEMOPD_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"[seed] {request.node.nodeid}: MEMOPD_TEST_SEED={s}")
+    return s
+
+
+def make_inputs(seed, N=48, Hs=40, Ht=24, V=300, Vt=None, dtype=torch.float32, bias=True,
+                teacher_bias=False, mask_p=0.3, scale=0.4, close=False):
+    g = torch.Generator().manual_seed(seed)
+    Vt = V if Vt is None else Vt
+    hs = torch.randn(N, Hs, generator=g)
+    ws = torch.randn(V, Hs, generator=g) * scale
+    if close:
+        ht, wt = hs.clone(), ws[:Vt].clone() + 1e-3 * torch.randn(Vt, Hs, generator=g)
+    else:
+        ht = torch.randn(N, Ht, generator=g)
+        wt = torch.randn(Vt, Ht, generator=g) * scale
+    y = torch.randint(0, min(V, Vt), (N,), generator=g)
+    mask = torch.rand(N, generator=g) > mask_p
+    bs = torch.randn(V, generator=g) * 0.5 if bias else None
+    bt = torch.randn(Vt, generator=g) * 0.5 if teacher_bias else None
+    c = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    return dict(hs=c(hs).requires_grad_(), ws=c(ws).requires_grad_(),
+                bs=None if bs is None else c(bs).requires_grad_(), ht=c(ht), wt=c(wt), bt=c(bt),
+                y=y, mask=mask)
+
+
+def as64(inp):
+    return {k: (v.detach().double().requires_grad_(v.requires_grad)
+                if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in inp.items()}
+
+
+def run(fn, inp, weights=None, **kw):
+    out = fn(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], mask=inp["mask"],
+             student_bias=inp["bs"], teacher_bias=inp["bt"], **kw)
+    if weights is None:
+        return out, None
+    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
+    total = sum((getattr(out, k) * w.to(getattr(out, k).dtype)).sum() for k, w in weights.items())
+    g = torch.autograd.grad(total, params, allow_unused=True)
+    return out, [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
+
+
+def weights_for(seed, N, which=("loss", "kl", "logprobs", "entropy")):
+    g = torch.Generator().manual_seed(seed + 11)
+    return {k: (torch.tensor(0.8) if k == "loss" else torch.randn(N, generator=g)) for k in which}
+
+
+def assert_close(a, b, atol, rtol, what, seed):
+    a, b = a.detach().double(), b.detach().double()
+    assert torch.isfinite(a).all(), f"{what}: non-finite (seed={seed})"
+    err = (a - b).abs()
+    assert (err <= atol + rtol * b.abs()).all(), (
+        f"{what}: max abs err {err.max().item():.3e} (atol={atol}, rtol={rtol}, seed={seed})")
+
+
+def check(seed, inp, weights, kw, val_tol=(3e-5, 3e-5), grad_tol=(3e-5, 2e-4), **triton_kw):
+    out, g = run(fused_linear_distill, inp, weights, backend="triton", **kw, **triton_kw)
+    ref, gr = run(reference_linear_distill, as64(inp), weights, **kw)
+    for name in ("loss", "kl", "logprobs", "entropy"):
+        assert_close(getattr(out, name), getattr(ref, name), *val_tol, name, seed)
+    for name, a, b in zip(("d_hidden", "d_weight", "d_bias"), g, gr):
+        assert_close(a, b, grad_tol[0] * (b.abs().max().item() + 1e-12), grad_tol[1], name, seed)
+    return out, g
+
+
+@inproc
+def test_runs_in_interpreter_mode():
+    assert kern.INTERPRET and not kern.AUTOTUNE
+
+
+@inproc
+@pytest.mark.parametrize("divergence", DIVS)
+def test_values_and_grads_vs_float64(seed, divergence):
+    # padded teacher vocab, teacher bias, Hs != Ht, temperature, masked rows, and a
+    # backward split into several token chunks of the dlogits scratch
+    inp = make_inputs(seed, V=300, Vt=311, teacher_bias=True)
+    with torch.no_grad():
+        inp["wt"][300:] = 40.0  # padded rows must never enter the teacher softmax
+    check(seed, inp, weights_for(seed, 48),
+          dict(divergence=divergence, temperature=1.4, vocab_size=300, beta=0.35),
+          token_chunk_size=16)
+
+
+@inproc
+@pytest.mark.parametrize("which", ["kl", "logprobs", "entropy"])
+def test_each_output_alone(seed, which):
+    inp = make_inputs(seed, N=40, V=200)
+    check(seed, inp, weights_for(seed, 40, (which,)), dict(temperature=0.8))
+
+
+@inproc
+def test_padded_student_vocab(seed):
+    inp = make_inputs(seed, N=32, V=260, Vt=250)
+    out, g = check(seed, inp, weights_for(seed, 32), dict(vocab_size=250))
+    assert g[1][250:].abs().max() == 0 and g[2][250:].abs().max() == 0, f"seed={seed}"
+
+
+@inproc
+@pytest.mark.parametrize("divergence", DIVS)
+def test_close_distributions(seed, divergence):
+    inp = make_inputs(seed, N=48, Hs=32, V=300, bias=False, close=True, scale=0.6)
+    out, _ = run(fused_linear_distill, inp, backend="triton", divergence=divergence)
+    ref, _ = run(reference_linear_distill, as64(inp), divergence=divergence)
+    err = (out.kl.double() - ref.kl).abs()
+    assert (out.kl >= 0).all(), f"negative divergence (seed={seed})"
+    assert err.max() <= 1e-6, f"abs err {err.max().item():.2e} (seed={seed})"
+    # within 1% of the divergence, down to the fp32-logit floor (see test_fused_distill.py)
+    kept = inp["mask"]
+    excess = (err - (1e-2 * ref.kl.abs() + 2e-9))[kept]
+    assert not kept.any() or excess.max() <= 0, f"excess {excess.max().item():.2e} (seed={seed})"
+
+
+@inproc
+def test_all_masked(seed):
+    inp = make_inputs(seed, N=40, V=150)
+    inp["mask"] = torch.zeros(40, dtype=torch.bool)
+    for div in DIVS:
+        out, g = run(fused_linear_distill, inp, weights_for(seed, 40), backend="triton", divergence=div)
+        assert out.loss.item() == 0.0, f"seed={seed}"
+        for t in (out.kl, out.logprobs, out.entropy, *g):
+            assert torch.isfinite(t).all() and t.abs().max() == 0, f"{div} (seed={seed})"
+
+
+@inproc
+def test_leading_rows_masked_and_partial_blocks(seed):
+    # kept rows scattered behind masked ones: exercises the device-side compaction
+    inp = make_inputs(seed, N=45, V=130)
+    inp["mask"][:20] = False
+    check(seed, inp, weights_for(seed, 45), dict(divergence="jsd", beta=0.7), token_chunk_size=8)
+
+
+@inproc
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs(seed, dtype):
+    inp = make_inputs(seed, N=32, Hs=32, Ht=32, V=160, dtype=dtype)
+    # fp32 statistics keep the values tight; grads are rounded to the 16-bit dtype
+    out, g = check(seed, inp, weights_for(seed, 32), dict(temperature=1.1), val_tol=(3e-5, 3e-5),
+                   grad_tol=(1.5e-2, 1.5e-2))
+    assert g[1].dtype == dtype
+
+
+@inproc
+def test_triton_matches_torch_path(seed):
+    inp = make_inputs(seed, N=33, V=120, teacher_bias=True)  # one vocabulary split: no merge
+    w = weights_for(seed, 33)
+    a, ga = run(fused_linear_distill, inp, w, backend="triton", divergence="reverse_kl")
+    b, gb = run(fused_linear_distill, inp, w, backend="torch", divergence="reverse_kl")
+    for name in ("kl", "logprobs", "entropy"):
+        assert_close(getattr(a, name), getattr(b, name), 2e-6, 1e-5, name, seed)
+    for x, y_ in zip(ga, gb):
+        assert_close(x, y_, 2e-6 * y_.abs().max().item(), 1e-4, "grad", seed)
+
+
+# ----------------------------------------------------------------------------------
+# compiled mode: the kernels must also compile for a real GPU (sm_90), which the
+# interpreter cannot show (it accepts e.g. plain Python globals that nvcc-bound
+# Triton rejects). Ahead-of-time compilation needs no GPU, only Triton's bundled ptxas.
+# ----------------------------------------------------------------------------------
+_AOT_SCRIPT = r"""
+import json, os, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import memopd.kernels.fused_distill as k
+
+def compile_kernel(fn, types, consts, num_warps, num_stages):
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    # the launcher's specialisation for real shapes: 16-aligned pointers and strides
+    div16 = [i for i, n in enumerate(fn.arg_names) if n not in consts and
+             (sig[n].startswith("*") or n.startswith("stride") or n in ("Hs", "Ht", "V", "H", "N"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+loss = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16", wt_ptr="*bf16",
+            bt_ptr="*bf16", tgt_ptr="*i64", order_ptr="*i32", count_ptr="*i32", div_ptr="*fp32",
+            lp_ptr="*fp32", ent_ptr="*fp32", stats_ptr="*fp32", gdiv_ptr="*fp32", glp_ptr="*fp32",
+            gent_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", N="i32", Hs="i32", Ht="i32",
+            V="i32", c0="i32", n_rows="i32", v_per_split="i32", stride_hs="i32", stride_ws="i32",
+            stride_ht="i32", stride_wt="i32", stride_out="i32", inv_temp="fp32", beta="fp32")
+gemm = dict(g_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", order_ptr="*i32", count_ptr="*i32",
+            dh_ptr="*bf16", dw_ptr="*fp32", V="i32", H="i32", c0="i32", n_rows="i32",
+            stride_g="i32", stride_w="i32", stride_dh="i32", stride_h="i32", stride_dw="i32")
+done = []
+for kind, fn, div in (("fwd", k._distill_fwd_kernel, k.REVERSE_KL),
+                      ("jsd", k._jsd_pass_kernel, k.JSD),
+                      ("dlogits", k._distill_dlogits_kernel, k.JSD)):
+    cfg = k._configs(kind, div, False)[0]
+    consts = dict(HAS_BS=True, HAS_BT=True, UPCAST=False, IEEE_S=False, IEEE_T=False,
+                  **cfg.kwargs)
+    if kind != "jsd":
+        consts["DIV"] = div
+    if kind == "dlogits":
+        consts.update(HAS_GDIV=True, HAS_GLP=True, HAS_GENT=True)
+    compile_kernel(fn, loss, consts, cfg.num_warps, cfg.num_stages)
+    done.append(kind)
+g = dict(k._GEMM_GPU)
+nw, ns = g.pop("num_warps"), g.pop("num_stages")
+for fn in (k._dh_kernel, k._dw_kernel):
+    compile_kernel(fn, gemm, dict(UPCAST=False, IEEE=False, **g), nw, ns)
+    done.append(fn.__name__)
+print(json.dumps(done))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.nvidia import compiler as _nv  # noqa: F401
+    except Exception as e:  # pragma: no cover - Triton built without the NVIDIA backend
+        pytest.skip(f"no NVIDIA backend in this Triton: {e}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if res.returncode != 0 and ("ASTSource" in res.stderr and "TypeError" in res.stderr):
+        pytest.skip(f"this Triton's AOT API differs: {res.stderr[-500:]}")
+    assert res.returncode == 0, f"sm_90 compilation failed:\n{res.stderr[-4000:]}"
+    assert "_dw_kernel" in res.stdout
