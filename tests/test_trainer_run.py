@@ -13,7 +13,7 @@ def sft_dirs(tmp_path_factory):
     from memopd.env.sft import SFTConfig, run_sft
 
     out = tmp_path_factory.mktemp("sft")
-    tiny = SFTConfig(steps=3, ks=(1, 2), tasks_per_k=4)
+    tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
     run_sft(out, sft_configs={"teacher": tiny, "student": tiny}, progress=False, log=lambda *_: None)
     return str(out / "student"), str(out / "teacher")
 

@@ -64,6 +64,7 @@ class TrainConfig:
     tensorboard: bool = False
     deepspeed: str = ""  # path to a DeepSpeed JSON config: enables ZeRO
     progress: bool = True
+    cpu_threads: int = 1  # torch threads on CPU: tiny models run fastest on one (0 = torch default)
 
     def validate(self) -> "TrainConfig":
         if self.arm not in ARMS:

@@ -58,6 +58,10 @@ class Trainer:
         self.env = env
         self.world = world
         self.log = log
+        if cfg.cpu_threads > 0 and not torch.cuda.is_available():
+            # per-op threading overhead dominates for tiny models, and oversubscribed
+            # cores (other processes, other ranks) make it far worse
+            torch.set_num_threads(cfg.cpu_threads)
         self.info = init_distributed()
         self.rank = self.info.rank
         self.world_size = self.info.world_size
