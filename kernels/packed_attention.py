@@ -1,0 +1,838 @@
+"""Triton kernels for packed attention: block-diagonal causal segments + shared prefix + GQA.
+
+Forward and backward of softmax attention over a packed stream of T tokens whose mask is
+given as O(T) metadata (`memopd.layout.AttentionMeta`): key j is visible to query i iff
+
+    seg_start[i] <= j <= i   or   prefix_start[i] <= j < prefix_end[i].
+
+No dense mask and no position ids ever reach the kernels. Layout: q `[T, Hq, D]`,
+k/v `[T, Hkv, D]` with Hq a multiple of Hkv (query head h reads kv head h // (Hq/Hkv)).
+
+Forward (`packed_attention_fwd`), one program per (query block, query head): the rows'
+metadata give two key ranges — the union of the rows' prefix intervals and the own-segment
+range [min seg_start, max i] — and the program walks only the key blocks of those ranges
+(each block once, even when the ranges overlap). Inside the ranges a block no row sees is
+skipped, a block every row sees fully runs without an element mask, and only edge blocks are
+element-masked. Rows that see nothing give zeros and LSE = -inf, never NaN.
+
+Backward (`packed_attention_bwd`), FA2 style:
+  * dK/dV: one program per (key block, kv head). Its query tiles stack the GQA group's
+    query heads (tile rows = query rows x heads), so one pass sums dK/dV over the group in
+    registers, deterministically. It walks only the query blocks that can see the key block:
+    those ranges come from an O(T) per-key precomputation (`key_query_ranges`, a few
+    vectorised torch ops on the tensors' device, no host sync). For prefix keys the range
+    covers every call segment linked to the prefix, so the prefix's dK/dV are summed over
+    all its readers without copying prefix K/V per segment. The precomputation is per
+    token, so the kernel's block sizes (autotuned on GPU) need not be known when it runs.
+  * dQ: by default accumulated with fp32 atomics from the dK/dV programs (fewest FLOPs);
+    with `deterministic=True` a separate query-major kernel recomputes P and writes dQ once
+    per row (no atomics, bitwise reproducible).
+
+Triton compatibility: plain pointer arithmetic only (no block pointers, no descriptors), so
+the same source runs on Triton 3.4-3.9. Under TRITON_INTERPRET=1 (CPU tests) bf16 loads are
+upcast to fp32 through a constexpr switch, because the interpreter's bf16 arithmetic is
+wrong, and small fixed blocks are used; `@triton.autotune` is only applied when a real GPU
+is present, since it needs a driver. Without a GPU at hand the kernels were also compiled
+offline for sm_90 (Triton 3.9 + ptxas, see test_kernels_compile_for_hopper): wgmma, cp.async
+pipelining, shared memory and register use of the configurations below come from there;
+their speed on an H100/H200 has not been measured yet.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "INTERPRET",
+    "SUPPORTED_HEAD_DIMS",
+    "packed_attention_fwd",
+    "packed_attention_bwd",
+    "key_query_ranges",
+    "check_triton_inputs",
+]
+
+# Read once: the choice between interpreted and compiled kernels is made by triton.jit at
+# import time, so a later change of the variable would not take effect anyway.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_USE_AUTOTUNE = (not INTERPRET) and torch.cuda.is_available()
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The kernels work in base 2 (exp2/log2 are the fast hardware ops): scores are scaled by
+# softmax_scale * log2(e); the stored LSE is converted back to natural log. Inside the
+# kernels, 1 << 30 is the "no range" sentinel of integer min-reductions (far above any
+# token index, far below 2^31).
+_LOG2E = 1.4426950408889634
+
+# Interpreter block sizes: tl.dot needs every dimension >= 16.
+_INTERP_BLOCK = 16
+
+
+# --------------------------------------------------------------------------------------
+# shared helpers (inlined by Triton)
+# --------------------------------------------------------------------------------------
+# The interpreter re-patches triton.language on every call of a @triton.jit device function
+# (about 0.3 ms each). These helpers run once per (query block, key block) pair, which made
+# that patching most of the test time; under TRITON_INTERPRET=1 they are therefore plain
+# Python functions (the interpreter runs kernels as Python anyway, with tl already patched),
+# and compiled, inlined device functions everywhere else.
+_helper = (lambda fn: fn) if INTERPRET else triton.jit
+
+
+@_helper
+def _row_meta(SEG, PST, PEND, offs_m, T, valid):
+    """Per query row: own range [own_lo, own_hi] (inclusive) and prefix range [pre_lo, pre_hi).
+
+    Empty ranges are normalised to (BIG, -1) / (BIG, 0) so that interval tests and
+    min/max reductions need no extra flags; rows past T, or not `valid`, are empty.
+    """
+    row_ok = (offs_m < T) & valid
+    ss = tl.load(SEG + offs_m, mask=row_ok, other=1 << 30)
+    ps = tl.load(PST + offs_m, mask=row_ok, other=0)
+    pe = tl.load(PEND + offs_m, mask=row_ok, other=0)
+    own_ok = row_ok & (ss <= offs_m)
+    pre_ok = row_ok & (ps < pe)
+    own_lo = tl.where(own_ok, ss, 1 << 30)
+    own_hi = tl.where(own_ok, offs_m, -1)
+    pre_lo = tl.where(pre_ok, ps, 1 << 30)
+    pre_hi = tl.where(pre_ok, pe, 0)
+    return own_lo, own_hi, pre_lo, pre_hi, row_ok
+
+
+@_helper
+def _block_class(own_lo, own_hi, pre_lo, pre_hi, row_ok, n0, BLOCK_N: tl.constexpr):
+    """(does any row see a key of [n0, n0+BLOCK_N), does every row see all of it)."""
+    n_last = n0 + BLOCK_N - 1
+    sees_any = ((pre_lo <= n_last) & (pre_hi > n0)) | ((own_lo <= n_last) & (own_hi >= n0))
+    # "full" implies n_last < T: own_hi < T and pre_hi <= T. Rows past T never count as
+    # full, so the ragged tail always goes through the masked path.
+    sees_all = row_ok & (((pre_lo <= n0) & (pre_hi > n_last)) | ((own_lo <= n0) & (own_hi >= n_last)))
+    # both answers from one reduction (reductions are the costly part in the interpreter):
+    # low 16 bits count rows that see something, high bits rows that do not see it all
+    # (BLOCK_M <= 2^15, so the fields cannot overflow into each other)
+    code = tl.sum(sees_any.to(tl.int32) + (1 - sees_all.to(tl.int32)) * 65536, axis=0)
+    any_blk = (code & 65535) > 0
+    full_blk = (code >> 16) == 0
+    return any_blk, full_blk
+
+
+@_helper
+def _visible(own_lo, own_hi, pre_lo, pre_hi, offs_n):
+    """Element mask [BM, BN] of the rows (their ranges from `_row_meta`) over keys offs_n."""
+    n = offs_n[None, :]
+    return ((n >= pre_lo[:, None]) & (n < pre_hi[:, None])) | ((n >= own_lo[:, None]) & (n <= own_hi[:, None]))
+
+
+@_helper
+def _visible_t(own_lo, own_hi, pre_lo, pre_hi, offs_n):
+    """The same mask transposed, [BN, BM] (keys x rows), built directly in that layout."""
+    n = offs_n[:, None]
+    return ((n >= pre_lo[None, :]) & (n < pre_hi[None, :])) | ((n >= own_lo[None, :]) & (n <= own_hi[None, :]))
+
+
+@_helper
+def _ranges_to_blocks(lo, hi, BLOCK: tl.constexpr):
+    """Token range [lo, hi) -> block range [b0, b1); empty ranges become (0, 0)."""
+    nonempty = hi > lo
+    b0 = tl.where(nonempty, lo // BLOCK, 0)
+    b1 = tl.where(nonempty, (hi + BLOCK - 1) // BLOCK, 0)
+    return b0, b1
+
+
+# --------------------------------------------------------------------------------------
+# forward
+# --------------------------------------------------------------------------------------
+@_helper
+def _fwd_step(
+    acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+    own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """One key block of the online softmax."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < T
+    rows_n = offs_n.to(tl.int64)
+    kT = tl.load(K_head + rows_n[None, :] * stride_kt + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+    v = tl.load(V_head + rows_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        kT = kT.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+    if not full_blk:
+        s = tl.where(_visible(own_lo, own_hi, pre_lo, pre_hi, offs_n), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row with nothing visible so far keeps m = -inf; subtracting 0 instead of -inf
+    # keeps exp2 at 0 instead of NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+    own_lo, own_hi, pre_lo, pre_hi, row_ok, T, blk_lo, blk_hi, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
+):
+    """Key blocks [blk_lo, blk_hi). SKIP_EMPTY tests each block for a reader first; it is
+    only used where the range may have gaps, so the common loops carry no conditional
+    around their loads (which would keep Triton from pipelining them)."""
+    for nb in range(blk_lo, blk_hi):
+        n0 = nb * BLOCK_N
+        any_blk, full_blk = _block_class(own_lo, own_hi, pre_lo, pre_hi, row_ok, n0, BLOCK_N)
+        if SKIP_EMPTY:
+            if any_blk:
+                acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                                          own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
+                                          BLOCK_N, HEAD_DIM, UPCAST, PREC)
+        else:
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                                      own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
+                                      BLOCK_N, HEAD_DIM, UPCAST, PREC)
+    return acc, l_i, m_i
+
+
+@_helper
+def _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N: tl.constexpr):
+    """Key block ranges of a query block: A (prefix intervals) and B (own segments), and
+    whether A is gap-free (all rows that have a prefix share the same interval)."""
+    lo_min = tl.min(pre_lo, 0)
+    hi_max = tl.max(pre_hi, 0)
+    lo_max = tl.max(tl.where(pre_hi > 0, pre_lo, -1), 0)
+    hi_min = tl.min(tl.where(pre_hi > 0, pre_hi, 1 << 30), 0)
+    a_uniform = (lo_min == lo_max) & (hi_min == hi_max)
+    a0, a1 = _ranges_to_blocks(lo_min, hi_max, BLOCK_N)
+    # own ranges of consecutive rows chain into one interval (only long padding runs leave
+    # gaps, and those are masked, not wrong)
+    b0, b1 = _ranges_to_blocks(tl.min(own_lo, 0), tl.max(own_hi, 0) + 1, BLOCK_N)
+    return a0, a1, a_uniform, b0, b1
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, SEG, PST, PEND, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    own_lo, own_hi, pre_lo, pre_hi, row_ok = _row_meta(SEG, PST, PEND, offs_m, T, offs_m >= 0)
+
+    rows_m = offs_m.to(tl.int64)
+    q = tl.load(Q + h * stride_qh + rows_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    a0, a1, a_uniform, b0, b1 = _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    K_head = K + kvh * stride_kh
+    V_head = V + kvh * stride_vh
+    # A, then the parts of B below and above A: every needed key block exactly once
+    if a_uniform:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                                   own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                                   BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+    else:  # rows of calls linked to different prefixes: the union may hold unread blocks
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                                   own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                                   BLOCK_N, HEAD_DIM, UPCAST, PREC, True)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                               own_lo, own_hi, pre_lo, pre_hi, row_ok, T, b0, tl.minimum(b1, a0), qk_scale,
+                               BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                               own_lo, own_hi, pre_lo, pre_hi, row_ok, T, tl.maximum(b0, a1), b1, qk_scale,
+                               BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(O + h * stride_oh + rows_m[:, None] * stride_ot + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    # natural-log LSE; -inf for rows that see nothing
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(LSE + h * T + offs_m, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------
+# backward: dK/dV (+ atomic dQ)
+# --------------------------------------------------------------------------------------
+@_helper
+def _bwd_kv_step(
+    dk, dv, k, v, Q, DO, DQ, LSE, DELTA, head_r,
+    own_lo, own_hi, pre_lo, pre_hi, row_ok, rows, offs_n, full_blk,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale, qk_scale,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):
+    """One query tile's contribution to a key block's dK/dV (and, with atomics, to dQ).
+    Tile row r is query row rows[r] of query head head_r[r]."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows64 = rows.to(tl.int64)
+    q = tl.load(Q + rows64[:, None] * stride_qt + head_r[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows64[:, None] * stride_dot + head_r[:, None] * stride_doh + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + head_r * T + rows, mask=row_ok, other=0.0)
+    # rows that see nothing have LSE -inf; their elements are all masked below
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + head_r * T + rows, mask=row_ok, other=0.0)
+    sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BN, BM]
+    pT = tl.math.exp2(sT - lse2[None, :])
+    if not full_blk:
+        pT = tl.where(_visible_t(own_lo, own_hi, pre_lo, pre_hi, offs_n), pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+    dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dsT = pT * (dpT - delta[None, :])
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=PREC) * sm_scale
+        tl.atomic_add(DQ + rows64[:, None] * stride_dqt + head_r[:, None] * stride_dqh + offs_d[None, :], dq,
+                      mask=row_ok[:, None])
+    return dk, dv
+
+
+@triton.jit
+def _bwd_kv_inner(
+    dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, n0, blk_lo, blk_hi, sm_scale, qk_scale,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+):
+    """Query blocks [blk_lo, blk_hi) of ROWS rows each (all heads of the group per tile)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    for mb in range(blk_lo, blk_hi):
+        rows = mb * ROWS + m_r
+        own_lo, own_hi, pre_lo, pre_hi, row_ok = _row_meta(SEG, PST, PEND, rows, T, head_ok)
+        any_blk, full_blk = _block_class(own_lo, own_hi, pre_lo, pre_hi, row_ok, n0, BLOCK_N)
+        if SKIP_EMPTY:
+            if any_blk:
+                dk, dv = _bwd_kv_step(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, head_r,
+                                      own_lo, own_hi, pre_lo, pre_hi, row_ok, rows, offs_n, full_blk,
+                                      stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                                      T, sm_scale, qk_scale, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ)
+        else:
+            dk, dv = _bwd_kv_step(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, head_r,
+                                  own_lo, own_hi, pre_lo, pre_hi, row_ok, rows, offs_n, full_blk,
+                                  stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                                  T, sm_scale, qk_scale, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    sm_scale, qk_scale,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):
+    # GQA: the query tile stacks the GROUP query heads that read this kv head — BLOCK_M tile
+    # rows = ROWS query rows x GROUP_P2 heads (GROUP rounded up to a power of two, the
+    # padding heads masked). One pass then sums dK/dV over the group deterministically,
+    # with no loop over heads around the query loop (which cost registers and spills).
+    ROWS: tl.constexpr = BLOCK_M // GROUP_P2
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < T
+    rows_n = offs_n.to(tl.int64)
+    k = tl.load(K + kvh * stride_kh + rows_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + kvh * stride_vh + rows_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    offs_r = tl.arange(0, BLOCK_M)
+    g_r = offs_r // ROWS
+    m_r = offs_r % ROWS
+    head_ok = g_r < GROUP
+    head_r = kvh * GROUP + tl.where(head_ok, g_r, 0)
+
+    # query token ranges that can see this key block. KQR rows, per key token:
+    # 0/1 prefix readers [lo, hi), 2/3 own-segment readers [lo, hi), 4 prefix readers gap-free
+    p_lo = tl.load(KQR + 0 * T + offs_n, mask=key_ok, other=1 << 30)
+    p_hi = tl.load(KQR + 1 * T + offs_n, mask=key_ok, other=0)
+    p_dense = tl.load(KQR + 4 * T + offs_n, mask=key_ok, other=1)
+    has_p = p_hi > p_lo
+    pq_lo = tl.min(p_lo, 0)
+    pq_hi = tl.max(p_hi, 0)
+    # gap-free only if every key of the block with readers has the same gap-free range
+    p_uniform = (tl.max(tl.where(has_p, p_lo, -1), 0) == pq_lo) & \
+        (tl.min(tl.where(has_p, p_hi, 1 << 30), 0) == pq_hi) & (tl.min(p_dense, 0) > 0)
+    oq_lo = tl.min(tl.load(KQR + 2 * T + offs_n, mask=key_ok, other=1 << 30), 0)
+    oq_hi = tl.max(tl.load(KQR + 3 * T + offs_n, mask=key_ok, other=0), 0)
+    a0, a1 = _ranges_to_blocks(pq_lo, pq_hi, ROWS)
+    b0, b1 = _ranges_to_blocks(oq_lo, oq_hi, ROWS)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # A: the readers of the prefix keys in this block, i.e. every call segment linked to
+    # the prefix — this is where the prefix's dK/dV are summed over its calls
+    if p_uniform:
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
+                               stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                               T, n0, a0, a1, sm_scale, qk_scale,
+                               ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
+    else:  # readers interleaved with other segments: test each query block first
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
+                               stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                               T, n0, a0, a1, sm_scale, qk_scale,
+                               ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, True)
+    # B minus A: the own-segment readers
+    dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
+                           stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                           T, n0, b0, tl.minimum(b1, a0), sm_scale, qk_scale,
+                           ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
+    dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
+                           stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                           T, n0, tl.maximum(b0, a1), b1, sm_scale, qk_scale,
+                           ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
+
+    # every key block is written, including keys nobody sees (their gradient is 0)
+    tl.store(DK + kvh * stride_dkh + rows_n[:, None] * stride_dkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + kvh * stride_dvh + rows_n[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------
+# backward: deterministic dQ (query-major, recomputes P)
+# --------------------------------------------------------------------------------------
+@_helper
+def _bwd_dq_step(
+    dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+    own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < T
+    rows_n = offs_n.to(tl.int64)
+    k = tl.load(K_head + rows_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    vT = tl.load(V_head + rows_n[None, :] * stride_vt + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        vT = vT.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if not full_blk:
+        p = tl.where(_visible(own_lo, own_hi, pre_lo, pre_hi, offs_n), p, 0.0)
+    dp = tl.dot(do, vT, input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+    own_lo, own_hi, pre_lo, pre_hi, row_ok, T, blk_lo, blk_hi, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
+):
+    for nb in range(blk_lo, blk_hi):
+        n0 = nb * BLOCK_N
+        any_blk, full_blk = _block_class(own_lo, own_hi, pre_lo, pre_hi, row_ok, n0, BLOCK_N)
+        if SKIP_EMPTY:
+            if any_blk:
+                dq = _bwd_dq_step(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                                  own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
+                                  BLOCK_N, HEAD_DIM, UPCAST, PREC)
+        else:
+            dq = _bwd_dq_step(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                              own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
+                              BLOCK_N, HEAD_DIM, UPCAST, PREC)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, SEG, PST, PEND, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    sm_scale, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    own_lo, own_hi, pre_lo, pre_hi, row_ok = _row_meta(SEG, PST, PEND, offs_m, T, offs_m >= 0)
+    rows_m = offs_m.to(tl.int64)
+    q = tl.load(Q + h * stride_qh + rows_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + h * stride_doh + rows_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + h * T + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + h * T + offs_m, mask=row_ok, other=0.0)
+
+    a0, a1, a_uniform, b0, b1 = _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N)
+    K_head = K + kvh * stride_kh
+    V_head = V + kvh * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if a_uniform:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                           own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                           BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+    else:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                           own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                           BLOCK_N, HEAD_DIM, UPCAST, PREC, True)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                       own_lo, own_hi, pre_lo, pre_hi, row_ok, T, b0, tl.minimum(b1, a0), qk_scale,
+                       BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                       own_lo, own_hi, pre_lo, pre_hi, row_ok, T, tl.maximum(b0, a1), b1, qk_scale,
+                       BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+    tl.store(DQ + h * stride_dqh + rows_m[:, None] * stride_dqt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------
+# launch configuration
+# --------------------------------------------------------------------------------------
+def _make_prune(resident: str, n_acc: int, smem_factor: float = 1.0):
+    """Config pruner for one kernel. `resident` names the tile that stays put for the whole
+    program ("M": queries, "N": keys); the other one streams through `num_stages` buffers.
+    `n_acc` fp32 [resident, D] accumulators live in registers."""
+
+    def prune(configs, named_args, **kwargs):
+        def arg(name, default=None):
+            return named_args.get(name, kwargs.get(name, default))
+
+        d = arg("HEAD_DIM")
+        q = arg("Q")
+        elt = q.element_size() if q is not None else 2
+        # dK/dV tiles stack the GQA group's heads: BLOCK_M must hold one row of each
+        min_m = arg("GROUP_P2", 1) or 1
+        keep = []
+        for c in configs:
+            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+            res, stream = (bm, bn) if resident == "M" else (bn, bm)
+            # H100/H200 give a block at most 227 KB of shared memory: resident tile(s) plus
+            # num_stages buffered pairs of streamed tiles, times a factor fitted to what
+            # Triton 3.9 allocates for sm_90 (the dK/dV kernel also stages P^T and dS^T)
+            smem = smem_factor * (2 * res * d + c.num_stages * 2 * stream * d) * elt
+            # keep fp32 accumulators at <= 128 registers per thread, else they spill. fp32
+            # inputs run IEEE dots on the FMA units with operands in registers: count the
+            # operand tiles too, x2 (roughly fitted to ptxas' sm_90 spills at D=16..128)
+            regs = n_acc * res * d // (32 * c.num_warps)
+            if elt == 4:
+                operands = (res * (2 if resident == "N" else 1) + 2 * stream) * d
+                regs = 2 * (n_acc * res * d + operands) // (32 * c.num_warps)
+            if smem <= 220 * 1024 and regs <= 128 and bm >= min_m:
+                keep.append(c)
+        if keep:
+            return keep
+        c = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+        return [triton.Config({"BLOCK_M": max(c.kwargs["BLOCK_M"], min_m), "BLOCK_N": c.kwargs["BLOCK_N"]},
+                              num_warps=c.num_warps, num_stages=c.num_stages)]
+
+    return prune
+
+
+def _cfgs(triples):
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in triples
+    ]
+
+
+# H100/H200 candidates, in order of preference (the first one that passes the pruner is
+# also the fixed choice when autotuning is off). Forward and dQ: query tiles of 128 rows
+# stream key tiles of 32-64 (the FA2 sweet spot for D=64/128); smaller tiles remain for
+# D=256 and fp32. dK/dV: a resident 64-128-key tile streams query tiles of 16-64 rows
+# (rows x GQA heads). The order comes from compiling every candidate for sm_90 offline
+# (Triton 3.9, no GPU at hand): at D=128 bf16 the first entries are the ones ptxas fits
+# in 255 registers without spilling (fwd 128x64/8 warps: 203 registers; dK/dV 32x64/8
+# warps: 250; dQ 128x32/8 warps: 167). Timings on a real H100/H200 are still to be taken;
+# the autotuner picks among all of them there. The lists are short on purpose: every
+# candidate costs a compile on first use.
+_FWD_CONFIGS = _cfgs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2),
+                      (32, 32, 4, 2), (16, 16, 4, 2)])
+_BWD_KV_CONFIGS = _cfgs([(32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 32, 4, 2),
+                         (16, 16, 4, 2)])
+_BWD_DQ_CONFIGS = _cfgs([(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
+                         (16, 16, 4, 2)])
+_FWD_PRUNE = _make_prune("M", 1)
+_BWD_KV_PRUNE = _make_prune("N", 2, smem_factor=1.5)
+_BWD_DQ_PRUNE = _make_prune("M", 1)
+
+# Autotuning (GPU only; it needs a driver) can be switched off with
+# MEMOPD_TRITON_AUTOTUNE=0 or by setting this flag: the first surviving candidate is used.
+AUTOTUNE = _USE_AUTOTUNE and os.environ.get("MEMOPD_TRITON_AUTOTUNE", "1") != "0"
+# Test hook: launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages) forced on every
+# launch, which also bypasses autotuning. In the interpreter only the block sizes matter.
+_FIXED: dict = {}
+
+if _USE_AUTOTUNE:
+    _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=["HEAD_DIM", "GROUP", "PREC"],
+                                 prune_configs_by={"early_config_prune": _FWD_PRUNE})(_fwd_kernel)
+    # DQ is accumulated with atomics: the tuner must re-zero it between its trial runs
+    _bwd_dkdv_tuned = triton.autotune(_BWD_KV_CONFIGS, key=["HEAD_DIM", "GROUP", "GROUP_P2", "PREC", "ATOMIC_DQ"],
+                                      reset_to_zero=["DQ"],
+                                      prune_configs_by={"early_config_prune": _BWD_KV_PRUNE})(_bwd_dkdv_kernel)
+    _bwd_dq_tuned = triton.autotune(_BWD_DQ_CONFIGS, key=["HEAD_DIM", "GROUP", "PREC"],
+                                    prune_configs_by={"early_config_prune": _BWD_DQ_PRUNE})(_bwd_dq_kernel)
+else:
+    _fwd_tuned = _bwd_dkdv_tuned = _bwd_dq_tuned = None
+
+
+def _pick(raw, tuned, configs, prune, q, group_p2=1):
+    """(kernel, launch kwargs) for one launch: the autotuned kernel, or the raw one with
+    fixed parameters (interpreter, AUTOTUNE off, or forced through _FIXED). group_p2: the
+    smallest BLOCK_M the kernel accepts (dK/dV tiles stack the GQA group's heads)."""
+    if INTERPRET:
+        return raw, {"BLOCK_M": max(_FIXED.get("BLOCK_M", _INTERP_BLOCK), group_p2),
+                     "BLOCK_N": _FIXED.get("BLOCK_N", _INTERP_BLOCK)}
+    if AUTOTUNE and tuned is not None and not _FIXED:
+        return tuned, {}
+    c = prune(configs, {"HEAD_DIM": q.shape[-1], "Q": q, "GROUP_P2": group_p2})[0]
+    params = {"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"],
+              "num_warps": c.num_warps, "num_stages": c.num_stages}
+    params.update(_FIXED)
+    params["BLOCK_M"] = max(params["BLOCK_M"], group_p2)
+    return raw, params
+
+
+def _grid(T, heads, block_key):
+    return lambda meta: (triton.cdiv(T, meta[block_key]), heads)
+
+
+# --------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------
+def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError for inputs the kernels do not support (shapes checked elsewhere)."""
+    D = q.shape[-1]
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"Triton packed attention supports head dims {SUPPORTED_HEAD_DIMS}; got {D} "
+            "(use backend='torch' for other sizes)"
+        )
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"Triton packed attention supports float16, bfloat16 and float32; got {q.dtype}")
+    if q.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError(
+            "Triton packed attention got CPU tensors but TRITON_INTERPRET=1 was not set when "
+            "memopd.kernels.packed_attention was imported; use backend='torch' on CPU"
+        )
+
+
+def _meta_arrays(seg_start, prefix_start, prefix_end, device):
+    out = []
+    for name, a in (("seg_start", seg_start), ("prefix_start", prefix_start), ("prefix_end", prefix_end)):
+        if a.device != device:
+            raise ValueError(f"metadata {name} is on {a.device}, the tensors on {device}")
+        out.append(a.to(torch.int32).contiguous())
+    return out
+
+
+def _flags(dtype):
+    upcast = INTERPRET and dtype == torch.bfloat16  # interpreter bf16 arithmetic is wrong
+    # fp32 inputs must stay exact (the RCE audit compares fp32 logits at ~1e-4): no TF32
+    prec = "ieee" if dtype == torch.float32 else "tf32"
+    return upcast, prec
+
+
+def key_query_ranges(seg_start: torch.Tensor, prefix_start: torch.Tensor, prefix_end: torch.Tensor) -> torch.Tensor:
+    """Per key token j, the query token ranges that can see it: int32 [5, T] rows
+    (prefix_lo, prefix_hi, own_lo, own_hi, prefix_dense): two half-open ranges [lo, hi) of
+    query rows, and whether every row of the prefix range reads j (no gaps).
+
+    O(T log T) vectorised work on the tensors' device, no host synchronisation.
+    * prefix: query rows whose prefix interval contains j. Prefix intervals of a valid
+      layout are identical or disjoint, so j belongs to the interval with the latest start
+      <= j; that interval's readers span [min row, max row + 1) — every call segment linked
+      to the prefix, wherever it lies in the stream.
+    * own: rows i >= j with seg_start[i] <= j. With seg_start non-decreasing (every layout
+      built by `AttentionMeta.from_segments`, padding included) that is [j, X_j) with
+      X_j = #rows having seg_start <= j.
+    The ranges only bound the kernel's walk (it re-tests every element), so when the
+    assumptions fail they fall back to conservative ranges instead of giving wrong results.
+    """
+    device = seg_start.device
+    T = seg_start.shape[0]
+    ss = seg_start.long()
+    ps = prefix_start.long()
+    pe = prefix_end.long()
+    idx = torch.arange(T, device=device)
+    big = torch.full((T,), T, dtype=torch.long, device=device)
+    zero = torch.zeros(T, dtype=torch.long, device=device)
+
+    # ---- prefix readers, bucketed by interval start
+    has = pe > ps
+    starts = torch.where(has, ps, zero).clamp(0, max(T - 1, 0))
+    rd_lo = big.clone().scatter_reduce_(0, starts, torch.where(has, idx, big), "amin")
+    rd_hi = zero.clone().scatter_reduce_(0, starts, torch.where(has, idx + 1, zero), "amax")
+    end_max = zero.clone().scatter_reduce_(0, starts, torch.where(has, pe, zero), "amax")
+    end_min = big.clone().scatter_reduce_(0, starts, torch.where(has, pe, big), "amin")
+    present = rd_hi > 0
+    # latest present start <= j
+    last = torch.cummax(torch.where(present, idx, torch.full_like(idx, -1)), 0).values
+    lastc = last.clamp(min=0)
+    inside = (last >= 0) & (end_max[lastc] > idx)
+    pre_lo = torch.where(inside, rd_lo[lastc], big)
+    pre_hi = torch.where(inside, rd_hi[lastc], zero)
+    # validity: same start => same end; each interval ends before the next one starts
+    nxt = torch.flip(torch.cummin(torch.flip(torch.where(present, idx, big), [0]), 0).values, [0])
+    nxt_after = torch.cat([nxt[1:], nxt.new_full((1,), T)]) if T else nxt
+    ok = ~present | ((end_min == end_max) & (end_max <= nxt_after))
+    pre_ok = ok.all()
+    # gap-free: the readers fill their range (no other segment interleaved between them)
+    n_rd = zero.clone().scatter_add_(0, starts, has.long())
+    dense = torch.where(inside, n_rd[lastc] == rd_hi[lastc] - rd_lo[lastc], torch.ones_like(inside))
+    pre_lo = torch.where(pre_ok, pre_lo, zero)
+    pre_hi = torch.where(pre_ok, pre_hi, torch.full_like(idx, T))
+    dense = dense & pre_ok
+
+    # ---- own-segment readers
+    x = torch.searchsorted(ss.contiguous(), idx, right=True)
+    own_nonempty = x > idx
+    own_lo = torch.where(own_nonempty, idx, big)
+    own_hi = torch.where(own_nonempty, x, zero)
+    mono = (ss[1:] >= ss[:-1]).all() if T > 1 else torch.ones((), dtype=torch.bool, device=device)
+    own_lo = torch.where(mono, own_lo, idx)
+    own_hi = torch.where(mono, own_hi, torch.full_like(idx, T))
+    return torch.stack([pre_lo, pre_hi, own_lo, own_hi, dense.long()]).to(torch.int32).contiguous()
+
+
+def _contig(x):
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def packed_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg_start: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_end: torch.Tensor,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+):
+    """Forward kernel. Returns (out [T, Hq, D] in q's dtype, lse [Hq, T] fp32, natural log;
+    -inf on rows that see nothing). `out`, if given, is written in place (every element)."""
+    check_triton_inputs(q, k, v)
+    q, k, v = _contig(q), _contig(k), _contig(v)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    ss, ps, pe = _meta_arrays(seg_start, prefix_start, prefix_end, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on {q.device}")
+    lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    upcast, prec = _flags(q.dtype)
+    kernel, params = _pick(_fwd_kernel, _fwd_tuned, _FWD_CONFIGS, _FWD_PRUNE, q)
+    kernel[_grid(T, Hq, "BLOCK_M")](
+        q, k, v, out, lse, ss, ps, pe, T,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        scale * _LOG2E,
+        GROUP=Hq // Hkv, HEAD_DIM=D, UPCAST=upcast, PREC=prec, **params,
+    )
+    return out, lse
+
+
+def packed_attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    seg_start: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_end: torch.Tensor,
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+):
+    """Backward kernels. Returns (dq, dk, dv) in the inputs' dtype.
+
+    deterministic=False: dQ accumulated with fp32 atomics inside the dK/dV kernel.
+    deterministic=True: no atomics anywhere; a second, query-major kernel writes dQ.
+    dq/dk/dv, if given, are output buffers (every element is written; used by tests).
+    """
+    check_triton_inputs(q, k, v)
+    q, k, v, o, do = _contig(q), _contig(k), _contig(v), _contig(o), _contig(do)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    ss, ps, pe = _meta_arrays(seg_start, prefix_start, prefix_end, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    for name, buf, ref in (("dk", dk, k), ("dv", dv, v)):
+        if buf.shape != ref.shape or buf.dtype != ref.dtype or not buf.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {tuple(ref.shape)} {ref.dtype} tensor")
+    if deterministic:
+        dq = torch.empty_like(q) if dq is None else dq
+        if dq.shape != q.shape or dq.dtype != q.dtype or not dq.is_contiguous():
+            raise ValueError(f"dq must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+        dq_acc = dq
+    else:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return (dq_acc.to(q.dtype) if dq is None else dq), dk, dv
+
+    # delta_i = sum_d dO_i * O_i, the softmax-backward row term, [Hq, T] fp32
+    delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()
+    lse = lse.float().contiguous()
+    kqr = key_query_ranges(ss, ps, pe)
+    upcast, prec = _flags(q.dtype)
+    group = Hq // Hkv
+    group_p2 = triton.next_power_of_2(group)
+    kernel, params = _pick(_bwd_dkdv_kernel, _bwd_dkdv_tuned, _BWD_KV_CONFIGS, _BWD_KV_PRUNE, q, group_p2)
+    kernel[_grid(T, Hkv, "BLOCK_N")](
+        q, k, v, do, dq_acc, dk, dv, lse, delta, ss, ps, pe, kqr, T,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        scale, scale * _LOG2E,
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, UPCAST=upcast, PREC=prec, ATOMIC_DQ=not deterministic,
+        **params,
+    )
+    if deterministic:
+        kernel, params = _pick(_bwd_dq_kernel, _bwd_dq_tuned, _BWD_DQ_CONFIGS, _BWD_DQ_PRUNE, q)
+        kernel[_grid(T, Hq, "BLOCK_M")](
+            q, k, v, do, dq_acc, lse, delta, ss, ps, pe, T,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1),
+            scale, scale * _LOG2E,
+            GROUP=group, HEAD_DIM=D, UPCAST=upcast, PREC=prec, **params,
+        )
+        return dq_acc, dk, dv
+    if dq is not None:
+        dq.copy_(dq_acc)
+        return dq, dk, dv
+    return dq_acc.to(q.dtype), dk, dv

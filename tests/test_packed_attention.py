@@ -1,0 +1,255 @@
+"""`memopd.ops.packed_attention`: the exact PyTorch path against the float64 dense-mask
+oracle (values and gradients), dispatch, and input validation. A CUDA-only test at the end
+checks the compiled Triton kernels against the PyTorch path (skipped without a GPU); the
+interpreter tests of the kernels live in test_packed_attention_triton.py.
+"""
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from memopd.layout import AttentionMeta, SegmentKind
+from memopd.ops import packed_attention as op_entry
+from memopd.ops.packed_attention import packed_attention, plan_runs, select_backend
+# (memopd.ops exports the function under the module's own name, so `import ... as` would
+# return the function: take the module from sys.modules)
+pa_mod = sys.modules["memopd.ops.packed_attention"]
+from memopd.ops.reference_attention import reference_packed_attention
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def random_meta(seed: int, tokens: int, shuffle: bool = False) -> AttentionMeta:
+    """Packed layout with the hard cases: prefixes shared by 1..8 calls, calls without a
+    prefix, length-1 prefixes and calls, calls of a couple of tokens (empty context),
+    padding runs; shuffle=True interleaves segments (calls may precede their prefix)."""
+    rng = random.Random(seed)
+    segs = []  # (kind, length, index of linked prefix in segs or -1)
+    while sum(s[1] for s in segs) < tokens:
+        r = rng.random()
+        if r < 0.12:
+            segs.append((SegmentKind.PAD, rng.choice([1, 3, 17, 40]), -1))
+        elif r < 0.25:
+            segs.append((SegmentKind.CALL, rng.choice([1, 2, 5, 33]), -1))
+        else:
+            p = len(segs)
+            segs.append((SegmentKind.PREFIX, rng.choice([1, 7, 20, 45]), -1))
+            for _ in range(rng.randint(1, 8)):
+                segs.append((SegmentKind.CALL, rng.choice([1, 2, 3, 9, 16, 31, 50]), p))
+    segs.append((SegmentKind.PAD, rng.choice([2, 19]), -1))
+    order = list(range(len(segs)))
+    if shuffle:
+        rng.shuffle(order)
+    pos = {old: new for new, old in enumerate(order)}
+    cu, links, kinds = [0], [], []
+    for old in order:
+        kind, n, link = segs[old]
+        cu.append(cu[-1] + n)
+        kinds.append(kind)
+        links.append(pos[link] if link >= 0 else -1)
+    return AttentionMeta.from_segments(cu, links, kinds)
+
+
+def random_token_meta(seed: int, T: int) -> AttentionMeta:
+    """Arbitrary token-level metadata: non-monotone seg_start, prefix intervals overlapping
+    the own range or lying after the row, rows that see nothing."""
+    g = torch.Generator().manual_seed(seed)
+    i = torch.arange(T)
+    ss = (torch.rand(T, generator=g) * (i + 2).float()).long().clamp(max=i + 1)
+    a = torch.randint(0, T, (T,), generator=g)
+    b = (a + torch.randint(0, 40, (T,), generator=g)).clamp(max=T)
+    none = torch.rand(T, generator=g) < 0.3
+    a, b = torch.where(none, 0, a), torch.where(none, 0, b)
+    ss = torch.where(none & (torch.rand(T, generator=g) < 0.4), i + 1, ss)
+    return AttentionMeta(
+        cu_seqlens=torch.tensor([0, T], dtype=torch.int32),
+        prefix_segment=torch.tensor([-1], dtype=torch.int32),
+        segment_kind=torch.tensor([SegmentKind.HISTORY], dtype=torch.int8),
+        seg_start=ss.int(),
+        prefix_start=a.int(),
+        prefix_end=b.int(),
+        max_seqlen=T,
+        max_prefix_len=40,
+    )
+
+
+def make_inputs(T, Hq, Hkv, D, dtype, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(T, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq)]
+    return [x.to(device=device, dtype=dtype) for x in xs]
+
+
+def run(backend, q, k, v, do, meta, scale=None, **kw):
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    out = packed_attention(qq, kk, vv, meta, scale, backend=backend, **kw)
+    out.backward(do)
+    return out.detach(), qq.grad, kk.grad, vv.grad
+
+
+def oracle(q, k, v, do, meta, scale=None):
+    q64, k64, v64 = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    out = reference_packed_attention(q64, k64, v64, meta.to("cpu"), scale)
+    return (out.detach(),) + torch.autograd.grad(out, (q64, k64, v64), do.cpu().double())
+
+
+def assert_close(name, got, want, dtype):
+    got = got.detach().cpu().double()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got - want).abs().max().item()
+    bound = TOL[dtype] * max(1.0, want.abs().max().item())
+    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_torch_path_matches_reference(dtype, Hq, Hkv, shuffle):
+    seed = Hq * 10 + Hkv + shuffle
+    meta = random_meta(seed, 500, shuffle=shuffle)
+    q, k, v, do = make_inputs(meta.num_tokens, Hq, Hkv, 32, dtype, seed)
+    got = run("torch", q, k, v, do, meta)
+    want = oracle(q, k, v, do, meta)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype
+        assert_close(name, a, b, dtype)
+    # padding rows: exact zeros out, zero gradient
+    empty = meta.visible().sum(1) == 0
+    assert empty.any()
+    assert (got[0][empty] == 0).all() and (got[1][empty] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_path_low_precision(dtype):
+    meta = random_meta(7, 300, shuffle=True)
+    q, k, v, do = make_inputs(meta.num_tokens, 4, 2, 64, dtype, 7)
+    got = run("torch", q, k, v, do, meta)
+    want = oracle(q, k, v, do, meta)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype
+        assert_close(name, a, b, dtype)
+
+
+def test_torch_path_arbitrary_token_metadata():
+    meta = random_token_meta(5, 120)
+    assert (meta.seg_start[1:] < meta.seg_start[:-1]).any()
+    runs = plan_runs(meta)
+    assert any(r.overlap for r in runs) and any(r.zero for r in runs)
+    q, k, v, do = make_inputs(120, 2, 1, 16, torch.float64, 5)
+    got = run("torch", q, k, v, do, meta, scale=0.7)
+    want = oracle(q, k, v, do, meta, scale=0.7)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(name, a, b, torch.float64)
+
+
+def test_plan_runs_are_the_segments():
+    meta = random_meta(3, 400)
+    runs = plan_runs(meta)
+    cu = meta.cu_seqlens.tolist()
+    kinds = meta.segment_kind.tolist()
+    assert runs[0].start == 0 and runs[-1].stop == meta.num_tokens
+    assert all(a.stop == b.start for a, b in zip(runs, runs[1:]))
+    # every non-padding segment is exactly one run; padding merges into zero runs
+    starts = {r.start for r in runs if not r.zero}
+    for s, kind in enumerate(kinds):
+        if kind != SegmentKind.PAD:
+            assert cu[s] in starts
+    assert len([r for r in runs if not r.zero]) == sum(k != SegmentKind.PAD for k in kinds)
+
+
+def test_gradcheck_tiny():
+    meta = AttentionMeta.from_segments(
+        [0, 3, 5, 6, 8, 9], [-1, 0, 0, -1, -1], [SegmentKind.PREFIX, SegmentKind.CALL, SegmentKind.CALL,
+                                                  SegmentKind.PAD, SegmentKind.CALL]
+    )
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(9, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(9, 1, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(9, 1, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: packed_attention(a, b, c, meta, backend="torch"), (q, k, v))
+
+
+def test_auto_dispatch_uses_torch_on_cpu(monkeypatch):
+    assert op_entry is packed_attention  # memopd.ops exports this op
+    meta = random_meta(2, 100)
+    q, k, v, _ = make_inputs(meta.num_tokens, 2, 2, 16, torch.float32, 2)
+    assert select_backend(q) == "torch"
+    calls = []
+    orig = pa_mod._torch_packed_attention
+
+    def spy(*args):
+        calls.append(1)
+        return orig(*args)
+
+    monkeypatch.setattr(pa_mod, "_torch_packed_attention", spy)
+    out = packed_attention(q, k, v, meta)
+    assert calls == [1]
+    torch.testing.assert_close(out, packed_attention(q, k, v, meta, backend="reference"), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_stream():
+    meta = AttentionMeta.from_segments([0], [], [])
+    q = torch.zeros(0, 2, 16, requires_grad=True)
+    out = packed_attention(q, q, q, meta)
+    assert out.shape == (0, 2, 16)
+
+
+def test_bad_inputs():
+    meta = random_meta(1, 60)
+    T = meta.num_tokens
+    q = torch.randn(T, 4, 16)
+    kv = torch.randn(T, 2, 16)
+    with pytest.raises(ValueError, match=r"\[T, H, D\]"):
+        packed_attention(q[:, 0], kv, kv, meta)
+    with pytest.raises(ValueError, match="multiple"):
+        packed_attention(q, torch.randn(T, 3, 16), torch.randn(T, 3, 16), meta)
+    with pytest.raises(ValueError, match="same shape"):
+        packed_attention(q, kv, torch.randn(T, 1, 16), meta)
+    with pytest.raises(ValueError, match="metadata describes"):
+        packed_attention(q[:-1], kv[:-1], kv[:-1], meta)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        packed_attention(q, kv.double(), kv.double(), meta)
+    with pytest.raises(ValueError, match="devices differ"):
+        packed_attention(q, kv, kv, meta.to("meta"))
+    with pytest.raises(ValueError, match="backend"):
+        packed_attention(q, kv, kv, meta, backend="flash")
+    with pytest.raises(TypeError, match="AttentionMeta"):
+        packed_attention(q, kv, kv, meta.seg_start)
+
+
+def test_triton_on_cpu_needs_the_interpreter():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the Triton interpreter is active in this process (see test_packed_attention_triton.py)")
+    pytest.importorskip("triton")
+    meta = random_meta(1, 40)
+    q = torch.randn(meta.num_tokens, 2, 16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        packed_attention(q, q, q, meta, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the compiled Triton kernels")
+@pytest.mark.parametrize(
+    "dtype,D,Hq,Hkv",
+    [(torch.bfloat16, 128, 8, 2), (torch.float16, 64, 4, 4), (torch.float32, 128, 4, 1)],
+)
+def test_cuda_triton_matches_torch_path(dtype, D, Hq, Hkv, monkeypatch):
+    kern = pytest.importorskip("memopd.kernels.packed_attention")
+    if kern.INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1 was set before the kernels were imported in this process")
+    # the preferred fixed configuration, not the autotuner: one compile per kernel, and
+    # the configuration a tuned run is most likely to pick (the benchmark runs the tuner)
+    monkeypatch.setattr(kern, "AUTOTUNE", False)
+    meta = random_meta(40 + D, 2000, shuffle=D == 128).to("cuda")
+    q, k, v, do = make_inputs(meta.num_tokens, Hq, Hkv, D, dtype, D, device="cuda")
+    assert select_backend(q) == "triton"
+    want = oracle(q, k, v, do, meta)
+    for det in (False, True):
+        got = run("auto", q, k, v, do, meta, deterministic=det)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert a.dtype == dtype
+            assert_close(name, a, b, dtype)
+    # the deterministic backward is bitwise reproducible on the GPU
+    a = run("triton", q, k, v, do, meta, deterministic=True)
+    b = run("triton", q, k, v, do, meta, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
