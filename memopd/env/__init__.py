@@ -1,0 +1,48 @@
+"""Agent environment for compact-memory LLM agents (GitHub issue 6).
+
+Modules:
+- `world`: the generated default world (entities, attributes, relations), its corpus
+  and single/two-hop question sets, deterministic from a seed;
+- `data`: `Document` / `Task` records and the user JSONL loaders;
+- `retriever`: BM25 search (`bm25s`) over a corpus;
+- `protocol`: tags, task prefix, action parsing, answer splitting;
+- `tokenizer`: the local HF tokenizer (word-level or byte-level BPE);
+- `qa`: `QAEnv` / `Episode`: exact per-call state, memory policy, rewards;
+- `metrics`: EM / token F1;
+- `rollout`: `Engine` protocol, `HFEngine`, `rollout()` recording `Trajectory`s;
+- `expert`: the scripted expert (an `Engine`);
+- `sft`: tiny teacher / student models and their supervised training;
+- `evaluate`: held-out evaluation; `cli`: `sft_main` / `eval_main`.
+"""
+from __future__ import annotations
+
+from .data import DataError, Document, Task, load_corpus_jsonl, load_tasks_jsonl, save_corpus_jsonl, save_tasks_jsonl
+from .expert import ScriptedExpert, expert_action_text, expert_trajectories
+from .metrics import exact_match, f1_score, normalize_answer, score_answers
+from .protocol import ParsedAction, ProtocolError, ProtocolTokens, parse_action, prefix_text, split_answers
+from .qa import EnvConfig, Episode, QAEnv, StepResult
+from .retriever import BM25Retriever
+from .rollout import Engine, HFEngine, Sample, default_max_new_tokens, rollout, sample_next
+from .tokenizer import SPECIAL_TOKENS, build_tokenizer, load_tokenizer
+from .world import World, WorldConfig
+
+__all__ = [
+    "DataError", "Document", "Task", "load_corpus_jsonl", "load_tasks_jsonl", "save_corpus_jsonl", "save_tasks_jsonl",
+    "ScriptedExpert", "expert_action_text", "expert_trajectories",
+    "exact_match", "f1_score", "normalize_answer", "score_answers",
+    "ParsedAction", "ProtocolError", "ProtocolTokens", "parse_action", "prefix_text", "split_answers",
+    "EnvConfig", "Episode", "QAEnv", "StepResult",
+    "BM25Retriever",
+    "Engine", "HFEngine", "Sample", "default_max_new_tokens", "rollout", "sample_next",
+    "SPECIAL_TOKENS", "build_tokenizer", "load_tokenizer",
+    "World", "WorldConfig",
+]
+
+
+def __getattr__(name: str):
+    # Training / evaluation pull in transformers models; load them on first use only.
+    if name in ("sft", "evaluate", "cli"):
+        import importlib
+
+        return importlib.import_module(f"memopd.env.{name}")
+    raise AttributeError(f"module 'memopd.env' has no attribute {name!r}")

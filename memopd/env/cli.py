@@ -1,0 +1,153 @@
+"""Command-line entry points of the environment: `memopd sft` and `memopd eval`.
+
+`sft_main(argv)` trains (or reuses) the teacher and student checkpoints;
+`eval_main(argv)` evaluates one checkpoint (or the scripted expert) and prints a table,
+optionally writing JSON. Both return a process exit code; the `memopd` console script
+dispatches to them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+__all__ = ["sft_main", "eval_main", "build_sft_parser", "build_eval_parser"]
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like '1,2,4', got {text!r}") from None
+    if not ks or any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"question-set sizes must be >= 1, got {text!r}")
+    return ks
+
+
+def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
+    from .sft import SFT_PRESETS
+
+    t, s = SFT_PRESETS["teacher"], SFT_PRESETS["student"]
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Train the tiny teacher and student agents on scripted-expert episodes of the generated "
+                    "QA world (loss on action tokens only). Each role is saved as a HF checkpoint directory "
+                    "OUT/<role> (weights, config, tokenizer, memopd_env.json); existing ones are reused.",
+    )
+    p.add_argument("--out", required=True, help="output directory (OUT/teacher, OUT/student)")
+    p.add_argument("--roles", default="teacher,student", help="comma list of roles to train (default: both)")
+    p.add_argument("--force", action="store_true", help="retrain even if a checkpoint exists")
+    p.add_argument("--seed", type=int, default=0, help="world seed (the world, corpus and tasks derive from it)")
+    p.add_argument("--entities", type=int, default=64, help="entities in the generated world (default 64)")
+    p.add_argument("--policy", default="summary", help="memory policy the expert episodes use (default summary)")
+    p.add_argument("--teacher-steps", type=int, default=t.steps, help=f"teacher optimizer steps (default {t.steps})")
+    p.add_argument("--student-steps", type=int, default=s.steps, help=f"student optimizer steps (default {s.steps})")
+    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per batch (default per preset)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default per preset)")
+    p.add_argument("--ks", type=_ks, default=None, help="question-set sizes of the expert data, e.g. '1,2,4,8,16'")
+    p.add_argument("--calls-per-k", type=int, default=None, help="expert calls to train on per question-set size")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per model (default 1)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="roles trained at once in separate processes (default: one per role, up to the CPU count)")
+    p.add_argument("--json", default=None, help="write the training summary here as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return p
+
+
+def sft_main(argv: Sequence[str] | None = None) -> int:
+    from dataclasses import replace
+
+    from .qa import EnvConfig
+    from .sft import MODEL_PRESETS, SFT_PRESETS, run_sft
+    from .world import WorldConfig
+
+    args = build_sft_parser().parse_args(argv)
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    unknown = [r for r in roles if r not in MODEL_PRESETS]
+    if unknown:
+        print(f"memopd sft: unknown role(s) {unknown}; choose from {', '.join(MODEL_PRESETS)}", file=sys.stderr)
+        return 2
+    cfgs = {}
+    for r in roles:
+        c = SFT_PRESETS[r]
+        over = {"steps": args.teacher_steps if r == "teacher" else args.student_steps}
+        for name, val in (("batch_tokens", args.batch_tokens), ("lr", args.lr), ("ks", args.ks),
+                          ("calls_per_k", args.calls_per_k), ("threads", args.threads)):
+            if val is not None:
+                over[name] = val
+        cfgs[r] = replace(c, **over)
+    try:
+        world = WorldConfig(seed=args.seed, n_entities=args.entities)
+        env = EnvConfig(policy=args.policy)
+        summary = run_sft(args.out, roles=roles, force=args.force, world_config=world, env_config=env,
+                          sft_configs=cfgs, jobs=args.jobs, progress=not args.no_progress)
+    except (ValueError, RuntimeError) as e:
+        print(f"memopd sft: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Evaluate an agent checkpoint on held-out multi-question sets (Q2/Q8/Q16 by default): "
+                    "EM/F1 (mean = fraction of sub-questions, sum = number right per episode), peak context "
+                    "tokens, turns, wall time. Greedy decoding unless --temperature > 0.",
+    )
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--model", help="checkpoint directory written by `memopd sft` (e.g. OUT/teacher)")
+    who.add_argument("--expert", action="store_true", help="evaluate the scripted expert instead (upper bound)")
+    p.add_argument("--k", type=int, nargs="+", default=[2, 8, 16], help="question-set sizes (default 2 8 16)")
+    p.add_argument("--n", type=int, default=32, help="question sets per size (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out sets and of sampling")
+    p.add_argument("--policy", default=None, help="memory policy (default: the one the model was trained with)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--batch-size", type=int, default=32, help="episodes per generation batch")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per-call limit (default 24 + 5k)")
+    p.add_argument("--corpus", default=None, help="user corpus JSONL ({'id','text'} per line)")
+    p.add_argument("--questions", default=None, help="user question sets JSONL ({'questions','answers'} per line)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    p.add_argument("--progress", action="store_true", help="show a progress bar per question-set size")
+    return p
+
+
+def eval_main(argv: Sequence[str] | None = None) -> int:
+    from .data import DataError
+    from .evaluate import evaluate, format_table, write_json
+
+    args = build_eval_parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        report = evaluate(
+            args.model, expert=args.expert, ks=args.k, n=args.n, seed=args.seed, policy=args.policy,
+            temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens, corpus=args.corpus, questions=args.questions,
+            progress=args.progress,
+        )
+    except (DataError, ValueError, OSError) as e:
+        print(f"memopd eval: error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"report written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m memopd.env.cli sft|eval ...
+    cmd, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    if cmd == "sft":
+        sys.exit(sft_main(rest))
+    if cmd == "eval":
+        sys.exit(eval_main(rest))
+    print("usage: python -m memopd.env.cli {sft,eval} ...", file=sys.stderr)
+    sys.exit(2)

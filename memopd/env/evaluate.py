@@ -1,0 +1,174 @@
+"""Evaluation of an agent checkpoint (or the scripted expert) on held-out question sets.
+
+`evaluate(...)` rebuilds the environment a checkpoint was trained in (world, tokenizer,
+memory policy: from `memopd_env.json`), draws held-out sets (split "eval", disjoint from
+the "train" stream SFT uses) for each k, runs greedy (or sampled) episodes with
+`HFEngine`, and reports per k:
+
+- em_mean: mean over episodes of the fraction of sub-questions answered exactly
+  ("EM mean", 0..1); em_sum: mean number of sub-questions right per episode ("EM sum",
+  0..k); f1_mean / f1_sum likewise for token F1;
+- peak_tokens: the largest |q| + |x_t| + |a_t| of any call (the longest sequence the
+  model had to attend over), max and mean over episodes; turns: calls per episode;
+- format_errors per episode, answered (fraction of episodes that answered before the
+  budget ran out), wall and CPU seconds.
+
+A user corpus (`--corpus docs.jsonl`) and question sets (`--questions sets.jsonl`)
+replace the generated ones; results are then grouped by the sets' k.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from typing import Any, Sequence
+
+from .data import DataError, load_corpus_jsonl, load_tasks_jsonl
+from .qa import EnvConfig, QAEnv
+from .rollout import HFEngine, rollout
+from .world import World, WorldConfig
+
+__all__ = ["evaluate", "summarize", "format_table", "load_agent"]
+
+
+def load_agent(model_dir: str | os.PathLike, *, device: str = "cpu"):
+    """(model, tokenizer, meta) of a checkpoint written by `memopd sft`."""
+    from transformers import AutoModelForCausalLM
+
+    from .sft import read_env_meta
+    from .tokenizer import load_tokenizer
+
+    meta = read_env_meta(model_dir)
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir)).to(device).eval()
+    return model, tok, meta
+
+
+def summarize(trajectories) -> dict[str, Any]:
+    """Aggregate figures of a list of trajectories (see module doc)."""
+    if not trajectories:
+        return {"episodes": 0}
+    r = [t.rewards for t in trajectories]
+    peaks = [t.info["peak_tokens"] for t in trajectories]
+    return {
+        "episodes": len(trajectories),
+        "k": trajectories[0].rewards.get("k"),
+        "em_mean": statistics.mean(x["em_mean"] for x in r),
+        "em_sum": statistics.mean(x["em_sum"] for x in r),
+        "f1_mean": statistics.mean(x["f1_mean"] for x in r),
+        "f1_sum": statistics.mean(x["f1_sum"] for x in r),
+        "peak_tokens": max(peaks),
+        "peak_tokens_mean": statistics.mean(peaks),
+        "turns": statistics.mean(t.info["turns"] for t in trajectories),
+        "format_errors": statistics.mean(x["format_errors"] for x in r),
+        "answered": statistics.mean(1.0 if x["answered"] else 0.0 for x in r),
+    }
+
+
+def evaluate(
+    model_dir: str | os.PathLike | None = None,
+    *,
+    expert: bool = False,
+    ks: Sequence[int] = (2, 8, 16),
+    n: int = 32,
+    seed: int = 0,
+    policy: str | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 32,
+    max_new_tokens: int | None = None,
+    corpus: str | None = None,
+    questions: str | None = None,
+    world_config: WorldConfig | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint (or the scripted expert with `expert=True`)."""
+    from .expert import ScriptedExpert
+    from .tokenizer import build_tokenizer
+
+    if (model_dir is None) == (not expert):
+        raise ValueError("give exactly one of a model directory or expert=True")
+    meta: dict[str, Any] = {}
+    if model_dir is not None:
+        model, tok, meta = load_agent(model_dir)
+        engine = HFEngine(model, pad_id=tok.pad_token_id, batch_size=batch_size)
+        wcfg = WorldConfig.from_json(meta["world"])
+        env_kw = dict(meta.get("env", {}))
+    else:
+        wcfg = world_config or WorldConfig()
+        env_kw = {}
+        tok = None
+    if policy is not None:
+        env_kw["policy"] = policy
+        env_kw.setdefault("policy_kwargs", {})
+    env_cfg = EnvConfig(**env_kw)
+    if corpus is not None or questions is not None:
+        if corpus is None or questions is None:
+            raise DataError("a user evaluation needs both --corpus and --questions")
+        docs = load_corpus_jsonl(corpus)
+        tasks = load_tasks_jsonl(questions)
+        if tok is None:
+            tok = build_tokenizer([d.display for d in docs] + [q for t in tasks for q in t.questions], kind="bpe")
+        env = QAEnv(docs, tok, env_cfg)
+        by_k: dict[int, list] = defaultdict(list)
+        for t in tasks:
+            by_k[t.k].append(t)
+        plan = sorted(by_k.items())
+        source = {"corpus": os.fspath(corpus), "questions": os.fspath(questions)}
+    else:
+        world = World.generate(wcfg)
+        if tok is None:
+            tok = build_tokenizer(world.vocabulary_texts(), kind="word")
+        env = QAEnv.from_world(world, tok, env_cfg)
+        plan = [(k, world.sample_tasks(k, n, split="eval", seed=seed)) for k in ks]
+        source = {"world": wcfg.to_json(), "split": "eval", "seed": seed, "n": n}
+    if expert:
+        engine = ScriptedExpert(tok)
+    results: dict[str, Any] = {}
+    for k, tasks_k in plan:
+        t0, c0 = time.time(), time.process_time()
+        trajs = rollout(env, engine, tasks_k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                        seed=seed, progress=progress)
+        s = summarize(trajs)
+        s["wall_s"] = round(time.time() - t0, 3)
+        s["cpu_s"] = round(time.process_time() - c0, 3)
+        results[f"Q{k}"] = s
+    return {
+        "model": "scripted-expert" if expert else os.fspath(model_dir),
+        "role": meta.get("role"),
+        "policy": env_cfg.policy,
+        "temperature": temperature,
+        "top_p": top_p,
+        "source": source,
+        "results": results,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table of `evaluate`'s report."""
+    head = (f"{'set':>5} {'n':>4} {'EM mean':>8} {'EM sum':>7} {'F1 mean':>8} {'F1 sum':>7} "
+            f"{'peak tok':>8} {'turns':>6} {'fmt err':>7} {'answered':>8} {'wall s':>7}")
+    lines = [f"model: {report['model']}  policy: {report['policy']}  temperature: {report['temperature']}", head,
+             "-" * len(head)]
+    for name, s in report["results"].items():
+        if not s.get("episodes"):
+            lines.append(f"{name:>5}    0  (no episodes)")
+            continue
+        lines.append(
+            f"{name:>5} {s['episodes']:>4} {s['em_mean']:>8.3f} {s['em_sum']:>7.2f} {s['f1_mean']:>8.3f} "
+            f"{s['f1_sum']:>7.2f} {s['peak_tokens']:>8d} {s['turns']:>6.1f} {s['format_errors']:>7.2f} "
+            f"{s['answered']:>8.2f} {s['wall_s']:>7.1f}"
+        )
+    lines.append("EM mean = fraction of sub-questions answered exactly; EM sum = sub-questions right per "
+                 "episode (of k); F1 likewise; peak tok = longest |q|+|x_t|+|a_t| of any call.")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: str | os.PathLike) -> None:
+    d = os.path.dirname(os.fspath(path))
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)

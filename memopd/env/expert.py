@@ -1,0 +1,148 @@
+"""A scripted expert that solves generated-world tasks through the agent protocol.
+
+The expert is an `Engine` (see `rollout`): it receives the same prompt ids a model would
+(q + x_t), decodes them, and returns action ids. Its decision is a function of that
+visible state only (plus the closed list of attribute values, which tells a value from
+an entity name), so a model can in principle imitate it exactly.
+
+Its notes (the `<mem>` span) hold one entry per question, in order: "a1 tailor a2 rezu
+a3". "a<i>" opens question i's entry when its first search is sent; the entry then holds
+the answer, or, for a two-hop question half done, the middle entity (an entity name
+rather than a value is what marks "second hop pending"). Each turn the expert
+
+1. copies its notes and fills the open entry from the `<info>` documents: the value of
+   the fact its last search asked for ("loro 's friend is rezu ." -> "rezu"; a second
+   hop's value replaces the middle entity);
+2. searches the next needed fact: for a first hop the question's words up to the key
+   ("q1 gite k1 job", "q2 loro k2 friend"), for a second hop "r<i> <attribute>
+   <middle entity>" ("r2 color rezu"); marker words match no document, they only let a
+   small model copy the right words (see `world.question_text`). A new question's
+   entry "a<i>" is opened in the same notes;
+3. or, once every entry holds a value, answers with the labelled list
+   `<answer> a1 tailor ; a2 red </answer>` (its notes, with separators).
+
+Every step is a copy (of the notes, of the word after a marker) or a lookup (the
+first document's fact), which keeps the imitation learnable for tiny models. Samples carry no log-probs
+(`Sample.logprobs = None`): the expert is not a distribution. Only generated-world
+questions ("X k1 A ?", "X k2 R r2 A ?") are supported; a question it cannot parse is answered
+"unknown" without a search.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from .protocol import ProtocolTokens
+from .rollout import Sample, rollout
+from .world import is_value, parse_question
+
+__all__ = ["ScriptedExpert", "expert_action_text", "expert_trajectories"]
+
+_QUESTION = re.compile(r"\bq(\d+) (.+?\?)")
+_FACT = re.compile(r"(\S+) ' s (\S+) is (\S+) \.")  # "loro ' s friend is rezu ." as decoded
+_MARK = re.compile(r"^a(\d+)$")
+
+
+def _parse_entries(mem_text: str | None) -> list[list]:
+    """Notes "a1 tailor a2 rezu" -> [[1, ["tailor"]], [2, ["rezu"]]]."""
+    entries: list[list] = []
+    for w in (mem_text or "").split():
+        m = _MARK.match(w)
+        if m:
+            entries.append([int(m.group(1)), []])
+        elif entries:
+            entries[-1][1].append(w)
+    return entries
+
+
+def _wanted(q, values: list[str]) -> tuple[str, str] | None:
+    """The fact (entity, key word) that entry `values` of question q still needs."""
+    if q is None:
+        return None
+    attr, rel, x = q
+    if not values:
+        return (x, rel or attr)
+    if rel is not None and len(values) == 1 and not is_value(values[0]):
+        return (values[0], attr)
+    return None
+
+
+def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text: str | None) -> str:
+    """The expert's next action as text, from what it can see."""
+    qs = [parse_question(q) for q in questions]
+    entries = [e for e in _parse_entries(mem_text) if 1 <= e[0] <= len(qs)]
+    if entries and info_text is not None:
+        i, vals = entries[-1]
+        want = _wanted(qs[i - 1], vals)
+        if want is not None:
+            facts = {(x, a): v for x, a, v in _FACT.findall(info_text)}
+            if want in facts:
+                vals[:] = [facts[want]]  # a second hop's value replaces the middle entity
+    search = None
+    while True:
+        if entries:
+            i, vals = entries[-1]
+            want = _wanted(qs[i - 1], vals)
+            if want is not None:
+                search = f"q{i} {want[0]} k{i} {want[1]}" if not vals else f"r{i} {want[1]} {want[0]}"
+                break
+            if not vals:
+                vals.append("unknown")  # a question the expert cannot parse
+        nxt = entries[-1][0] + 1 if entries else 1
+        if nxt > len(qs):
+            break
+        entries.append([nxt, []])
+    mem = " ".join(" ".join([f"a{i}"] + vals) for i, vals in entries)
+    mem_span = f"<mem> {mem} </mem>" if mem else "<mem> </mem>"
+    if search is not None:
+        return f"{mem_span} <search> {search} </search>"
+    final = {i: " ".join(vals) for i, vals in entries}
+    ans = " ; ".join(f"a{i} {final.get(i, 'unknown')}" for i in range(1, len(qs) + 1))
+    return f"{mem_span} <answer> {ans} </answer>"
+
+
+class ScriptedExpert:
+    """The expert as an `Engine`: prompts in, action ids out (deterministic)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens = ProtocolTokens.from_tokenizer(tokenizer)
+        tk = self.tokens
+        self._tags = {tk.mem_open, tk.mem_close, tk.search_open, tk.search_close, tk.answer_open,
+                      tk.answer_close, tk.info_open, tk.info_close}
+
+    def _span_text(self, ids: list[int], open_id: int, close_id: int, start: int) -> str | None:
+        """Text of the last complete open…close span at or after `start`, or None."""
+        close = None
+        for i in range(len(ids) - 1, start - 1, -1):
+            if close is None and ids[i] == close_id:
+                close = i
+            elif close is not None and ids[i] == open_id:
+                return self.tokenizer.decode(ids[i + 1:close], skip_special_tokens=True)
+        return None
+
+    def act(self, prompt: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in prompt]
+        tk = self.tokens
+        # The prefix q holds no protocol tag: it ends where the first tag starts.
+        end_q = next((i for i, t in enumerate(ids) if t in self._tags), len(ids))
+        q_text = self.tokenizer.decode(ids[:end_q], skip_special_tokens=True)
+        found = sorted((int(n), q) for n, q in _QUESTION.findall(q_text))
+        questions = [q for _, q in found]
+        mem = self._span_text(ids, tk.mem_open, tk.mem_close, end_q)
+        info = self._span_text(ids, tk.info_open, tk.info_close, end_q)
+        text = expert_action_text(questions, mem, info)
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def generate(self, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, stop_ids=(), seed=None):
+        limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+        out = []
+        for p, lim in zip(prompts, limits):
+            ids = self.act(p)[: int(lim)]
+            out.append(Sample(ids=ids, logprobs=None, finish="stop" if ids and ids[-1] in stop_ids else "length"))
+        return out
+
+
+def expert_trajectories(env, tasks, **kwargs):
+    """Run the expert on `tasks` through `env` (the same loop as models); Trajectories."""
+    return rollout(env, ScriptedExpert(env.tokenizer), tasks, temperature=0.0, **kwargs)

@@ -1,0 +1,453 @@
+"""Supervised fine-tuning of tiny agents on scripted-expert episodes (`memopd sft`).
+
+- `MODEL_PRESETS`: the HF Qwen2 shapes of the teacher and the (smaller) student.
+- `copy_warmup_examples(...)`: a brief synthetic copy pre-training run before SFT
+  (random strings of the vocabulary, shown once and repeated, loss on the repeat). It
+  seeds the induction heads the agent needs to copy entities, markers and notes from
+  far back in its context; without it, tiny randomly initialised models take several
+  times more SFT steps before they copy at all (measured: after 600 SFT steps a
+  128x2 model copied the right entity 1% of the time without warm-up, 95% with 600
+  warm-up steps).
+- `sft_examples(trajectories)`: one example per recorded call, the restored state
+  `[q, x_t, a_t]` exactly as the expert saw it and acted; the loss covers only the
+  action ids `a_t` (the context is given, not predicted).
+- `train_sft(model, examples, cfg)`: AdamW, warm-up + cosine, length-bucketed batches
+  under a token budget, tqdm progress bar; returns training statistics.
+- `run_sft(out_dir, ...)`: build the world, tokenizer and expert data, train the
+  requested roles, and save each as a normal HF checkpoint directory (weights, config,
+  tokenizer) plus `memopd_env.json` (world + environment settings, so `memopd eval`
+  rebuilds the same environment). An existing checkpoint is reused unless `force`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .data import DataError
+from .expert import expert_trajectories
+from .protocol import SPECIAL_TOKENS, ProtocolTokens
+from .qa import EnvConfig, QAEnv
+from .world import World, WorldConfig
+
+__all__ = [
+    "ModelSpec",
+    "MODEL_PRESETS",
+    "SFTConfig",
+    "SFT_PRESETS",
+    "ENV_META_FILE",
+    "make_model",
+    "sft_examples",
+    "copy_warmup_examples",
+    "expert_examples",
+    "train_sft",
+    "save_checkpoint",
+    "checkpoint_exists",
+    "read_env_meta",
+    "run_sft",
+]
+
+ENV_META_FILE = "memopd_env.json"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 1024
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "teacher": ModelSpec(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=384),
+    "student": ModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=192),
+}
+
+
+@dataclass
+class SFTConfig:
+    """Training knobs.
+
+    ks / calls_per_k: the expert data: question-set sizes, and how many recorded calls
+    of each size to train on (long episodes have many more calls; balancing by calls
+    keeps short and long contexts equally represented). steps: optimizer steps;
+    batch_tokens: padded tokens per batch. warmup_copy_steps / warmup_copy_len: the
+    synthetic copy pre-training before SFT (0 steps: none) and its longest string.
+    threads: torch CPU threads while training
+    (1 is fastest for these tiny models, and leaves the other core free).
+    """
+
+    steps: int = 600
+    batch_tokens: int = 2048
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+    calls_per_k: int = 3000
+    warmup_copy_steps: int = 600
+    warmup_copy_len: int = 20
+    attn_implementation: str = "sdpa"
+    threads: int | None = 1
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ks"] = list(self.ks)
+        return d
+
+
+SFT_PRESETS: dict[str, SFTConfig] = {
+    "teacher": SFTConfig(),
+    "student": SFTConfig(steps=300),
+}
+
+
+def make_model(spec: ModelSpec, tokenizer, *, seed: int = 0, attn_implementation: str = "eager"):
+    """A randomly initialised Qwen2 causal LM sized by `spec` for `tokenizer`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tk = ProtocolTokens.from_tokenizer(tokenizer)
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tk.pad,
+        bos_token_id=tk.bos,
+        eos_token_id=tk.eos,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
+    return model
+
+
+def sft_examples(trajectories) -> list[tuple[list[int], int]]:
+    """(ids = q + x_t + a_t, n_context = |q| + |x_t|) for every recorded call."""
+    out = []
+    for tr in trajectories:
+        for inv in tr.invocations:
+            n = len(inv.prefix_ids) + len(inv.context_ids)
+            out.append((inv.prefix_ids + inv.context_ids + inv.action_ids, n))
+    return out
+
+
+def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
+                    split: str = "train") -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
+    """SFT examples from scripted-expert episodes: `calls_per_k` calls for each k.
+
+    Episodes are drawn from the `split` stream (held out from "eval") until there are
+    enough calls, then exactly `calls_per_k` calls are sampled. Raises if the expert
+    misses any answer (it must be perfect, or the data would teach mistakes).
+    """
+    rng = random.Random(f"sft-{seed}")
+    examples: list[tuple[list[int], int]] = []
+    stats: dict[str, Any] = {"episodes": 0, "calls": 0}
+    for k in ks:
+        pool: list[tuple[list[int], int]] = []
+        chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
+        rnd = 0
+        while len(pool) < calls_per_k:
+            tasks = world.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
+            trajs = expert_trajectories(env, tasks)
+            bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
+            if bad:
+                raise RuntimeError(f"the scripted expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
+            pool += sft_examples(trajs)
+            stats["episodes"] += len(trajs)
+            rnd += 1
+        examples += rng.sample(pool, calls_per_k)
+    stats["calls"] = len(examples)
+    stats["tokens"] = sum(len(e[0]) for e in examples)
+    stats["action_tokens"] = sum(len(e[0]) - e[1] for e in examples)
+    return examples, stats
+
+
+def copy_warmup_examples(vocab_size: int, n: int, *, first_id: int, max_len: int = 20, max_gap: int = 40,
+                         seed: int = 0, bos_id: int = 1) -> list[tuple[list[int], int]]:
+    """Synthetic copy data: `<bos> S gap S`, S a random string of ids >= first_id
+    (8..max_len long), gap random ids (0..max_gap); the loss covers the repeated S.
+    Same (ids, n_context) layout as `sft_examples`."""
+    rng = random.Random(f"copy-warmup-{seed}")
+    out = []
+    for _ in range(n):
+        s = [rng.randrange(first_id, vocab_size) for _ in range(rng.randint(8, max(8, max_len)))]
+        gap = [rng.randrange(first_id, vocab_size) for _ in range(rng.randint(0, max_gap))]
+        ctx = [bos_id] + s + gap
+        out.append((ctx + s, len(ctx)))
+    return out
+
+
+def _batches(examples, batch_tokens: int, rng: random.Random):
+    """Endless length-bucketed batches: each padded batch holds <= batch_tokens ids."""
+    while True:
+        idx = list(range(len(examples)))
+        rng.shuffle(idx)
+        for c in range(0, len(idx), 1024):
+            chunk = sorted(idx[c:c + 1024], key=lambda i: len(examples[i][0]))
+            batches, cur, longest = [], [], 0
+            for i in chunk:
+                n = len(examples[i][0])
+                if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+                    batches.append(cur)
+                    cur, longest = [], 0
+                cur.append(i)
+                longest = max(longest, n)
+            if cur:
+                batches.append(cur)
+            rng.shuffle(batches)
+            yield from batches
+
+
+def _collate(examples, batch, pad_id: int):
+    L = max(len(examples[i][0]) for i in batch)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), L), -100, dtype=torch.long)
+    for r, i in enumerate(batch):
+        seq, n = examples[i]
+        ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        labels[r, n: len(seq)] = torch.tensor(seq[n:], dtype=torch.long)
+    return ids, labels
+
+
+def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, *, pad_id: int = 0,
+              progress: bool = True, desc: str = "sft", position: int | None = None) -> dict[str, Any]:
+    """Train `model` in place on action tokens only; returns loss/accuracy/time stats.
+
+    Right padding without an attention mask is exact here: causal attention never lets
+    a real token see the pads that come after it, and pads carry no loss.
+    """
+    if not examples:
+        raise DataError("no SFT examples")
+    old_threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(model, examples, cfg, pad_id=pad_id, progress=progress, desc=desc, position=position)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc: str,
+           position: int | None) -> dict[str, Any]:
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    batches = _batches(examples, cfg.batch_tokens, rng)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=desc, unit="step", position=position)
+    model.train()
+    t0, c0 = time.time(), time.process_time()
+    ema_loss, ema_acc, tokens = None, None, 0
+    history = []
+    for step in range(cfg.steps):
+        # Linear warm-up, then cosine down to min_lr_ratio * lr.
+        if step < cfg.warmup:
+            lr = cfg.lr * (step + 1) / cfg.warmup
+        else:
+            prog = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+            lr = cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, labels = _collate(examples, next(batches), pad_id)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        tgt = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        with torch.no_grad():
+            m = tgt != -100
+            acc = (logits.argmax(-1)[m] == tgt[m]).float().mean().item()
+        tokens += int(ids.numel())
+        lv = float(loss.item())
+        ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
+        ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
+        if step % 25 == 0 or step == cfg.steps - 1:
+            history.append({"step": step, "loss": round(ema_loss, 4), "acc": round(ema_acc, 4)})
+        if bar is not None:
+            bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    model.eval()
+    return {
+        "steps": cfg.steps,
+        "final_loss": ema_loss,
+        "final_action_token_acc": ema_acc,
+        "tokens_seen": tokens,
+        "wall_s": round(time.time() - t0, 2),
+        "cpu_s": round(time.process_time() - c0, 2),
+        "history": history,
+    }
+
+
+def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, meta: dict[str, Any]) -> None:
+    """HF save_pretrained of model + tokenizer, plus the environment metadata."""
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    tmp = os.path.join(out_dir, ENV_META_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    # Written last and atomically: its presence marks a complete checkpoint.
+    os.replace(tmp, os.path.join(out_dir, ENV_META_FILE))
+
+
+def checkpoint_exists(path: str | os.PathLike) -> bool:
+    path = os.fspath(path)
+    return all(os.path.exists(os.path.join(path, f)) for f in ("config.json", "tokenizer.json", ENV_META_FILE))
+
+
+def read_env_meta(path: str | os.PathLike) -> dict[str, Any]:
+    f = os.path.join(os.fspath(path), ENV_META_FILE)
+    if not os.path.exists(f):
+        raise DataError(f"{os.fspath(path)!r} is not a memopd env checkpoint (no {ENV_META_FILE}); "
+                        "train one with `memopd sft --out DIR`")
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def _train_role(job: dict[str, Any]) -> dict[str, Any]:
+    """Build the data and train + save one role (runs in-process or in a worker)."""
+    from .tokenizer import build_tokenizer
+
+    role, out = job["role"], job["out"]
+    log = print
+    world_config = WorldConfig.from_json(job["world"])
+    env_config = EnvConfig(**job["env"])
+    cfg = SFTConfig(**{**job["sft"], "ks": tuple(job["sft"]["ks"])})
+    spec = ModelSpec(**job["spec"])
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.process_time()
+    world = World.generate(world_config)
+    tokenizer = build_tokenizer(world.vocabulary_texts(), kind="word")
+    env = QAEnv.from_world(world, tokenizer, env_config)
+    examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed)
+    log(f"[memopd sft] {role}: expert data: {dstats['episodes']} episodes -> {dstats['calls']} calls, "
+        f"{dstats['tokens']} tokens ({time.process_time() - t0:.1f} s CPU)", flush=True)
+    model = make_model(spec, tokenizer, seed=cfg.seed, attn_implementation=cfg.attn_implementation)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[memopd sft] {role}: {n_params / 1e6:.2f}M params, {cfg.warmup_copy_steps} copy warm-up + "
+        f"{cfg.steps} SFT steps of {cfg.batch_tokens} tokens", flush=True)
+    warm = None
+    if cfg.warmup_copy_steps > 0:
+        wex = copy_warmup_examples(len(tokenizer), 20000, first_id=len(SPECIAL_TOKENS), max_len=cfg.warmup_copy_len,
+                                   seed=cfg.seed, bos_id=tokenizer.bos_token_id)
+        wcfg = SFTConfig(**{**cfg.to_json(), "ks": cfg.ks, "steps": cfg.warmup_copy_steps})
+        warm = train_sft(model, wex, wcfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
+                         desc=f"copy warm-up {role}", position=job.get("position"))
+    stats = train_sft(model, examples, cfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
+                      desc=f"sft {role}", position=job.get("position"))
+    if warm is not None:
+        stats["warmup"] = {k: v for k, v in warm.items() if k != "history"}
+        stats["cpu_s"] = round(stats["cpu_s"] + warm["cpu_s"], 2)
+        stats["wall_s"] = round(stats["wall_s"] + warm["wall_s"], 2)
+    stats["params"] = n_params
+    stats["data"] = dstats
+    stats["data_cpu_s"] = round(time.process_time() - t0 - stats["cpu_s"], 2)
+    meta = {
+        "format": "memopd.env.checkpoint",
+        "version": 1,
+        "role": role,
+        "world": world_config.to_json(),
+        "env": asdict(env_config),
+        "tokenizer_kind": "word",
+        "model_spec": asdict(spec),
+        "sft_config": cfg.to_json(),
+        "sft": {k: v for k, v in stats.items() if k != "history"},
+        "sft_history": stats["history"],
+    }
+    save_checkpoint(model, tokenizer, out, meta)
+    log(f"[memopd sft] {role}: saved to {out} (loss {stats['final_loss']:.3f}, action-token acc "
+        f"{stats['final_action_token_acc']:.3f}, {stats['cpu_s']:.0f} s CPU, {stats['wall_s']:.0f} s wall)",
+        flush=True)
+    return {"path": out, "skipped": False, **meta["sft"]}
+
+
+def run_sft(
+    out_dir: str | os.PathLike,
+    *,
+    roles: Sequence[str] = ("teacher", "student"),
+    force: bool = False,
+    world_config: WorldConfig | None = None,
+    env_config: EnvConfig | None = None,
+    sft_configs: dict[str, SFTConfig] | None = None,
+    model_specs: dict[str, ModelSpec] | None = None,
+    jobs: int | None = None,
+    progress: bool = True,
+    log=print,
+) -> dict[str, Any]:
+    """Train (or reuse) each role under `out_dir/<role>`; returns a summary per role.
+
+    With `jobs` > 1 (default: one per role, at most the CPU count) the roles train at
+    the same time in separate processes, one torch thread each: tiny models gain little
+    from intra-op threads, so two single-threaded trainings use two cores far better.
+    """
+    out_dir = os.fspath(out_dir)
+    specs = dict(MODEL_PRESETS, **(model_specs or {}))
+    cfgs = dict(SFT_PRESETS, **(sft_configs or {}))
+    for r in roles:
+        if r not in specs or r not in cfgs:
+            raise ValueError(f"unknown role {r!r}; known: {', '.join(sorted(set(specs) & set(cfgs)))}")
+    world_config = world_config or WorldConfig()
+    env_config = env_config or EnvConfig()
+    EnvConfig(**asdict(env_config))  # validate before spawning anything
+    summary: dict[str, Any] = {}
+    todo = []
+    for r in roles:
+        d = os.path.join(out_dir, r)
+        if checkpoint_exists(d) and not force:
+            log(f"[memopd sft] {r}: checkpoint exists at {d}; skipping (use --force to retrain)")
+            summary[r] = {"path": d, "skipped": True, **read_env_meta(d).get("sft", {})}
+        else:
+            todo.append(r)
+    if not todo:
+        return summary
+    job_list = [
+        {"role": r, "out": os.path.join(out_dir, r), "world": world_config.to_json(), "env": asdict(env_config),
+         "sft": cfgs[r].to_json(), "spec": asdict(specs[r]), "progress": progress, "position": i}
+        for i, r in enumerate(todo)
+    ]
+    if jobs is None:
+        jobs = min(len(todo), os.cpu_count() or 1)
+    t0 = time.time()
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: a clean interpreter per role (fork + torch threads is fragile).
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
+                                 mp_context=multiprocessing.get_context("spawn")) as ex:
+            for r, res in zip(todo, ex.map(_train_role, job_list)):
+                summary[r] = res
+    else:
+        for r, job in zip(todo, job_list):
+            summary[r] = _train_role(job)
+    log(f"[memopd sft] trained {', '.join(todo)} in {time.time() - t0:.0f} s wall")
+    return summary

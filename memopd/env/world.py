@@ -1,0 +1,261 @@
+"""The embedded default data: a generated world, its corpus and its question sets.
+
+Everything is a pure function of a `WorldConfig` (seed included), so no download is
+needed and two processes that share a config see the same world, corpus and tasks.
+
+- Entities have made-up short names ("kalo", "mipu"), attributes (city, color, job)
+  and relations to other entities (friend, mentor).
+- The corpus holds one short document per fact, titled with its entity ("kalo : kalo
+  's city is paris ."), plus distractors that mention the entity with a wrong value but
+  not the attribute word ("kalo : kalo once visited rome ."), so a search returns near
+  misses as well.
+- Questions are single-hop ("kalo k1 city ?": kalo's city) or two-hop ("kalo k2 friend
+  r2 color ?": the color of kalo's friend); a `Task` is k of them, answered in one
+  episode. The k<i>/r<i> words are markers (see `question_text`).
+
+The vocabulary is deliberately small (a few hundred words) so tiny models can learn it.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .data import DataError, Document, Task
+
+__all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "question_text", "parse_question", "fact_text", "is_value"]
+
+DEFAULT_VALUES: dict[str, tuple[str, ...]] = {
+    "city": ("paris", "rome", "oslo", "lima", "cairo", "delhi", "tokyo", "berlin", "madrid", "dublin", "quito", "seoul"),
+    "color": ("red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown"),
+    "job": ("baker", "pilot", "nurse", "farmer", "doctor", "painter", "singer", "lawyer", "tailor", "miner"),
+}
+
+# Distractors mention an entity (and sometimes a value) without the attribute keyword,
+# so BM25 still ranks the true fact first but the observation holds near misses.
+_DISTRACTORS = (
+    ("city", "{x} once visited {city} ."),
+    ("color", "{x} has a {color} bike ."),
+    ("job", "{x} wants to be a {job} ."),
+    ("city", "{x} and {y} went to {city} together ."),
+    ("", "{x} never met {y} ."),
+    ("job", "{y} thinks {x} is a good {job} ."),
+)
+
+_ALL_VALUES = frozenset(v for vals in DEFAULT_VALUES.values() for v in vals)
+
+
+def is_value(word: str) -> bool:
+    """True for an attribute value (city/color/job word), False for anything else
+    (entity names): a note holding an entity is a two-hop question's middle step."""
+    return word in _ALL_VALUES
+
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+def question_text(attr: str, x: str, rel: str | None = None, i: int = 1) -> str:
+    """Question i (1-based) of a set, as a keyword chain with per-question markers:
+
+        "gite k1 job ?"              (gite's job)
+        "loro k2 friend r2 color ?"  (the color of loro's friend)
+
+    The task prefix writes "q<i>" in front. Why markers: a small transformer learns
+    "copy the word that follows marker m" (an induction head keyed on a unique token)
+    long before it learns to continue an arbitrary word, so every word a search needs
+    follows a marker: the first hop sends "q1 gite k1 job", the second "r2 color
+    <middle entity>". The marker words match no document; BM25 ignores them.
+    """
+    if rel is None:
+        return f"{x} k{i} {attr} ?"
+    return f"{x} k{i} {rel} r{i} {attr} ?"
+
+
+_MARKER = re.compile(r"^[qkra]\d+$")
+
+
+def parse_question(text: str) -> tuple[str, str | None, str] | None:
+    """Inverse of `question_text`: (attr, rel or None, entity), or None if not ours."""
+    w = [t for t in text.split() if t != "?"]
+    if w and re.match(r"^q\d+$", w[0]):
+        w = w[1:]
+    if len(w) == 3 and w[1][0] == "k" and _MARKER.match(w[1]):
+        return w[2], None, w[0]
+    if len(w) == 5 and w[1][0] == "k" and w[3][0] == "r" and _MARKER.match(w[1]) and _MARKER.match(w[3]):
+        return w[4], w[2], w[0]
+    return None
+
+
+def fact_text(x: str, key: str, value: str) -> str:
+    """The document stating one fact: "kalo 's city is paris ." (titled "kalo")."""
+    return f"{x} 's {key} is {value} ."
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    seed: int = 0
+    n_entities: int = 64
+    attributes: tuple[str, ...] = ("city", "color", "job")
+    relations: tuple[str, ...] = ("friend", "mentor")
+    distractors_per_entity: int = 2
+    two_hop_frac: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.n_entities <= 2000:
+            raise DataError(f"n_entities must be in [2, 2000], got {self.n_entities}")
+        if not self.attributes:
+            raise DataError("a world needs at least one attribute")
+        for a in self.attributes:
+            if a not in DEFAULT_VALUES:
+                raise DataError(f"unknown attribute {a!r}; choose from {sorted(DEFAULT_VALUES)}")
+        if not 0.0 <= self.two_hop_frac <= 1.0:
+            raise DataError(f"two_hop_frac must be in [0, 1], got {self.two_hop_frac}")
+        if self.two_hop_frac > 0 and not self.relations:
+            raise DataError("two-hop questions need at least one relation")
+        bad = set(self.relations) & (set(DEFAULT_VALUES) | _ALL_VALUES | {"of", "the", "is", "s"})
+        if bad:
+            raise DataError(f"relation names {sorted(bad)} collide with other words")
+        if self.distractors_per_entity < 0:
+            raise DataError(f"distractors_per_entity must be >= 0, got {self.distractors_per_entity}")
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["attributes"] = list(self.attributes)
+        d["relations"] = list(self.relations)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "WorldConfig":
+        d = dict(d)
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise DataError(f"world config has unknown fields {sorted(unknown)}")
+        for key in ("attributes", "relations"):
+            if key in d:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+
+@dataclass
+class World:
+    """A generated world: entity names, facts, and the corpus describing them."""
+
+    config: WorldConfig
+    entities: list[str]
+    facts: dict[tuple[str, str], str]  # (entity, attribute or relation) -> value
+    documents: list[Document] = field(default_factory=list)
+    support_doc: dict[tuple[str, str], str] = field(default_factory=dict)  # fact -> doc id
+
+    @classmethod
+    def generate(cls, config: WorldConfig | None = None, **kwargs) -> "World":
+        config = config or WorldConfig(**kwargs)
+        rng = random.Random(f"memopd-world-{config.seed}")
+        reserved = set(_ALL_VALUES) | set(config.attributes) | set(config.relations)
+        reserved |= {"is", "the", "of", "once", "has", "bike", "wants", "never", "met", "went", "together",
+                     "thinks", "good", "to", "be", "and", "a"}
+        names: list[str] = []
+        seen: set[str] = set()
+        while len(names) < config.n_entities:
+            # CVCV names: 4900 possibilities, all 4 letters (BM25's tokenizer keeps them).
+            n = "".join(rng.choice(s) for s in (_CONSONANTS, _VOWELS, _CONSONANTS, _VOWELS))
+            if n in seen or n in reserved:
+                continue
+            seen.add(n)
+            names.append(n)
+        facts: dict[tuple[str, str], str] = {}
+        for x in names:
+            for a in config.attributes:
+                facts[(x, a)] = rng.choice(DEFAULT_VALUES[a])
+        # Each relation is a derangement (a permutation without fixed points): every
+        # entity is the friend of exactly one other, so "X 's friend is Y" has one
+        # inverse twin ("W 's friend is X"), and with titled documents the true fact
+        # (which names X twice) ranks first for the search "X friend".
+        for r in config.relations:
+            while True:
+                perm = names[:]
+                rng.shuffle(perm)
+                if all(a != b for a, b in zip(names, perm)):
+                    break
+            for x, y in zip(names, perm):
+                facts[(x, r)] = y
+        world = cls(config, names, facts)
+        world._build_corpus(rng)
+        return world
+
+    def _build_corpus(self, rng: random.Random) -> None:
+        docs: list[Document] = []
+        for x in self.entities:
+            for a in list(self.config.attributes) + list(self.config.relations):
+                did = f"{x}/{a}"
+                docs.append(Document(did, fact_text(x, a, self.facts[(x, a)]), title=x))
+                self.support_doc[(x, a)] = did
+            usable = [t for need, t in _DISTRACTORS if need == "" or need in self.config.attributes]
+            for j in range(self.config.distractors_per_entity):
+                t = rng.choice(usable)
+                fill = {a: rng.choice(DEFAULT_VALUES[a]) for a in DEFAULT_VALUES}
+                fill["x"] = x
+                fill["y"] = rng.choice([y for y in self.entities if y != x])
+                docs.append(Document(f"{x}/d{j}", t.format(**fill), title=x))
+        # Shuffle so document order carries no signal about which doc is the fact.
+        rng.shuffle(docs)
+        self.documents = docs
+
+    # ---- questions -------------------------------------------------------------------
+    def answer(self, attr: str, x: str, rel: str | None = None) -> str:
+        try:
+            y = x if rel is None else self.facts[(x, rel)]
+            return self.facts[(y, attr)]
+        except KeyError:
+            raise DataError(f"the world has no fact for ({attr}, {rel}, {x})") from None
+
+    def support(self, attr: str, x: str, rel: str | None = None) -> list[str]:
+        if rel is None:
+            return [self.support_doc[(x, attr)]]
+        y = self.facts[(x, rel)]
+        return [self.support_doc[(x, rel)], self.support_doc[(y, attr)]]
+
+    def sample_question(self, rng: random.Random) -> tuple[str, str | None, str]:
+        x = rng.choice(self.entities)
+        attr = rng.choice(self.config.attributes)
+        rel = rng.choice(self.config.relations) if rng.random() < self.config.two_hop_frac else None
+        return attr, rel, x
+
+    def sample_tasks(self, k: int, n: int, *, split: str = "train", seed: int = 0) -> list[Task]:
+        """n question sets of k distinct questions; deterministic in (world seed, split, k, seed).
+
+        Different `split` names give independent streams, so "train" and "eval" sets are
+        held out from each other (`memopd eval` uses split "eval").
+        """
+        if k < 1:
+            raise DataError(f"k must be >= 1, got {k}")
+        n_distinct = len(self.entities) * len(self.config.attributes) * (1 + len(self.config.relations))
+        if k > n_distinct:
+            raise DataError(f"k={k} exceeds the {n_distinct} distinct questions of this world")
+        rng = random.Random(f"memopd-tasks-{self.config.seed}-{split}-{k}-{seed}")
+        tasks = []
+        for i in range(n):
+            qs: list[tuple[str, str | None, str]] = []
+            while len(qs) < k:
+                q = self.sample_question(rng)
+                if q not in qs:
+                    qs.append(q)
+            tasks.append(
+                Task(
+                    task_id=f"{split}{seed}-q{k}-{i:05d}",
+                    questions=[question_text(a, x, r, j + 1) for j, (a, r, x) in enumerate(qs)],
+                    answers=[[self.answer(a, x, r)] for a, r, x in qs],
+                    support=[self.support(a, x, r) for a, r, x in qs],
+                    meta={"hops": [1 if r is None else 2 for _, r, _ in qs]},
+                )
+            )
+        return tasks
+
+    def vocabulary_texts(self) -> list[str]:
+        """Every text the environment can show or expect, for building the tokenizer."""
+        texts = [d.display for d in self.documents]
+        texts += [" ".join(self.entities)]
+        texts += [" ".join(v) for v in DEFAULT_VALUES.values()]
+        texts += [" ".join(self.config.attributes + self.config.relations)]
+        return texts

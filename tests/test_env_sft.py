@@ -1,0 +1,70 @@
+"""SFT examples, a tiny `memopd sft` run with its cache, and `memopd eval` output."""
+import json
+import os
+
+import pytest
+
+from memopd.env import QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
+from memopd.env.cli import eval_main, sft_main
+from memopd.env.sft import checkpoint_exists, read_env_meta, sft_examples
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine
+    # thread oversubscription makes them several times slower; restore afterwards.
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_sft_examples_are_the_recorded_states():
+    world = World.generate(WorldConfig(seed=0, n_entities=16))
+    tok = build_tokenizer(world.vocabulary_texts())
+    env = QAEnv.from_world(world, tok)
+    trajs = expert_trajectories(env, world.sample_tasks(2, 3))
+    ex = sft_examples(trajs)
+    calls = [inv for tr in trajs for inv in tr.invocations]
+    assert len(ex) == len(calls)
+    for (ids, n), inv in zip(ex, calls):
+        assert ids[:n] == inv.prefix_ids + inv.context_ids and ids[n:] == inv.action_ids
+
+
+def test_tiny_sft_cache_and_eval(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    args = ["--out", str(out), "--entities", "12", "--teacher-steps", "3", "--student-steps", "2",
+            "--calls-per-k", "12", "--ks", "1,2", "--batch-tokens", "512", "--no-progress",
+            "--json", str(tmp_path / "sft.json")]
+    assert sft_main(args) == 0
+    for role in ("teacher", "student"):
+        d = out / role
+        assert checkpoint_exists(d)
+        assert {"config.json", "tokenizer.json", "memopd_env.json"} <= set(os.listdir(d))
+        meta = read_env_meta(d)
+        assert meta["role"] == role and meta["world"]["n_entities"] == 12
+    s = json.loads((tmp_path / "sft.json").read_text())
+    assert s["teacher"]["steps"] == 3 and s["student"]["params"] < s["teacher"]["params"]
+    mtime = os.path.getmtime(out / "teacher" / "memopd_env.json")
+    assert sft_main(args) == 0  # cached: nothing retrained
+    assert "skipping" in capsys.readouterr().out
+    assert os.path.getmtime(out / "teacher" / "memopd_env.json") == mtime
+
+    rep = tmp_path / "eval.json"
+    assert eval_main(["--model", str(out / "student"), "--k", "2", "--n", "2", "--json", str(rep)]) == 0
+    text = capsys.readouterr().out
+    assert "EM mean" in text and "EM sum" in text and "Q2" in text
+    r = json.loads(rep.read_text())["results"]["Q2"]
+    assert r["episodes"] == 2 and 0.0 <= r["em_mean"] <= 1.0 and r["peak_tokens"] > 0 and r["turns"] >= 1
+
+
+def test_eval_expert_and_errors(tmp_path, capsys):
+    assert eval_main(["--expert", "--k", "2", "--n", "3"]) == 0
+    out = capsys.readouterr().out
+    assert " 1.000 " in out  # the expert answers everything
+    assert eval_main(["--model", str(tmp_path / "nope")]) == 1
+    assert "not a memopd env checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_main([])  # --model or --expert is required
