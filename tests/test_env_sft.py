@@ -36,7 +36,7 @@ def test_sft_examples_are_the_recorded_states():
 def test_tiny_sft_cache_and_eval(tmp_path, capsys):
     out = tmp_path / "ckpt"
     args = ["--out", str(out), "--entities", "12", "--teacher-steps", "3", "--student-steps", "2",
-            "--calls-per-k", "12", "--ks", "1,2", "--batch-tokens", "512", "--no-progress",
+            "--calls-per-k", "12", "--copy-warmup-steps", "2", "--ks", "1,2", "--batch-tokens", "512", "--no-progress",
             "--json", str(tmp_path / "sft.json")]
     assert sft_main(args) == 0
     for role in ("teacher", "student"):
@@ -47,6 +47,7 @@ def test_tiny_sft_cache_and_eval(tmp_path, capsys):
         assert meta["role"] == role and meta["world"]["n_entities"] == 12
     s = json.loads((tmp_path / "sft.json").read_text())
     assert s["teacher"]["steps"] == 3 and s["student"]["params"] < s["teacher"]["params"]
+    assert s["teacher"]["warmup"]["steps"] == 2
     mtime = os.path.getmtime(out / "teacher" / "memopd_env.json")
     assert sft_main(args) == 0  # cached: nothing retrained
     assert "skipping" in capsys.readouterr().out

@@ -46,6 +46,8 @@ def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per batch (default per preset)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default per preset)")
     p.add_argument("--ks", type=_ks, default=None, help="question-set sizes of the expert data, e.g. '1,2,4,8,16'")
+    p.add_argument("--copy-warmup-steps", type=int, default=None,
+                   help="synthetic copy pre-training steps before SFT (default per preset; 0 = none)")
     p.add_argument("--calls-per-k", type=int, default=None, help="expert calls to train on per question-set size")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per model (default 1)")
     p.add_argument("--jobs", type=int, default=None,
@@ -73,7 +75,7 @@ def sft_main(argv: Sequence[str] | None = None) -> int:
         c = SFT_PRESETS[r]
         over = {"steps": args.teacher_steps if r == "teacher" else args.student_steps}
         for name, val in (("batch_tokens", args.batch_tokens), ("lr", args.lr), ("ks", args.ks),
-                          ("calls_per_k", args.calls_per_k), ("threads", args.threads)):
+                          ("calls_per_k", args.calls_per_k), ("warmup_copy_steps", args.copy_warmup_steps), ("threads", args.threads)):
             if val is not None:
                 over[name] = val
         cfgs[r] = replace(c, **over)

@@ -1,0 +1,531 @@
+"""Packing speedup benchmark: actor forward+backward over three layouts of the same batch.
+
+What is timed: one actor step, i.e. forward of every call of a batch of trajectories,
+log-probs of the sampled action tokens (`lm_head` only at the prediction positions, fp32
+log-softmax), `loss = -sum(log-probs)`, backward through the whole model, micro-batched
+under one token budget (`MEMOPD_BENCH_MAX_TOKENS`, the same for every layout; gradients
+accumulate over micro-batches). Building the batches (packing, padding, host->device
+copies) is done once, outside the timing; its cost is recorded as `prep_s`.
+
+Layouts (names as they appear in `benchmark.extra_info["layout"]`):
+  independent     the unpacked trainer: one row per call `[q, x_t, a_t]`, calls sorted by
+                  length (longest first) and cut greedily into micro-batches of
+                  rows x longest-row <= budget, right-padded to the longest row of their
+                  micro-batch, plain HF batched forward with a padding attention mask and
+                  the model's standard attention (sdpa), positions 0..n-1.
+  aligned         `pack(..., "aligned_unshared")` + `memopd.hf.packed_forward`: every call
+                  its own segment `[q, x_t, a_t]`, no padding, no prefix sharing.
+  aligned_shared  `pack(..., "aligned", share_prefix="group")` + `packed_forward`: the
+                  rollouts of one group (GRPO/PPO samples of one prompt, group size 4)
+                  read one prefix segment per packed row.
+
+Configurations: Q2-, Q8-, Q16-shaped trajectories x batch sizes 4, 8, 16 trajectories
+(`MEMOPD_BENCH_BATCHES`). Shapes follow expert episodes of the project's own QA
+environment (`memopd.env`, summary memory; see `qa_shaped_trajectories` and
+`python benchmarks/bench_packing.py --measure-env`), with fresh random token ids.
+
+Measurement: for each configuration, first an untimed equivalence check (a forward of every
+layout captures the log-prob of every action token; the packed layouts must match
+`independent` within 1e-4 in fp32, 0.1 in bf16), then on CUDA one untimed forward+backward
+round per layout (kernel compilation, autotuning; `MEMOPD_BENCH_WARMUP`), then
+`MEMOPD_BENCH_ROUNDS` (3) timed rounds, each running all three layouts back to back in a
+rotating order, so machine noise hits them alike. The durations of a layout are then
+handed to pytest-benchmark (through its `pedantic` API, with a clock that replays them), so
+`--benchmark-json` holds one entry per (configuration, layout) with the real interleaved
+durations and, in `extra_info`: config, layout, tokens (incl. padding), real_tokens,
+padding_fraction, the durations, the speedups and more. `benchmarks/conftest.py` prints the
+speedup table at the end of the session and writes it as JSON
+(`benchmarks/results/packing_summary.json`, or `$MEMOPD_BENCH_RESULTS_DIR`).
+Durations are wall-clock (`time.perf_counter` after a CUDA sync); on a CPU machine shared
+with other jobs `MEMOPD_BENCH_CLOCK=process` (with `MEMOPD_BENCH_THREADS=1`) times the
+process's CPU work instead.
+
+Models: on CPU a random Qwen2 (hidden 256, 2 layers (`MEMOPD_BENCH_LAYERS`), 8 heads / 2 kv
+heads, intermediate 512, vocab 4096, fp32); with CUDA a random Qwen2.5-0.5B-shaped model
+(hidden 896, 24 layers, 14 / 2 heads, intermediate 4864, vocab 151936, tied embeddings,
+bf16), built from its config (no download). `MEMOPD_BENCH_MODEL=tiny|qwen2.5-0.5b`
+overrides the choice.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from memopd.hf import packed_forward
+from memopd.memory import SummaryReplacement, drive
+from memopd.packing import pack
+from memopd.records import Trajectory
+
+LAYOUTS = ("independent", "aligned", "aligned_shared")
+QUESTION_COUNTS = (2, 8, 16)
+GROUP_SIZE = 4
+PAD_ID = 0
+MEM_OPEN, MEM_CLOSE = 1, 2  # reserved ids (0 is padding)
+
+
+def _env_ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        vals = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected comma-separated integers") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{name}={raw!r}: expected positive integers")
+    return vals
+
+
+BATCH_SIZES = _env_ints("MEMOPD_BENCH_BATCHES", (4, 8, 16))
+ROUNDS = _env_ints("MEMOPD_BENCH_ROUNDS", (3,))[0]
+# "wall": time.perf_counter (after a CUDA sync): what a trainer waits for. "process":
+# time.process_time of this process (CPU only): the CPU work, for machines shared with other
+# jobs, where wall time measures the contention more than the code.
+CLOCK = os.environ.get("MEMOPD_BENCH_CLOCK", "wall")
+if CLOCK not in ("wall", "process"):
+    raise ValueError(f"MEMOPD_BENCH_CLOCK={CLOCK!r}: choose 'wall' or 'process'")
+# untimed fwd+bwd warm-up rounds: CUDA needs one (kernel compilation, autotuning, allocator);
+# on CPU the median over the timed rounds absorbs a slower first round
+_WARMUP_ENV = os.environ.get("MEMOPD_BENCH_WARMUP")
+LOGPROB_TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+
+
+# --------------------------------------------------------------------------------------
+# Trajectory shapes
+# --------------------------------------------------------------------------------------
+# Measured on expert episodes of memopd.env (generated world, word-level tokenizer,
+# summary memory, top-3 retrieval; 50 tasks per k; `--measure-env` reprints them):
+#   Q2 : prefix 50-56,  calls 3-5,   context 0-32, action 6-13
+#   Q8 : prefix 110-128, calls 11-17, context 0-50, action 6-43
+#   Q16: prefix 188-215, calls 21-30, context 0-71, action 6-80
+# An expert call t writes `<mem> notes </mem> <search> a b </search>`; its notes grow by
+# 1-2 ids per call; the observation `<info> doc | doc | doc </info>` is ~25 ids; summary
+# memory makes x_{t+1} = the memory span + the observation; the last call answers all k
+# questions (`<answer> v1 ; ... ; vk </answer>`).
+EXPERT_CALLS = {2: (3, 5), 8: (11, 17), 16: (21, 30)}
+
+
+def _calls_range(k: int) -> tuple[int, int]:
+    if k in EXPERT_CALLS:
+        return EXPERT_CALLS[k]
+    return max(2, round(1.4 * k)), round(1.9 * k) + 1
+
+
+def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, vocab_size: int = 4096,
+                           seed: int = 0) -> list[Trajectory]:
+    """`n` valid trajectories shaped like expert episodes of k questions (see above).
+
+    Rollouts of one group (`group_size` in a row) share the prefix q (like samples of one
+    prompt) but differ in their number of calls, actions and observations. Token ids are
+    random in [3, vocab_size); ids 1/2 are the memory tags used by `SummaryReplacement`.
+    """
+    rng = random.Random(1_000_003 * seed + k)
+    lo = 3
+
+    def toks(m: int) -> list[int]:
+        return [rng.randrange(lo, vocab_size) for _ in range(m)]
+
+    policy = SummaryReplacement(MEM_OPEN, MEM_CLOSE)
+    jitter = 2 + k // 2
+    calls_lo, calls_hi = _calls_range(k)
+    out: list[Trajectory] = []
+    prefix: list[int] = []
+    for i in range(n):
+        if i % group_size == 0:
+            prefix = toks(28 + 11 * k + rng.randint(-jitter, jitter))
+        n_calls = rng.randint(calls_lo, calls_hi)
+        notes: list[int] = []
+        steps = []
+        for t in range(n_calls):
+            mem = [MEM_OPEN] + notes + [MEM_CLOSE]
+            if t == n_calls - 1:
+                act = mem + toks(2 * k + 1 + rng.randint(0, 2))  # <answer> v1 ; ... </answer>
+            else:
+                act = mem + toks(rng.randint(4, 5))  # <search> query </search>
+            steps.append((act, toks(rng.randint(22, 28))))  # <info> 3 docs </info>
+            notes = notes + toks(rng.choice((1, 2, 2)))
+        g = i // group_size
+        out.append(drive(policy, prefix, steps, task_id=f"Q{k}-task{g}", group_id=f"Q{k}-g{g}"))
+    return out
+
+
+def measure_env_shapes(ks=QUESTION_COUNTS, tasks: int = 50, kind: str = "word") -> None:
+    """Print prefix/calls/context/action ranges of expert episodes of `memopd.env`."""
+    from memopd.env.expert import expert_trajectories
+    from memopd.env.qa import QAEnv
+    from memopd.env.tokenizer import build_tokenizer
+    from memopd.env.world import World
+
+    world = World.generate()
+    env = QAEnv.from_world(world, build_tokenizer(world.vocabulary_texts(), kind=kind))
+    for k in ks:
+        trs = expert_trajectories(env, world.sample_tasks(k, tasks, seed=1))
+        rows = {
+            "prefix": [len(t.prefix_ids) for t in trs],
+            "calls": [len(t) for t in trs],
+            "context": [len(i.context_ids) for t in trs for i in t.invocations],
+            "action": [len(i.action_ids) for t in trs for i in t.invocations],
+        }
+        print(f"Q{k:<2} " + "  ".join(
+            f"{name} {min(v)}-{max(v)} (mean {statistics.mean(v):.1f})" for name, v in rows.items()))
+
+
+# --------------------------------------------------------------------------------------
+# Model / device
+# --------------------------------------------------------------------------------------
+@dataclass
+class BenchSetup:
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    max_tokens: int
+    name: str
+    vocab_size: int
+
+
+def make_setup() -> BenchSetup:
+    """The benchmark model for this machine (see the module docstring)."""
+    from memopd.models import tiny_causal_lm
+
+    cuda = torch.cuda.is_available()
+    if CLOCK == "process" and cuda:
+        raise ValueError("MEMOPD_BENCH_CLOCK=process measures CPU work; use the wall clock on CUDA")
+    threads = os.environ.get("MEMOPD_BENCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    choice = os.environ.get("MEMOPD_BENCH_MODEL", "qwen2.5-0.5b" if cuda else "tiny")
+    device = torch.device("cuda" if cuda else "cpu")
+    if choice == "tiny":
+        layers = _env_ints("MEMOPD_BENCH_LAYERS", (2,))[0]
+        kw = dict(vocab_size=4096, hidden_size=256, num_layers=layers, num_heads=8, num_kv_heads=2,
+                  intermediate_size=512, dtype=torch.float32)
+        name = f"qwen2-tiny(h256,L{layers},8/2h,i512,V4096)"
+        default_budget = 4096
+    elif choice == "qwen2.5-0.5b":
+        kw = dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                  intermediate_size=4864, tie_word_embeddings=True, max_positions=32768,
+                  dtype=torch.bfloat16 if cuda else torch.float32)
+        name = "qwen2.5-0.5b-shaped(random)"
+        default_budget = 16384 if cuda else 4096
+    else:
+        raise ValueError(f"MEMOPD_BENCH_MODEL={choice!r}: choose 'tiny' or 'qwen2.5-0.5b'")
+    budget = _env_ints("MEMOPD_BENCH_MAX_TOKENS", (default_budget,))[0]
+    try:
+        with torch.device(device):  # initialise directly on the GPU (fast) when there is one
+            model = tiny_causal_lm("qwen2", **kw)
+    except Exception:  # noqa: BLE001 - any failure of on-device init: build on CPU, then move
+        model = tiny_causal_lm("qwen2", **kw)
+    model = model.to(device)
+    model.config.use_cache = False
+    model.train()
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+    return BenchSetup(model, device, kw["dtype"], budget, f"{name} {str(kw['dtype']).replace('torch.', '')}",
+                      kw["vocab_size"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _action_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model.get_output_embeddings()(hidden).float()
+    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _action_offsets(trajs: list[Trajectory]) -> list[list[int]]:
+    """Ordinal of action token (b, t, 0) in (trajectory, call, k) order."""
+    out, n = [], 0
+    for tr in trajs:
+        row = []
+        for inv in tr.invocations:
+            row.append(n)
+            n += len(inv.action_ids)
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Layout runners: prepare once (untimed), then `step()` = one timed actor step
+# --------------------------------------------------------------------------------------
+class IndependentRunner:
+    """One padded row per call; length-sorted micro-batches; HF forward with sdpa."""
+
+    layout = "independent"
+
+    def __init__(self, setup: BenchSetup, trajs: list[Trajectory]):
+        t0 = time.perf_counter()
+        self.setup = setup
+        offs = _action_offsets(trajs)
+        calls = [(b, t) for b, tr in enumerate(trajs) for t in range(len(tr.invocations))]
+        calls.sort(key=lambda c: -len(trajs[c[0]].invocations[c[1]]))
+        groups: list[list[tuple[int, int]]] = []
+        for c in calls:
+            n = len(trajs[c[0]].invocations[c[1]])
+            if n > setup.max_tokens:
+                raise ValueError(f"a call of {n} tokens exceeds the micro-batch budget {setup.max_tokens}")
+            # sorted longest first: the first row of a micro-batch sets its width
+            if groups and (len(groups[-1]) + 1) * len(trajs[groups[-1][0][0]].invocations[groups[-1][0][1]]) <= setup.max_tokens:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        dev = setup.device
+        self.micro = []
+        self.tokens = self.real_tokens = 0
+        for g in groups:
+            width = len(trajs[g[0][0]].invocations[g[0][1]])
+            ids = torch.full((len(g), width), PAD_ID, dtype=torch.long)
+            mask = torch.zeros((len(g), width), dtype=torch.long)
+            flat, tgt, order = [], [], []
+            for r, (b, t) in enumerate(g):
+                inv = trajs[b].invocations[t]
+                seq = inv.input_ids
+                ids[r, : len(seq)] = torch.tensor(seq)
+                mask[r, : len(seq)] = 1
+                first = len(seq) - len(inv.action_ids)
+                for kk, tok in enumerate(inv.action_ids):
+                    flat.append(r * width + first + kk - 1)  # logit that predicts a_{t,k}
+                    tgt.append(tok)
+                    order.append(offs[b][t] + kk)
+                self.real_tokens += len(seq)
+            self.tokens += len(g) * width
+            self.micro.append(
+                (ids.to(dev), mask.to(dev), torch.tensor(flat, device=dev), torch.tensor(tgt, device=dev),
+                 torch.tensor(order, device=dev))
+            )
+        self.rows = len(calls)
+        self.num_actions = sum(len(inv.action_ids) for tr in trajs for inv in tr.invocations)
+        self.padding_fraction = 1.0 - self.real_tokens / max(1, self.tokens)
+        _sync(dev)
+        self.prep_s = time.perf_counter() - t0
+
+    def step(self, capture: bool = False) -> torch.Tensor | None:
+        """One actor step (forward + backward); with `capture`, a forward only (no grad)
+        that returns the action log-probs in (trajectory, call, k) order."""
+        model = self.setup.model
+        base = model.base_model
+        out = torch.empty(self.num_actions, dtype=torch.float32, device=self.setup.device) if capture else None
+        with torch.no_grad() if capture else contextlib.nullcontext():
+            for ids, mask, flat, tgt, order in self.micro:
+                h = base(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+                h = h.reshape(-1, h.shape[-1]).index_select(0, flat)
+                lp = _action_logprobs(model, h, tgt)
+                if capture:
+                    out[order] = lp
+                else:
+                    (-lp.sum()).backward()
+        return out
+
+
+class PackedRunner:
+    """`pack()` once, micro-batch its rows under the budget, `packed_forward` each."""
+
+    def __init__(self, setup: BenchSetup, trajs: list[Trajectory], layout: str):
+        t0 = time.perf_counter()
+        self.setup = setup
+        self.layout = layout
+        if layout == "aligned":
+            batch = pack(trajs, "aligned_unshared", max_tokens=setup.max_tokens, pad_id=PAD_ID)
+        elif layout == "aligned_shared":
+            batch = pack(trajs, "aligned", max_tokens=setup.max_tokens, share_prefix="group", pad_id=PAD_ID)
+        else:
+            raise ValueError(layout)
+        self.stats = batch.stats()
+        self.tokens = batch.num_tokens
+        self.padding_fraction = batch.padding_fraction
+        self.real_tokens = self.tokens - batch.padding_tokens
+        self.rows = batch.num_rows
+        self.num_actions = batch.num_actions
+        offs = _action_offsets(trajs)
+        self.micro = []
+        for mb in batch.micro_batches(setup.max_tokens):
+            order = torch.tensor([offs[b][t] + kk for b, t, kk in zip(
+                mb.traj_index.tolist(), mb.call_index.tolist(), mb.token_index.tolist())])
+            self.micro.append((mb.to(setup.device), order.to(setup.device)))
+        _sync(setup.device)
+        self.prep_s = time.perf_counter() - t0
+
+    def step(self, capture: bool = False) -> torch.Tensor | None:
+        model = self.setup.model
+        out = torch.empty(self.num_actions, dtype=torch.float32, device=self.setup.device) if capture else None
+        with torch.no_grad() if capture else contextlib.nullcontext():
+            for mb, order in self.micro:
+                h = packed_forward(model, mb, output="hidden", attention_backend="auto")
+                lp = _action_logprobs(model, h, mb.target_ids)
+                if capture:
+                    out[order] = lp
+                else:
+                    (-lp.sum()).backward()
+        return out
+
+
+def make_runner(setup: BenchSetup, trajs: list[Trajectory], layout: str):
+    if layout == "independent":
+        return IndependentRunner(setup, trajs)
+    return PackedRunner(setup, trajs, layout)
+
+
+def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warmup: int = 0) -> dict:
+    """Interleaved measurement of the three layouts on one configuration.
+
+    Returns {layout: record}; a record holds the timed durations and the layout numbers.
+    """
+    trajs = qa_shaped_trajectories(k, batch_size, vocab_size=setup.vocab_size, seed=batch_size)
+    runners = {lay: make_runner(setup, trajs, lay) for lay in LAYOUTS}
+    model = setup.model
+    # equivalence check (untimed, forward only): the action log-probs of every layout
+    lps = {lay: runners[lay].step(capture=True) for lay in LAYOUTS}
+    _sync(setup.device)
+    ref = lps["independent"]
+    diffs = {lay: float((lps[lay] - ref).abs().max()) if ref.numel() else 0.0 for lay in LAYOUTS}
+    del lps, ref
+    # untimed warm-up steps (on CUDA the first backward compiles the Triton kernels)
+    for _ in range(warmup):
+        for lay in LAYOUTS:
+            model.zero_grad(set_to_none=True)
+            runners[lay].step()
+    clock = time.process_time if CLOCK == "process" else time.perf_counter
+    times: dict[str, list[float]] = {lay: [] for lay in LAYOUTS}
+    for r in range(rounds):
+        order = LAYOUTS[r % 3:] + LAYOUTS[: r % 3]
+        for lay in order:
+            model.zero_grad(set_to_none=True)
+            _sync(setup.device)
+            t0 = clock()
+            runners[lay].step()
+            _sync(setup.device)
+            times[lay].append(clock() - t0)
+    model.zero_grad(set_to_none=True)
+    n_calls = sum(len(t) for t in trajs)
+    out = {}
+    for lay, run in runners.items():
+        out[lay] = {
+            "config": f"Q{k}-b{batch_size}",
+            "layout": lay,
+            "questions": k,
+            "trajectories": batch_size,
+            "group_size": GROUP_SIZE,
+            "calls": n_calls,
+            "action_tokens": run.num_actions,
+            "tokens": int(run.tokens),
+            "real_tokens": int(run.real_tokens),
+            "padding_fraction": round(float(run.padding_fraction), 4),
+            "rows": run.rows,
+            "micro_batches": len(run.micro),
+            "max_tokens": setup.max_tokens,
+            "prep_s": round(run.prep_s, 4),
+            "logprob_max_abs_diff": diffs[lay],
+            "logprob_tol": LOGPROB_TOL.get(setup.dtype, 1e-4),
+            "times_s": [round(t, 6) for t in times[lay]],
+            "median_s": statistics.median(times[lay]) if times[lay] else math.nan,
+            "model": setup.name,
+            "device": str(setup.device) if setup.device.type != "cuda" else torch.cuda.get_device_name(setup.device),
+            "interleaved": True,
+            "clock": CLOCK,
+            "threads": torch.get_num_threads(),
+        }
+    ind = statistics.median(times["independent"]) if rounds else math.nan
+    for lay in LAYOUTS:
+        rec = out[lay]
+        rec["speedup_vs_independent"] = round(ind / rec["median_s"], 4) if rounds else math.nan
+        rec["min_s"] = min(times[lay]) if rounds else math.nan
+        rec["speedup_vs_independent_min"] = round(min(times["independent"]) / rec["min_s"], 4) if rounds else math.nan
+        # per-round paired ratios (same round, adjacent in time)
+        rec["paired_speedups"] = [round(a / b, 4) for a, b in zip(times["independent"], times[lay])]
+    del runners
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# pytest-benchmark glue
+# --------------------------------------------------------------------------------------
+class _ReplayClock:
+    """A timer for pytest-benchmark that replays durations measured elsewhere.
+
+    pytest-benchmark reads `timer()` before and after each round; this clock advances by
+    the next measured duration between the two reads.
+    """
+
+    __name__ = "interleaved_perf_counter_replay"
+
+    def __init__(self, durations: list[float]):
+        self._left = list(durations)
+        self._now = 0.0
+        self._started = False
+
+    def __call__(self) -> float:
+        if self._started:
+            self._now += self._left.pop(0) if self._left else 0.0
+        self._started = not self._started
+        return self._now
+
+
+def _record_durations(benchmark, durations: list[float]) -> None:
+    """Put `durations` into `benchmark`'s stats. Should a future pytest-benchmark drop its
+    `_timer` attribute, the stats hold a no-op instead and `extra_info["times_s"]` (always
+    written) remains the measurement; `extra_info["replayed"]` says which happened."""
+    replay = hasattr(benchmark, "_timer") and bool(durations)
+    benchmark.extra_info["replayed"] = replay
+    if not replay:
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+        return
+    saved = benchmark._timer
+    benchmark._timer = _ReplayClock(durations)
+    try:
+        benchmark.pedantic(lambda: None, rounds=len(durations), iterations=1, warmup_rounds=0)
+    finally:
+        benchmark._timer = saved
+
+
+_MEASURED: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def bench_setup():
+    setup = make_setup()
+    yield setup
+    _MEASURED.clear()
+    device = setup.device
+    del setup
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+CASES = [(k, b, lay) for k in QUESTION_COUNTS for b in BATCH_SIZES for lay in LAYOUTS]
+
+
+@pytest.mark.parametrize("k,batch_size,layout", CASES, ids=[f"Q{k}-b{b}-{lay}" for k, b, lay in CASES])
+def test_packing_speedup(benchmark, bench_setup, packing_records, k, batch_size, layout):
+    config = f"Q{k}-b{batch_size}"
+    benchmark.group = f"packing {config}"
+    if config not in _MEASURED:
+        _MEASURED.clear()  # keep one configuration's numbers at a time
+        rounds = 1 if benchmark.disabled else ROUNDS
+        warmup = int(_WARMUP_ENV) if _WARMUP_ENV else (1 if bench_setup.device.type == "cuda" else 0)
+        _MEASURED[config] = measure_config(bench_setup, k, batch_size, rounds, 0 if benchmark.disabled else warmup)
+    rec = dict(_MEASURED[config][layout])
+    benchmark.extra_info.update(rec)
+    _record_durations(benchmark, rec["times_s"])
+    packing_records.append(rec)
+    assert rec["logprob_max_abs_diff"] <= rec["logprob_tol"], (
+        f"{config}: {layout} action log-probs differ from independent by {rec['logprob_max_abs_diff']:.3g} "
+        f"(tolerance {rec['logprob_tol']:g}): the layouts do not compute the same thing"
+    )
+
+
+if __name__ == "__main__":
+    if "--measure-env" in sys.argv:
+        measure_env_shapes(kind="bpe" if "--bpe" in sys.argv else "word")
+    else:
+        print("run with pytest: pytest benchmarks/bench_packing.py --benchmark-only; "
+              "or `python benchmarks/bench_packing.py --measure-env [--bpe]` for the expert shapes")
