@@ -103,15 +103,18 @@ LOGPROB_TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 1e-1, t
 # Trajectory shapes
 # --------------------------------------------------------------------------------------
 # Measured on expert episodes of memopd.env (generated world, word-level tokenizer,
-# summary memory, top-3 retrieval; 50 tasks per k; `--measure-env` reprints them):
-#   Q2 : prefix 50-56,  calls 3-5,   context 0-32, action 6-13
-#   Q8 : prefix 110-128, calls 11-17, context 0-50, action 6-43
-#   Q16: prefix 188-215, calls 21-30, context 0-71, action 6-80
-# An expert call t writes `<mem> notes </mem> <search> a b </search>`; its notes grow by
-# 1-2 ids per call; the observation `<info> doc | doc | doc </info>` is ~25 ids; summary
-# memory makes x_{t+1} = the memory span + the observation; the last call answers all k
-# questions (`<answer> v1 ; ... ; vk </answer>`).
+# summary memory, top-3 retrieval; 50 tasks per k; `--measure-env` reprints them; env as
+# of 2026-11-29 09:20, after its compact-protocol rewrite):
+#   Q2 : prefix 31-35,   calls 3-5,   context 0-37, action 9-13
+#   Q8 : prefix 65-77,   calls 11-17, context 0-49, action 9-43
+#   Q16: prefix 109-127, calls 21-30, context 0-65, action 9-83
+# Per call: the prefix is ~21 + 6k ids; call t writes `<mem> notes </mem>` + a search of
+# ~7 ids, so a_t ~ 9 + |notes|, and the notes grow by ~1.3 ids per call; the observation
+# is 31 ids; summary memory keeps the memory span, so x_{t+1} ~ 33 + |notes|; the last
+# call answers all k questions in ~3k + 1 ids after its memory span.
 EXPERT_CALLS = {2: (3, 5), 8: (11, 17), 16: (21, 30)}
+SHAPE = dict(prefix_base=21, prefix_per_question=6, search=(6, 8), observation=(30, 33),
+             notes_growth=(1, 1, 2), answer_per_question=3)
 
 
 def _calls_range(k: int) -> tuple[int, int]:
@@ -135,24 +138,24 @@ def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, voca
         return [rng.randrange(lo, vocab_size) for _ in range(m)]
 
     policy = SummaryReplacement(MEM_OPEN, MEM_CLOSE)
-    jitter = 2 + k // 2
+    jitter = 1 + k // 4
     calls_lo, calls_hi = _calls_range(k)
     out: list[Trajectory] = []
     prefix: list[int] = []
     for i in range(n):
         if i % group_size == 0:
-            prefix = toks(28 + 11 * k + rng.randint(-jitter, jitter))
+            prefix = toks(SHAPE["prefix_base"] + SHAPE["prefix_per_question"] * k + rng.randint(-jitter, jitter))
         n_calls = rng.randint(calls_lo, calls_hi)
         notes: list[int] = []
         steps = []
         for t in range(n_calls):
             mem = [MEM_OPEN] + notes + [MEM_CLOSE]
-            if t == n_calls - 1:
-                act = mem + toks(2 * k + 1 + rng.randint(0, 2))  # <answer> v1 ; ... </answer>
-            else:
-                act = mem + toks(rng.randint(4, 5))  # <search> query </search>
-            steps.append((act, toks(rng.randint(22, 28))))  # <info> 3 docs </info>
-            notes = notes + toks(rng.choice((1, 2, 2)))
+            if t == n_calls - 1:  # answer all k questions
+                act = mem + toks(SHAPE["answer_per_question"] * k + 1 + rng.randint(0, 1))
+            else:  # search
+                act = mem + toks(rng.randint(*SHAPE["search"]))
+            steps.append((act, toks(rng.randint(*SHAPE["observation"]))))
+            notes = notes + toks(rng.choice(SHAPE["notes_growth"]))
         g = i // group_size
         out.append(drive(policy, prefix, steps, task_id=f"Q{k}-task{g}", group_id=f"Q{k}-g{g}"))
     return out

@@ -124,6 +124,10 @@ def summarize(records: list[dict]) -> dict:
             if row[key] is not None:
                 pairs = [a / b for a, b in zip(row["independent"]["times_s"], row[lay]["times_s"]) if b > 0]
                 row[key + "_paired_range"] = [round(min(pairs), 3), round(max(pairs), 3)] if pairs else None
+        ind_tok = row.get("independent", {}).get("tokens")
+        for lay in ("aligned", "aligned_shared"):  # the speedup if time were proportional to tokens
+            tok = row.get(lay, {}).get("tokens")
+            row[f"token_ratio_{lay}"] = round(ind_tok / tok, 3) if ind_tok and tok else None
         s = row.get("speedup_aligned_shared")
         row["meets_target"] = None if s is None else s >= SPEEDUP_TARGET
         rows.append(row)

@@ -69,36 +69,36 @@ def test_trajectories_round_trip(world, tok, tmp_path):
 def test_parse_action_cases(tok, world):
     env = QAEnv.from_world(world, tok)
     p = env.tokens
-    ok = parse_action(enc(tok, "<mem> a1 </mem> <search> q1 x y </search>"), p)
-    assert ok.kind == "search" and ok.memory == (0, 3)
+    ok = parse_action(enc(tok, f"<mem> xa</mem><search> qa {world.entities[0]} ka job</search>"), p)
+    assert ok.kind == "search" and ok.memory == (0, 3) and ok.body == (4, 8)
     cases = {
-        "<mem> a1 </mem> <search> q1 x y": "cut_off",
-        "<mem> a1 </mem> q1 x </search>": "no_search_open",
-        "<mem> a1 </mem> red </answer>": "no_answer_open",
-        "<search> q1 x </search>": "no_memory",
-        "<mem> a1 <search> q1 x </search>": "memory_open",
-        "<mem> </mem> <search> x </search> <answer> y </answer>": "two_actions",
-        "<mem> </mem> <search> x <answer> y </answer>": "two_actions",
-        "<mem> </mem> <info> x </info> <search> y </search>": "info_tag",
+        "<mem> xa</mem><search> qa x y": "cut_off",
+        "<mem> xa</mem> qa x</search>": "no_search_open",
+        "<mem> xa</mem> red</answer>": "no_answer_open",
+        "<search> qa x</search>": "no_memory",
+        "<mem> xa<search> qa x</search>": "memory_open",
+        "<mem></mem><search> x</search><answer> y</answer>": "two_actions",
+        "<mem></mem><search> x<answer> y</answer>": "two_actions",
+        "<mem></mem><info> x</info><search> y</search>": "info_tag",
     }
     for text, code in cases.items():
         r = parse_action(enc(tok, text), p)
         assert (r.kind, r.error) == ("error", code), text
-    assert parse_action(enc(tok, "<search> q1 x </search>"), p, require_memory=False).kind == "search"
-    assert parse_action(enc(tok, "<mem> </mem> <answer> red </answer> <eos>"), p).kind == "answer"
+    assert parse_action(enc(tok, "<search> qa x</search>"), p, require_memory=False).kind == "search"
+    assert parse_action(enc(tok, "<mem></mem><answer> red</answer><eos>"), p).kind == "answer"
 
 
 def test_malformed_actions_use_budget_and_never_crash(world, tok):
     env = QAEnv.from_world(world, tok, EnvConfig(max_turns=4))
     task = world.sample_tasks(2, 1)[0]
     ep = env.reset(task)
-    bad = [enc(tok, "paris paris"), enc(tok, "<mem> </mem> <search> </search>"), enc(tok, "<eos>"),
-           enc(tok, "<search> q1 x </search>")]
+    bad = [enc(tok, " paris paris"), enc(tok, "<mem></mem><search></search>"), enc(tok, "<eos>"),
+           enc(tok, "<search> qa x</search>")]
     kinds = []
     for a in bad:
         r = ep.step(a)
         kinds.append(r.error)
-        assert env.decode(r.observation_ids).startswith("error :")
+        assert env.decode(r.observation_ids).startswith(" error :")
         assert r.observation_ids[0] == env.tokens.info_open and r.observation_ids[-1] == env.tokens.info_close
     assert kinds == ["cut_off", "empty_query", "cut_off", "no_memory"]
     assert ep.done and ep.finish == "budget"
@@ -107,7 +107,7 @@ def test_malformed_actions_use_budget_and_never_crash(world, tok):
     assert tr.rewards["format_errors"] == 4 and tr.rewards["em_sum"] == 0 and tr.reward == 0.0
     assert tr.rewards["answered"] is False
     with pytest.raises(RuntimeError, match="is over"):
-        ep.step(enc(tok, "<mem> </mem> <answer> x </answer>"))
+        ep.step(enc(tok, "<mem></mem><answer> x</answer>"))
     assert set(ERRORS) >= set(kinds)
 
 
@@ -116,15 +116,17 @@ def test_answers_partial_and_labelled(world, tok):
     task = world.sample_tasks(3, 1)[0]
     gold = [a[0] for a in task.answers]
     ep = env.reset(task)
-    ep.step(enc(tok, f"<mem> </mem> <answer> a3 {gold[2]} ; a1 {gold[0]} </answer>"))
+    ep.step(enc(tok, f"<mem></mem><answer> xc {gold[2]} ; xa {gold[0]}</answer>"))
     tr = ep.trajectory()
     assert tr.rewards["em"] == [1.0, 0.0, 1.0] and tr.rewards["em_sum"] == 2.0
     assert tr.reward == pytest.approx(2 / 3)  # mean F1 by default
+    assert tr.info["predictions"] == [gold[0], "", gold[2]]
     assert split_answers("x ; y", 3) == ["x", "y", ""]
-    assert split_answers("a2 y a1 x", 2) == ["x", "y"]
+    assert split_answers("xb y xa x", 2) == ["x", "y"]
+    assert split_answers("no ; yes", 20) == ["no", "yes"] + [""] * 18  # an answer word is no label
     env_em = QAEnv.from_world(world, tok, EnvConfig(reward="em"))
     ep = env_em.reset(task)
-    ep.step(enc(tok, f"<mem> </mem> <answer> {gold[0]} ; nope ; nope </answer>"))
+    ep.step(enc(tok, f"<mem></mem><answer> {gold[0]} ; nope ; nope</answer>"))
     assert ep.trajectory().reward == pytest.approx(1 / 3)
 
 

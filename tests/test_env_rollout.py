@@ -101,6 +101,7 @@ def test_recorded_calls_are_exact(setup, batch_size, temperature, top_p):
     # 1) what the model received, token for token, is prefix_ids + context_ids, and the
     #    ids fed back during decoding are the recorded action ids (all but the last).
     received = [(tuple(r), tuple(fed)) for batch in cap.rows for r, fed in batch]
+    assert len(received) == len(calls)  # one prefill row per recorded call, nothing else
     for inv in calls:
         prompt = tuple(inv.prefix_ids + inv.context_ids)
         match = [fed for r, fed in received if r == prompt and fed[: len(inv.action_ids) - 1] == tuple(inv.action_ids[:-1])]

@@ -61,6 +61,22 @@ def test_tiny_sft_cache_and_eval(tmp_path, capsys):
     assert r["episodes"] == 2 and 0.0 <= r["em_mean"] <= 1.0 and r["peak_tokens"] > 0 and r["turns"] >= 1
 
 
+def test_eval_user_corpus(tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"id": f"d{i}", "title": t, "text": f"{t} is a city in {c}."})
+                              for i, (t, c) in enumerate([("Paris", "France"), ("Rome", "Italy"), ("Oslo", "Norway")])))
+    qs = tmp_path / "q.jsonl"
+    qs.write_text(json.dumps({"questions": ["where is Rome?", "where is Oslo?"], "answers": [["Italy"], ["Norway"]]}))
+    rep = tmp_path / "r.json"
+    # the scripted expert cannot parse free-text questions: it answers "unknown" (EM 0)
+    assert eval_main(["--expert", "--corpus", str(docs), "--questions", str(qs), "--json", str(rep)]) == 0
+    r = json.loads(rep.read_text())
+    assert r["results"]["Q2"]["episodes"] == 1 and r["results"]["Q2"]["em_sum"] == 0.0
+    assert r["source"]["corpus"] == str(docs)
+    assert eval_main(["--expert", "--corpus", str(docs)]) == 1
+    assert "needs both --corpus and --questions" in capsys.readouterr().err
+
+
 def test_eval_expert_and_errors(tmp_path, capsys):
     assert eval_main(["--expert", "--k", "2", "--n", "3"]) == 0
     out = capsys.readouterr().out

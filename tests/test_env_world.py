@@ -69,18 +69,29 @@ def test_tokenizer_special_tokens_and_hf_roundtrip(tmp_path):
     p = ProtocolTokens.from_tokenizer(tok)
     for s in SPECIAL_TOKENS:
         assert len(tok.encode(s, add_special_tokens=False)) == 1
-    text = f"<mem> a1 {w.entities[0]} </mem> <search> q1 {w.entities[1]} city </search>"
+    text = f"<mem> xa {w.entities[0]}</mem><search> qa {w.entities[1]} ka city</search>"
     ids = tok.encode(text, add_special_tokens=False)
-    assert ids[0] == p.mem_open and ids[-1] == p.search_close and tok.unk_token_id not in ids
+    assert ids[0] == p.mem_open and ids[-1] == p.search_close and len(ids) == 10  # every word one token
     assert tok.decode(ids) == text
+    odd = "<mem> Q1 = 42!</mem>"  # not world words, still lossless (ASCII alphabet)
+    assert tok.decode(tok.encode(odd, add_special_tokens=False)) == odd
+    # A checkpoint directory (Qwen2 config + tokenizer): AutoTokenizer rebuilds it as a
+    # Qwen2Tokenizer, which must encode exactly as the tokenizer we built.
+    from transformers import Qwen2Config
+
     tok.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(tok)).save_pretrained(tmp_path)
     tok2 = load_tokenizer(tmp_path)
+    assert type(tok2).__name__ == "Qwen2Tokenizer"
+    for d in w.documents[:50]:
+        s = " " + d.display
+        assert tok2.encode(s, add_special_tokens=False) == tok.encode(s, add_special_tokens=False)
+        assert len(tok.encode(s, add_special_tokens=False)) == len(s.split())  # one token per word
     assert tok2.encode(text, add_special_tokens=False) == ids
-    # every document is in-vocabulary
-    for d in w.documents:
-        assert tok.unk_token_id not in tok.encode(d.text, add_special_tokens=False)
     bpe = build_tokenizer([d.text for d in w.documents], kind="bpe", vocab_size=400)
     assert ProtocolTokens.from_tokenizer(bpe).mem_open == p.mem_open
+    assert bpe.decode(bpe.encode(" Überraschung 123", add_special_tokens=False)) == " Überraschung 123"
+    assert bpe.decode(bpe.encode(" Überraschung 123", add_special_tokens=False)) == " Überraschung 123"
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
         build_tokenizer(["x"], kind="nope")
 

@@ -113,7 +113,8 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="per-call limit (default 24 + 5k)")
     p.add_argument("--corpus", default=None, help="user corpus JSONL ({'id','text'} per line)")
     p.add_argument("--questions", default=None, help="user question sets JSONL ({'questions','answers'} per line)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: fastest for tiny models, and robust on a busy machine)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     p.add_argument("--progress", action="store_true", help="show a progress bar per question-set size")
     return p
@@ -124,9 +125,10 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     from .evaluate import evaluate, format_table, write_json
 
     args = build_eval_parser().parse_args(argv)
-    if args.threads:
-        import torch
+    import torch
 
+    old_threads = torch.get_num_threads()
+    if args.threads:
         torch.set_num_threads(args.threads)
     try:
         report = evaluate(
@@ -138,6 +140,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     except (DataError, ValueError, OSError) as e:
         print(f"memopd eval: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        torch.set_num_threads(old_threads)
     print(format_table(report))
     if args.json:
         write_json(report, args.json)

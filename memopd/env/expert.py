@@ -5,26 +5,27 @@ The expert is an `Engine` (see `rollout`): it receives the same prompt ids a mod
 visible state only (plus the closed list of attribute values, which tells a value from
 an entity name), so a model can in principle imitate it exactly.
 
-Its notes (the `<mem>` span) hold one entry per question, in order: "a1 tailor a2 rezu
-a3". "a<i>" opens question i's entry when its first search is sent; the entry then holds
-the answer, or, for a two-hop question half done, the middle entity (an entity name
-rather than a value is what marks "second hop pending"). Each turn the expert
+Its notes (the `<mem>` span) hold one entry per question, in order: "xa tailor xb rezu
+xc". The label "x<letters>" (`protocol.answer_label`) opens question i's entry when its
+first search is sent; the entry then holds the answer, or, for a two-hop question half
+done, the middle entity (an entity name rather than a value is what marks "second hop
+pending"). Each turn the expert
 
 1. copies its notes and fills the open entry from the `<info>` documents: the value of
-   the fact its last search asked for ("loro 's friend is rezu ." -> "rezu"; a second
+   the fact its last search asked for ("friend of loro is rezu ." -> "rezu"; a second
    hop's value replaces the middle entity);
 2. searches the next needed fact: for a first hop the question's words up to the key
-   ("q1 gite k1 job", "q2 loro k2 friend"), for a second hop "r<i> <attribute>
-   <middle entity>" ("r2 color rezu"); marker words match no document, they only let a
+   ("qa gite ka job", "qb loro kb friend"), for a second hop "r<letters> <attribute>
+   <middle entity>" ("rb color rezu"); marker words match no document, they only let a
    small model copy the right words (see `world.question_text`). A new question's
-   entry "a<i>" is opened in the same notes;
+   entry is opened in the same notes;
 3. or, once every entry holds a value, answers with the labelled list
-   `<answer> a1 tailor ; a2 red </answer>` (its notes, with separators).
+   `<answer> xa tailor ; xb red</answer>` (its notes, with separators).
 
 Every step is a copy (of the notes, of the word after a marker) or a lookup (the
 first document's fact), which keeps the imitation learnable for tiny models. Samples carry no log-probs
 (`Sample.logprobs = None`): the expert is not a distribution. Only generated-world
-questions ("X k1 A ?", "X k2 R r2 A ?") are supported; a question it cannot parse is answered
+questions ("X ka A ?", "X kb R rb A ?") are supported; a question it cannot parse is answered
 "unknown" without a search.
 """
 from __future__ import annotations
@@ -32,24 +33,24 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from .protocol import ProtocolTokens
+from .protocol import ProtocolTokens, answer_label, letters_index, marker
 from .rollout import Sample, rollout
 from .world import is_value, parse_question
 
 __all__ = ["ScriptedExpert", "expert_action_text", "expert_trajectories"]
 
-_QUESTION = re.compile(r"\bq(\d+) (.+?\?)")
-_FACT = re.compile(r"(\S+) ' s (\S+) is (\S+) \.")  # "loro ' s friend is rezu ." as decoded
-_MARK = re.compile(r"^a(\d+)$")
+_QUESTION = re.compile(r"(?:^|\s)q([a-z]{1,2}) (.+?\?)")
+_FACT = re.compile(r"(\S+) of (\S+) is (\S+) \.")  # "friend of loro is rezu ."
+_MARK = re.compile(r"^x([a-z]{1,2})$")
 
 
 def _parse_entries(mem_text: str | None) -> list[list]:
-    """Notes "a1 tailor a2 rezu" -> [[1, ["tailor"]], [2, ["rezu"]]]."""
+    """Notes "xa tailor xb rezu" -> [[1, ["tailor"]], [2, ["rezu"]]]."""
     entries: list[list] = []
     for w in (mem_text or "").split():
         m = _MARK.match(w)
         if m:
-            entries.append([int(m.group(1)), []])
+            entries.append([letters_index(m.group(1)), []])
         elif entries:
             entries[-1][1].append(w)
     return entries
@@ -75,7 +76,7 @@ def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text
         i, vals = entries[-1]
         want = _wanted(qs[i - 1], vals)
         if want is not None:
-            facts = {(x, a): v for x, a, v in _FACT.findall(info_text)}
+            facts = {(x, a): v for a, x, v in _FACT.findall(info_text)}
             if want in facts:
                 vals[:] = [facts[want]]  # a second hop's value replaces the middle entity
     search = None
@@ -84,7 +85,10 @@ def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text
             i, vals = entries[-1]
             want = _wanted(qs[i - 1], vals)
             if want is not None:
-                search = f"q{i} {want[0]} k{i} {want[1]}" if not vals else f"r{i} {want[1]} {want[0]}"
+                if not vals:
+                    search = f"{marker('q', i)} {want[0]} {marker('k', i)} {want[1]}"
+                else:
+                    search = f"{marker('r', i)} {want[1]} {want[0]}"
                 break
             if not vals:
                 vals.append("unknown")  # a question the expert cannot parse
@@ -92,13 +96,15 @@ def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text
         if nxt > len(qs):
             break
         entries.append([nxt, []])
-    mem = " ".join(" ".join([f"a{i}"] + vals) for i, vals in entries)
-    mem_span = f"<mem> {mem} </mem>" if mem else "<mem> </mem>"
+    # A space after each opening tag and none before a closing one: every word is then
+    # its single "Ġword" token.
+    mem = " ".join(" ".join([answer_label(i)] + vals) for i, vals in entries)
+    mem_span = f"<mem> {mem}</mem>" if mem else "<mem></mem>"
     if search is not None:
-        return f"{mem_span} <search> {search} </search>"
+        return f"{mem_span}<search> {search}</search>"
     final = {i: " ".join(vals) for i, vals in entries}
-    ans = " ; ".join(f"a{i} {final.get(i, 'unknown')}" for i in range(1, len(qs) + 1))
-    return f"{mem_span} <answer> {ans} </answer>"
+    ans = " ; ".join(f"{answer_label(i)} {final.get(i, 'unknown')}" for i in range(1, len(qs) + 1))
+    return f"{mem_span}<answer> {ans}</answer>"
 
 
 class ScriptedExpert:
@@ -127,7 +133,7 @@ class ScriptedExpert:
         # The prefix q holds no protocol tag: it ends where the first tag starts.
         end_q = next((i for i, t in enumerate(ids) if t in self._tags), len(ids))
         q_text = self.tokenizer.decode(ids[:end_q], skip_special_tokens=True)
-        found = sorted((int(n), q) for n, q in _QUESTION.findall(q_text))
+        found = sorted((letters_index(n), q) for n, q in _QUESTION.findall(q_text))
         questions = [q for _, q in found]
         mem = self._span_text(ids, tk.mem_open, tk.mem_close, end_q)
         info = self._span_text(ids, tk.info_open, tk.info_close, end_q)

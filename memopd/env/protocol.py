@@ -2,18 +2,21 @@
 
 Each turn the model writes a memory span and then one action:
 
-    <mem> notes </mem> <search> query </search>        (ask the retriever)
-    <mem> notes </mem> <answer> ans1 ; ans2 ; ... </answer>   (answer all k, ends)
-    <mem> notes </mem> <answer> a1 ans1 ; a2 ans2 </answer>   (same, labelled)
+    <mem> notes</mem><search> query</search>               (ask the retriever)
+    <mem> notes</mem><answer> ans1 ; ans2 ; ...</answer>     (answer all k, ends)
+    <mem> notes</mem><answer> xa ans1 ; xb ans2</answer>     (same, labelled)
 
-and the environment answers with `<info> doc | doc | ... </info>` or, for a malformed
-action, `<info> error : ... </info>`. Parsing works on the sampled ids (the tags are
+and the environment answers with `<info> doc | doc | ...</info>` or, for a malformed
+action, `<info> error : ...</info>`. Parsing works on the sampled ids (the tags are
 single tokens), so nothing the model sampled is ever re-tokenised; only the text *inside*
 a search/answer span is decoded, to query the retriever or to score the answers.
+(Spacing is free for a model; the environment and the expert write a space after an
+opening tag and none before a closing one, so every word is its "Ġword" token.)
 
-The task prefix q is `<bos> INSTRUCTION q1 question ? q2 question ? ...`. Answers are
-positional (split on ";") unless the answer starts with a label "a<n>", in which case
-each label starts the answer of question n (see `split_answers`).
+The task prefix q is `<bos> INSTRUCTION qa question ? qb question ? ...` (questions are
+marked with letters, see `index_letters`). Answers are positional (split on ";")
+unless the answer starts with a label "x<letters>" (`answer_label`), in which case each
+label starts the answer of its question (see `split_answers`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ __all__ = [
     "prefix_text",
     "question_marker",
     "answer_label",
+    "marker",
+    "index_letters",
+    "letters_index",
     "split_answers",
 ]
 
@@ -58,7 +64,7 @@ ERRORS = {
     "info_tag": "error : the agent may not write info tags",
 }
 DOC_SEPARATOR = "|"
-MAX_QUESTIONS = 64  # markers q1..q64 / a1..a64 exist in the word-level vocabulary
+MAX_QUESTIONS = 32  # markers for questions 1..32 exist in the closed-world vocabulary
 NO_RESULTS = "no results"
 
 
@@ -101,50 +107,85 @@ class ProtocolTokens:
         return (self.search_close, self.answer_close, self.eos)
 
 
+def index_letters(i: int) -> str:
+    """1 -> "a", 26 -> "z", 27 -> "aa", ... (bijective base 26).
+
+    Markers carry letters, not digits: the Qwen2 pre-tokeniser splits every digit into
+    its own token, and a marker must stay one token."""
+    if i < 1:
+        raise ValueError(f"question index must be >= 1, got {i}")
+    out = ""
+    while i > 0:
+        i, r = divmod(i - 1, 26)
+        out = chr(ord("a") + r) + out
+    return out
+
+
+def letters_index(s: str) -> int:
+    """Inverse of `index_letters`."""
+    n = 0
+    for ch in s:
+        n = n * 26 + (ord(ch) - ord("a") + 1)
+    return n
+
+
+def marker(kind: str, i: int) -> str:
+    """Marker word of question i: kind "q" (question), "k" (its first key), "r" (its
+    second hop) or "x" (its entry in the notes and its answer label): "qa", "kb", "xc".
+    ("x": no English word starts a label by accident, e.g. "no" as an answer.)"""
+    return f"{kind}{index_letters(i)}"
+
+
 def question_marker(i: int) -> str:
-    """Marker of question i (1-based) in the prefix: "q1", "q2", ... (one token each)."""
-    return f"q{i}"
+    """Marker of question i (1-based) in the prefix: "qa", "qb", ..."""
+    return marker("q", i)
 
 
 def answer_label(i: int) -> str:
-    """Label of question i's answer (and of its entry in the expert's notes): "a1", ..."""
-    return f"a{i}"
+    """Label of question i's answer (and of its entry in the expert's notes): "xa", ..."""
+    return marker("x", i)
 
 
-_LABEL = re.compile(r"^a(\d+)$")
+_LABEL = re.compile(r"^x([a-z]+)$")
 
 
 def split_answers(text: str, k: int) -> list[str]:
     """Answer text -> k answers ("" where missing).
 
     Positional: "paris ; red" -> ["paris", "red"]. Labelled (the first word is a label
-    a<n>, n in 1..k): every label starts the answer of its question, ";" is optional:
-    "a1 paris ; a2 red" -> ["paris", "red"]. A repeated label keeps its first answer.
+    x<letters> of a question 1..k, see `answer_label`): every label starts the answer of
+    its question and ";" is optional: "xa paris ; xb red" -> ["paris", "red"]. A
+    repeated label keeps its first answer.
     """
+    def label(w: str) -> int | None:
+        m = _LABEL.match(w)
+        if m and len(m.group(1)) <= 2:
+            n = letters_index(m.group(1))
+            return n if 1 <= n <= k else None
+        return None
+
     words = text.split()
     first = next((w for w in words if w != ";"), None)
-    m = _LABEL.match(first) if first else None
-    if m and 1 <= int(m.group(1)) <= k:
+    if first is not None and label(first) is not None:
         out: dict[int, list[str]] = {}
         cur: list[str] | None = None
         for w in words:
-            lm = _LABEL.match(w)
-            if lm and 1 <= int(lm.group(1)) <= k:
-                n = int(lm.group(1))
+            n = label(w)
+            if n is not None:
                 cur = out.setdefault(n, []) if n not in out else None
                 continue
             if w != ";" and cur is not None:
                 cur.append(w)
         return [" ".join(out.get(i, [])) for i in range(1, k + 1)]
     parts = [p.strip() for p in text.split(";")]
-    parts = (parts + [""] * k)[:k]
-    return parts
+    return (parts + [""] * k)[:k]
 
 
 def prefix_text(questions: Sequence[str]) -> str:
     """The task prefix q as text (the `<bos>` id is prepended on ids):
-    "INSTRUCTION q1 question ? q2 question ? ..." (a "?" is added where missing)."""
-    parts = [INSTRUCTION]
+    " INSTRUCTION qa question ? qb question ? ..." (a "?" is added where missing; the
+    leading space makes every word its "Ġword" token)."""
+    parts = ["", INSTRUCTION]
     for i, q in enumerate(questions, start=1):
         q = q.strip()
         parts.append(f"{question_marker(i)} {q}" if q.endswith("?") else f"{question_marker(i)} {q} ?")

@@ -92,9 +92,11 @@ class QAEnv:
             **self.config.policy_kwargs,
         )
         self._doc_ids_cache: dict[int, list[int]] = {}
-        self._sep_ids = self.encode(DOC_SEPARATOR)
-        self._error_ids = {k: self._wrap(self.encode(v)) for k, v in ERRORS.items()}
-        self._no_results_ids = self._wrap(self.encode(NO_RESULTS))
+        # Every text span is encoded with a leading space (" word ..."), so each word is
+        # its "Ġword" token wherever it appears (see `tokenizer`).
+        self._sep_ids = self.encode(" " + DOC_SEPARATOR)
+        self._error_ids = {k: self._wrap(self.encode(" " + v)) for k, v in ERRORS.items()}
+        self._no_results_ids = self._wrap(self.encode(" " + NO_RESULTS))
 
     @classmethod
     def from_world(cls, world, tokenizer, config: EnvConfig | None = None) -> "QAEnv":
@@ -116,7 +118,7 @@ class QAEnv:
     def _doc_ids(self, index: int) -> list[int]:
         ids = self._doc_ids_cache.get(index)
         if ids is None:
-            ids = self.encode(self.documents[index].display)[: self.config.max_doc_tokens]
+            ids = self.encode(" " + self.documents[index].display)[: self.config.max_doc_tokens]
             self._doc_ids_cache[index] = ids
         return ids
 

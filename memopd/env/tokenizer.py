@@ -1,24 +1,39 @@
 """A local tokenizer for the QA environment, saved in Hugging Face format.
 
-Built with the `tokenizers` library over the world's own text (no download):
-- "word": a word-level vocabulary (lower-cased, split on whitespace and punctuation)
-  for the generated world: a few hundred ids, every word one token;
-- "bpe": a byte-level BPE for user corpora, where a closed word list would be lossy.
+Built with the `tokenizers` library over the world's own text (no download). It is a
+byte-level BPE whose normaliser, pre-tokeniser and decoder are exactly those of
+transformers' `Qwen2Tokenizer`, because `AutoTokenizer.from_pretrained` on a directory
+whose config is a Qwen2 model always rebuilds the tokenizer as a `Qwen2Tokenizer` from
+the saved vocabulary and merges (transformers >= 5): any other pipeline (e.g. a
+word-level one) would silently encode differently once reloaded. Two kinds:
+
+- "word": trained on the closed world's text until every word is a single token
+  (a few hundred ids; the alphabet is printable ASCII: other characters are dropped);
+- "bpe": an open byte-level BPE of `vocab_size` ids for user corpora.
+
+Words are tokenised with their leading space ("Ġkalo"): the environment writes every
+text span as " word word ..." right after a tag, so a word always has one id.
 
 The protocol tags (`<mem>`, `</mem>`, `<search>`, `</search>`, `<answer>`, `</answer>`,
 `<info>`, `</info>`) plus `<pad>`, `<bos>`, `<eos>`, `<unk>` are special tokens with one
-id each. The result is a `PreTrainedTokenizerFast`, so `save_pretrained` writes a normal
-HF tokenizer next to the model weights and `AutoTokenizer.from_pretrained` reads it back.
-
-`ProtocolTokens` resolves the tag ids of any tokenizer and refuses one that splits a tag,
-so the environment and the rollout engine can work on ids alone.
+id each; `ProtocolTokens` resolves them and refuses a tokenizer that splits one.
 """
 from __future__ import annotations
 
 import os
 from typing import Iterable, Sequence
 
-from .protocol import DOC_SEPARATOR, ERRORS, INSTRUCTION, MAX_QUESTIONS, NO_RESULTS, SPECIAL_TOKENS, ProtocolError, ProtocolTokens
+from .protocol import (
+    DOC_SEPARATOR,
+    ERRORS,
+    INSTRUCTION,
+    MAX_QUESTIONS,
+    NO_RESULTS,
+    SPECIAL_TOKENS,
+    ProtocolError,
+    ProtocolTokens,
+    marker,
+)
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -29,13 +44,18 @@ __all__ = [
     "TokenizerError",
 ]
 
-# Texts the environment itself writes; the word-level vocabulary must hold all their words.
+# Texts the environment itself writes; the closed vocabulary must hold all their words.
 PROTOCOL_TEXTS = (
     INSTRUCTION,
     *ERRORS.values(),
-    f"{NO_RESULTS} {DOC_SEPARATOR} ; : ? . , - ' \" ( ) ! /",
-    # question / hop / note markers, up to 64 questions per set
-    " ".join(f"q{i} k{i} r{i} a{i}" for i in range(1, MAX_QUESTIONS + 1)),
+    f"{NO_RESULTS} {DOC_SEPARATOR} ; : ? . , -",
+    # question / key / hop / note markers
+    " ".join(f"{marker(c, i)}" for i in range(1, MAX_QUESTIONS + 1) for c in "qkrx"),
+)
+
+# transformers' Qwen2Tokenizer pre-tokenisation regex (GPT-4 style, digits one by one).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -43,55 +63,47 @@ class TokenizerError(ProtocolError):
     """The tokenizer cannot serve the agent protocol (e.g. a tag is not one token)."""
 
 
-def _pre_tokenizer():
-    from tokenizers import pre_tokenizers
+def _qwen2_pipeline(tok) -> None:
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
-    # Whitespace splits on \w+|[^\w\s]+ : "q12", "a3" and "12" stay one token each.
-    return pre_tokenizers.Whitespace()
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
 
 
 def build_tokenizer(texts: Iterable[str], *, kind: str = "word", vocab_size: int = 8000, min_frequency: int = 1):
-    """Build a PreTrainedTokenizerFast over `texts` (plus the protocol's own texts).
+    """Build a `PreTrainedTokenizerFast` over `texts` (plus the protocol's own texts).
 
-    kind="word": deterministic word-level vocabulary (specials first, then words in
-    sorted order). kind="bpe": byte-level BPE of at most `vocab_size` ids.
+    kind="word": every word of the texts becomes one token (closed vocabulary).
+    kind="bpe": byte-level BPE of at most `vocab_size` ids over the full byte alphabet.
+    Deterministic for the same texts.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     texts = list(texts) + list(PROTOCOL_TEXTS)
+    tok = Tokenizer(models.BPE())
+    _qwen2_pipeline(tok)
     if kind == "word":
-        pre = _pre_tokenizer()
-        norm = normalizers.Lowercase()
-        counts: dict[str, int] = {}
-        for t in texts:
-            for w, _ in pre.pre_tokenize_str(norm.normalize_str(t)):
-                counts[w] = counts.get(w, 0) + 1
-        words = sorted(w for w, c in counts.items() if c >= min_frequency and w not in SPECIAL_TOKENS)
-        vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
-        for w in words:
-            vocab.setdefault(w, len(vocab))
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-        tok.normalizer = norm
-        tok.pre_tokenizer = pre
-        # No decoder: WordLevel decoding joins tokens with single spaces, which is what
-        # the normalised answer comparison expects.
+        # Words as the environment writes them: after a space ("Ġword"; a word at the very
+        # start of a string stays split, the environment never writes one). No cap:
+        # merging continues until every word is a single token.
+        texts = [" " + t for t in texts]
+        # Alphabet: printable ASCII (ByteLevel maps it to itself, and space to "Ġ"), so
+        # any ASCII text round-trips even where it is not a whole word of the world.
+        ascii_alphabet = [chr(c) for c in range(33, 127)] + ["Ġ"]
+        trainer = trainers.BpeTrainer(vocab_size=1_000_000, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
+                                      initial_alphabet=ascii_alphabet, show_progress=False)
     elif kind == "bpe":
-        tok = Tokenizer(models.BPE(unk_token=None))
-        tok.normalizer = normalizers.NFKC()
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            min_frequency=min_frequency,
-            special_tokens=list(SPECIAL_TOKENS),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(texts, trainer=trainer)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                      special_tokens=list(SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     else:
         raise TokenizerError(f"unknown tokenizer kind {kind!r}; choose 'word' or 'bpe'")
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
@@ -105,14 +117,13 @@ def build_tokenizer(texts: Iterable[str], *, kind: str = "word", vocab_size: int
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """Load a tokenizer saved with `save_pretrained` and check it serves the protocol."""
+    """Load a tokenizer saved with `save_pretrained` (via `AutoTokenizer`, as anyone
+    else would) and check it serves the protocol."""
     from transformers import AutoTokenizer
 
     path = os.fspath(path)
-    if not os.path.exists(os.path.join(path, "tokenizer.json")) and not os.path.exists(
-        os.path.join(path, "tokenizer_config.json")
-    ):
-        raise TokenizerError(f"{path!r} holds no tokenizer (no tokenizer.json / tokenizer_config.json)")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        raise TokenizerError(f"{path!r} holds no tokenizer (no tokenizer.json)")
     tok = AutoTokenizer.from_pretrained(path)
     ProtocolTokens.from_tokenizer(tok)
     return tok

@@ -5,13 +5,13 @@ needed and two processes that share a config see the same world, corpus and task
 
 - Entities have made-up short names ("kalo", "mipu"), attributes (city, color, job)
   and relations to other entities (friend, mentor).
-- The corpus holds one short document per fact, titled with its entity ("kalo : kalo
-  's city is paris ."), plus distractors that mention the entity with a wrong value but
+- The corpus holds one short document per fact, titled with its entity ("kalo : city
+  of kalo is paris ."), plus distractors that mention the entity with a wrong value but
   not the attribute word ("kalo : kalo once visited rome ."), so a search returns near
   misses as well.
-- Questions are single-hop ("kalo k1 city ?": kalo's city) or two-hop ("kalo k2 friend
-  r2 color ?": the color of kalo's friend); a `Task` is k of them, answered in one
-  episode. The k<i>/r<i> words are markers (see `question_text`).
+- Questions are single-hop ("kalo ka city ?": kalo's city) or two-hop ("kalo kb friend
+  rb color ?": the color of kalo's friend); a `Task` is k of them, answered in one
+  episode. The ka/kb/rb words are markers (see `question_text`).
 
 The vocabulary is deliberately small (a few hundred words) so tiny models can learn it.
 """
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .data import DataError, Document, Task
+from .protocol import marker
 
 __all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "question_text", "parse_question", "fact_text", "is_value"]
 
@@ -59,38 +60,44 @@ _VOWELS = "aeiou"
 def question_text(attr: str, x: str, rel: str | None = None, i: int = 1) -> str:
     """Question i (1-based) of a set, as a keyword chain with per-question markers:
 
-        "gite k1 job ?"              (gite's job)
-        "loro k2 friend r2 color ?"  (the color of loro's friend)
+        "gite ka job ?"              (gite's job; question 1)
+        "loro kb friend rb color ?"  (the color of loro's friend; question 2)
 
-    The task prefix writes "q<i>" in front. Why markers: a small transformer learns
-    "copy the word that follows marker m" (an induction head keyed on a unique token)
-    long before it learns to continue an arbitrary word, so every word a search needs
-    follows a marker: the first hop sends "q1 gite k1 job", the second "r2 color
-    <middle entity>". The marker words match no document; BM25 ignores them.
+    The task prefix writes the question marker ("qa", "qb", ...) in front. Why markers:
+    a small transformer learns "copy the word that follows marker m" (an induction head
+    keyed on a unique token) far sooner than it learns to find a word by its place in a
+    sentence, so every word a search needs follows a marker: the first hop sends
+    "qa gite ka job", the second "rb color <middle entity>". Marker words match no
+    document; BM25 ignores them.
     """
     if rel is None:
-        return f"{x} k{i} {attr} ?"
-    return f"{x} k{i} {rel} r{i} {attr} ?"
+        return f"{x} {marker('k', i)} {attr} ?"
+    return f"{x} {marker('k', i)} {rel} {marker('r', i)} {attr} ?"
 
 
-_MARKER = re.compile(r"^[qkra]\d+$")
+_MARKER = re.compile(r"^([qkrx])([a-z]{1,2})$")
 
 
 def parse_question(text: str) -> tuple[str, str | None, str] | None:
     """Inverse of `question_text`: (attr, rel or None, entity), or None if not ours."""
     w = [t for t in text.split() if t != "?"]
-    if w and re.match(r"^q\d+$", w[0]):
+    if w and _MARKER.match(w[0]) and w[0][0] == "q":
         w = w[1:]
-    if len(w) == 3 and w[1][0] == "k" and _MARKER.match(w[1]):
+
+    def is_marker(t: str, kind: str) -> bool:
+        m = _MARKER.match(t)
+        return bool(m) and m.group(1) == kind
+
+    if len(w) == 3 and is_marker(w[1], "k"):
         return w[2], None, w[0]
-    if len(w) == 5 and w[1][0] == "k" and w[3][0] == "r" and _MARKER.match(w[1]) and _MARKER.match(w[3]):
+    if len(w) == 5 and is_marker(w[1], "k") and is_marker(w[3], "r"):
         return w[4], w[2], w[0]
     return None
 
 
 def fact_text(x: str, key: str, value: str) -> str:
-    """The document stating one fact: "kalo 's city is paris ." (titled "kalo")."""
-    return f"{x} 's {key} is {value} ."
+    """The document stating one fact: "friend of kalo is mipu ." (titled "kalo")."""
+    return f"{key} of {x} is {value} ."
 
 
 @dataclass(frozen=True)
@@ -169,8 +176,8 @@ class World:
             for a in config.attributes:
                 facts[(x, a)] = rng.choice(DEFAULT_VALUES[a])
         # Each relation is a derangement (a permutation without fixed points): every
-        # entity is the friend of exactly one other, so "X 's friend is Y" has one
-        # inverse twin ("W 's friend is X"), and with titled documents the true fact
+        # entity is the friend of exactly one other, so "friend of X is Y" has one
+        # inverse twin ("friend of W is X"), and with titled documents the true fact
         # (which names X twice) ranks first for the search "X friend".
         for r in config.relations:
             while True:
