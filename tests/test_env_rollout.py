@@ -163,3 +163,66 @@ def test_sample_next_greedy_and_top_p():
     ids, raw, samp = sample_next(logits, 0.5, 0.8, g)
     assert torch.allclose(raw, torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0])
     assert (samp <= 0).all() and torch.isfinite(samp).all()
+
+
+class Steered(torch.nn.Module):
+    """A real tiny Qwen2 whose last-position logits get +bias on the scripted expert's
+    next token, so sampled episodes search, read and answer like real agents (a random
+    model only writes malformed actions). The bias is a pure function of the row's
+    tokens so far, so `full_logits` can recompute it for a fresh unpadded forward."""
+
+    def __init__(self, model, expert, bias):
+        super().__init__()
+        self.model, self.expert, self.bias, self.config = model, expert, bias, model.config
+        self.rows, self.plen = [], []
+
+    def target(self, prompt, generated):
+        act = self.expert.act(prompt)
+        return act[len(generated)] if len(generated) < len(act) else self.expert.tokens.eos
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+                logits_to_keep=0, **kw):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep, **kw)
+        if input_ids.shape[1] > 1:  # prefill
+            self.rows = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(input_ids.shape[0])]
+            self.plen = [len(r) for r in self.rows]
+        else:
+            for b in range(input_ids.shape[0]):
+                self.rows[b].append(int(input_ids[b, 0]))
+        for b, row in enumerate(self.rows):
+            out.logits[b, -1, self.target(row[: self.plen[b]], row[self.plen[b]:])] += self.bias
+        return out
+
+    def full_logits(self, prompt, action):
+        with torch.no_grad():
+            lg = self.model(input_ids=torch.tensor([prompt + action])).logits[0].float()
+        n = len(prompt)
+        for j in range(len(action)):
+            lg[n - 1 + j, self.target(prompt, action[:j])] += self.bias
+        return lg
+
+
+@pytest.mark.parametrize("temperature,bias", [(0.0, 30.0), (1.0, 6.0)])
+def test_exact_records_on_real_episodes(setup, temperature, bias):
+    """Searches, observations, memory updates, episodes ending at different rounds."""
+    world, tok, model = setup
+    env = QAEnv.from_world(world, tok)
+    steered = Steered(model, ScriptedExpert(tok), bias).eval()
+    engine = HFEngine(steered, pad_id=tok.pad_token_id, batch_size=4)
+    trajs = rollout(env, engine, world.sample_tasks(1, 2) + world.sample_tasks(3, 2), group_size=2,
+                    temperature=temperature, seed=1)
+    if temperature == 0.0:  # the steered greedy agent is the expert
+        assert all(t.rewards["em_mean"] == 1.0 for t in trajs)
+    assert any(t.info["turns"] > 2 for t in trajs)
+    assert len({t.info["turns"] for t in trajs}) > 1  # episodes finish at different rounds
+    worst = 0.0
+    for tr in trajs:
+        tr.validate(vocab_size=model.config.vocab_size)
+        for inv in tr.invocations:
+            lg = steered.full_logits(inv.prefix_ids + inv.context_ids, inv.action_ids)
+            lp = torch.log_softmax(lg, -1)
+            n = len(inv.prefix_ids) + len(inv.context_ids)
+            ref = [float(lp[n - 1 + j, a]) for j, a in enumerate(inv.action_ids)]
+            worst = max(worst, max(abs(a - b) for a, b in zip(ref, inv.sample_logprobs)))
+    assert worst < 1e-5, worst

@@ -6,7 +6,8 @@ Modules:
 - `data`: `Document` / `Task` records and the user JSONL loaders;
 - `retriever`: BM25 search (`bm25s`) over a corpus;
 - `protocol`: tags, task prefix, action parsing, answer splitting;
-- `tokenizer`: the local HF tokenizer (word-level or byte-level BPE);
+- `tokenizer`: the local HF tokenizer (Qwen2-compatible byte-level BPE: one token per
+  world word, or an open BPE for user corpora);
 - `qa`: `QAEnv` / `Episode`: exact per-call state, memory policy, rewards;
 - `metrics`: EM / token F1;
 - `rollout`: `Engine` protocol, `HFEngine`, `rollout()` recording `Trajectory`s;

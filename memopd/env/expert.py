@@ -23,10 +23,10 @@ pending"). Each turn the expert
    `<answer> xa tailor ; xb red</answer>` (its notes, with separators).
 
 Every step is a copy (of the notes, of the word after a marker) or a lookup (the
-first document's fact), which keeps the imitation learnable for tiny models. Samples carry no log-probs
-(`Sample.logprobs = None`): the expert is not a distribution. Only generated-world
-questions ("X ka A ?", "X kb R rb A ?") are supported; a question it cannot parse is answered
-"unknown" without a search.
+first document's fact), which keeps the imitation learnable for tiny models. Samples
+carry no log-probs (`Sample.logprobs = None`): the expert is not a distribution. Only
+generated-world questions ("X ka A ?", "X kb R rb A ?") are supported; a question it
+cannot parse is answered "unknown" without a search.
 """
 from __future__ import annotations
 

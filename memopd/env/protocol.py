@@ -52,7 +52,7 @@ SPECIAL_TOKENS = (
 # Short on purpose: q is re-read at every call, and tiny models pay for every token.
 INSTRUCTION = "search one fact at a time , keep notes in memory , then answer all in order . questions :"
 
-# Error observations (code -> text). Every word is in the word-level vocabulary.
+# Error observations (code -> text). Every word is in the closed-world vocabulary.
 ERRORS = {
     "cut_off": "error : no closing search or answer tag ; the action was cut off",
     "no_search_open": "error : missing search tag before the closing tag",

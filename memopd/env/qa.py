@@ -3,7 +3,7 @@
 `QAEnv` holds a corpus, a BM25 retriever, a tokenizer and a memory policy;
 `env.reset(task)` starts an `Episode`. The episode owns the exact state of the agent:
 
-- `prefix_ids` (q): `<bos>` + instruction + the k numbered questions, stable all episode;
+- `prefix_ids` (q): `<bos>` + instruction + the k marked questions, stable all episode;
 - `context_ids` (x_t) and their provenance: built by the memory policy of
   `memopd.memory` (default "summary": keep the memory span of the last action, plus the
   last observation); x_0 is empty.

@@ -21,7 +21,7 @@ id each; `ProtocolTokens` resolves them and refuses a tokenizer that splits one.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from .protocol import (
     DOC_SEPARATOR,
@@ -127,12 +127,3 @@ def load_tokenizer(path: str | os.PathLike):
     tok = AutoTokenizer.from_pretrained(path)
     ProtocolTokens.from_tokenizer(tok)
     return tok
-
-
-def encode(tok, text: str) -> list[int]:
-    """Token ids of plain text, no special tokens added."""
-    return list(tok.encode(text, add_special_tokens=False))
-
-
-def decode(tok, ids: Sequence[int]) -> str:
-    return tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)

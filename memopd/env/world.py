@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .data import DataError, Document, Task
-from .protocol import marker
+from .protocol import MAX_QUESTIONS, marker
 
 __all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "question_text", "parse_question", "fact_text", "is_value"]
 
@@ -237,6 +237,9 @@ class World:
         """
         if k < 1:
             raise DataError(f"k must be >= 1, got {k}")
+        if k > MAX_QUESTIONS:
+            raise DataError(f"k={k}: generated question sets hold at most {MAX_QUESTIONS} questions "
+                            "(one vocabulary marker per question)")
         n_distinct = len(self.entities) * len(self.config.attributes) * (1 + len(self.config.relations))
         if k > n_distinct:
             raise DataError(f"k={k} exceeds the {n_distinct} distinct questions of this world")
