@@ -102,18 +102,18 @@ LOGPROB_TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 1e-1, t
 # --------------------------------------------------------------------------------------
 # Trajectory shapes
 # --------------------------------------------------------------------------------------
-# Measured on expert episodes of memopd.env (generated world, word-level tokenizer,
-# summary memory, top-3 retrieval; 50 tasks per k; `--measure-env` reprints them; env as
-# of 2026-11-29 09:20, after its compact-protocol rewrite):
-#   Q2 : prefix 31-35,   calls 3-5,   context 0-37, action 9-13
-#   Q8 : prefix 65-77,   calls 11-17, context 0-49, action 9-43
-#   Q16: prefix 109-127, calls 21-30, context 0-65, action 9-83
+# Measured on expert episodes of memopd.env (generated world, its Qwen2-style tokenizer,
+# summary memory, top-3 retrieval; 50 tasks per k; `--measure-env` reprints them; env of
+# commit 2be9bc5):
+#   Q2 : prefix 31-35,   calls 3-5,   context 0-35, action 9-13
+#   Q8 : prefix 65-77,   calls 11-17, context 0-47, action 9-43
+#   Q16: prefix 109-127, calls 21-30, context 0-63, action 9-83
 # Per call: the prefix is ~21 + 6k ids; call t writes `<mem> notes </mem>` + a search of
 # ~7 ids, so a_t ~ 9 + |notes|, and the notes grow by ~1.3 ids per call; the observation
-# is 31 ids; summary memory keeps the memory span, so x_{t+1} ~ 33 + |notes|; the last
+# is 28-29 ids; summary memory keeps the memory span, so x_{t+1} ~ 31 + |notes|; the last
 # call answers all k questions in ~3k + 1 ids after its memory span.
 EXPERT_CALLS = {2: (3, 5), 8: (11, 17), 16: (21, 30)}
-SHAPE = dict(prefix_base=21, prefix_per_question=6, search=(6, 8), observation=(30, 33),
+SHAPE = dict(prefix_base=21, prefix_per_question=6, search=(6, 8), observation=(27, 30),
              notes_growth=(1, 1, 2), answer_per_question=3)
 
 
@@ -459,7 +459,7 @@ class _ReplayClock:
     the next measured duration between the two reads.
     """
 
-    __name__ = "interleaved_perf_counter_replay"
+    __name__ = "interleaved_replay"
 
     def __init__(self, durations: list[float]):
         self._left = list(durations)
@@ -515,7 +515,17 @@ def test_packing_speedup(benchmark, bench_setup, packing_records, k, batch_size,
         _MEASURED.clear()  # keep one configuration's numbers at a time
         rounds = 1 if benchmark.disabled else ROUNDS
         warmup = int(_WARMUP_ENV) if _WARMUP_ENV else (1 if bench_setup.device.type == "cuda" else 0)
-        _MEASURED[config] = measure_config(bench_setup, k, batch_size, rounds, 0 if benchmark.disabled else warmup)
+        try:
+            _MEASURED[config] = measure_config(bench_setup, k, batch_size, rounds, 0 if benchmark.disabled else warmup)
+        except Exception as e:  # noqa: BLE001 - remembered so the other layouts fail fast
+            _MEASURED[config] = f"{type(e).__name__}: {e}"
+        # outside the except block: the failed measurement's frames (and device memory)
+        # are released before the next configuration
+        bench_setup.model.zero_grad(set_to_none=True)
+        if bench_setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    if isinstance(_MEASURED[config], str):
+        pytest.fail(f"{config}: measurement failed: {_MEASURED[config]}")
     rec = dict(_MEASURED[config][layout])
     benchmark.extra_info.update(rec)
     _record_durations(benchmark, rec["times_s"])
