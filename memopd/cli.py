@@ -70,7 +70,7 @@ def _cmd_audit(args) -> int:
 
 
 def _cmd_pack(args) -> int:
-    from .memory import POLICIES, random_trajectories
+    from .memory import random_trajectories
     from .packing import LAYOUTS, pack
     from .records import load_trajectories
 
@@ -129,17 +129,9 @@ def _add_pack(sub) -> None:
     p.set_defaults(func=_cmd_pack)
 
 
-def _add_external(sub, name: str, module: str, func: str, help_text: str) -> None:
-    """Subcommands whose parsers live in their own modules (they take raw argv)."""
-    p = sub.add_parser(name, help=help_text, add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-
-    def run(args):
-        import importlib
-
-        return getattr(importlib.import_module(module), func)(args.rest) or 0
-
-    p.set_defaults(func=run)
+def _add_external(sub, name: str, help_text: str) -> None:
+    """Listed in `memopd --help`; `main` hands their raw argv to their own parsers."""
+    sub.add_parser(name, help=help_text, add_help=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_audit(sub)
     _add_pack(sub)
-    for name, module, func, text in _EXTERNAL:
-        _add_external(sub, name, module, func, text)
+    for name, _module, _func, text in _EXTERNAL:
+        _add_external(sub, name, text)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

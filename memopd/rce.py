@@ -15,7 +15,6 @@ Logits are formed chunk by chunk from hidden states, so the audit never holds
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 

@@ -22,7 +22,6 @@ fp32 there (the UPCAST constexpr); fp32 / fp16 / bf16 inputs are all exercised.
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -60,14 +59,6 @@ def test_interpreter_suite_in_subprocess():
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     print(res.stdout[-5000:], res.stderr[-3000:])
     assert res.returncode == 0, f"interpreted Triton tests failed:\n{res.stdout[-5000:]}"
-
-
-@pytest.fixture
-def seed(request):
-    """A fresh seed per test; MEMOPD_TEST_SEED replays one."""
-    s = int(os.environ.get("MEMOPD_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"[seed] {request.node.nodeid}: MEMOPD_TEST_SEED={s}")
-    return s
 
 
 def make_inputs(seed, N=48, Hs=40, Ht=24, V=300, Vt=None, dtype=torch.float32, bias=True,

@@ -4,7 +4,7 @@ checks the compiled Triton kernels against the PyTorch path (skipped without a G
 interpreter tests of the kernels live in test_packed_attention_triton.py.
 """
 import os
-import random
+import subprocess
 import sys
 
 import pytest
@@ -16,69 +16,8 @@ from memopd.ops.packed_attention import packed_attention, plan_runs, select_back
 # (memopd.ops exports the function under the module's own name, so `import ... as` would
 # return the function: take the module from sys.modules)
 pa_mod = sys.modules["memopd.ops.packed_attention"]
-from memopd.ops.reference_attention import reference_packed_attention
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def random_meta(seed: int, tokens: int, shuffle: bool = False) -> AttentionMeta:
-    """Packed layout with the hard cases: prefixes shared by 1..8 calls, calls without a
-    prefix, length-1 prefixes and calls, calls of a couple of tokens (empty context),
-    padding runs; shuffle=True interleaves segments (calls may precede their prefix)."""
-    rng = random.Random(seed)
-    segs = []  # (kind, length, index of linked prefix in segs or -1)
-    while sum(s[1] for s in segs) < tokens:
-        r = rng.random()
-        if r < 0.12:
-            segs.append((SegmentKind.PAD, rng.choice([1, 3, 17, 40]), -1))
-        elif r < 0.25:
-            segs.append((SegmentKind.CALL, rng.choice([1, 2, 5, 33]), -1))
-        else:
-            p = len(segs)
-            segs.append((SegmentKind.PREFIX, rng.choice([1, 7, 20, 45]), -1))
-            for _ in range(rng.randint(1, 8)):
-                segs.append((SegmentKind.CALL, rng.choice([1, 2, 3, 9, 16, 31, 50]), p))
-    segs.append((SegmentKind.PAD, rng.choice([2, 19]), -1))
-    order = list(range(len(segs)))
-    if shuffle:
-        rng.shuffle(order)
-    pos = {old: new for new, old in enumerate(order)}
-    cu, links, kinds = [0], [], []
-    for old in order:
-        kind, n, link = segs[old]
-        cu.append(cu[-1] + n)
-        kinds.append(kind)
-        links.append(pos[link] if link >= 0 else -1)
-    return AttentionMeta.from_segments(cu, links, kinds)
-
-
-def random_token_meta(seed: int, T: int) -> AttentionMeta:
-    """Arbitrary token-level metadata: non-monotone seg_start, prefix intervals overlapping
-    the own range or lying after the row, rows that see nothing."""
-    g = torch.Generator().manual_seed(seed)
-    i = torch.arange(T)
-    ss = (torch.rand(T, generator=g) * (i + 2).float()).long().clamp(max=i + 1)
-    a = torch.randint(0, T, (T,), generator=g)
-    b = (a + torch.randint(0, 40, (T,), generator=g)).clamp(max=T)
-    none = torch.rand(T, generator=g) < 0.3
-    a, b = torch.where(none, 0, a), torch.where(none, 0, b)
-    ss = torch.where(none & (torch.rand(T, generator=g) < 0.4), i + 1, ss)
-    return AttentionMeta(
-        cu_seqlens=torch.tensor([0, T], dtype=torch.int32),
-        prefix_segment=torch.tensor([-1], dtype=torch.int32),
-        segment_kind=torch.tensor([SegmentKind.HISTORY], dtype=torch.int8),
-        seg_start=ss.int(),
-        prefix_start=a.int(),
-        prefix_end=b.int(),
-        max_seqlen=T,
-        max_prefix_len=40,
-    )
-
-
-def make_inputs(T, Hq, Hkv, D, dtype, seed, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(T, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq)]
-    return [x.to(device=device, dtype=dtype) for x in xs]
+from _attention_cases import assert_close, make_inputs, oracle, random_meta, random_token_meta  # noqa: E402
 
 
 def run(backend, q, k, v, do, meta, scale=None, **kw):
@@ -86,20 +25,6 @@ def run(backend, q, k, v, do, meta, scale=None, **kw):
     out = packed_attention(qq, kk, vv, meta, scale, backend=backend, **kw)
     out.backward(do)
     return out.detach(), qq.grad, kk.grad, vv.grad
-
-
-def oracle(q, k, v, do, meta, scale=None):
-    q64, k64, v64 = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
-    out = reference_packed_attention(q64, k64, v64, meta.to("cpu"), scale)
-    return (out.detach(),) + torch.autograd.grad(out, (q64, k64, v64), do.cpu().double())
-
-
-def assert_close(name, got, want, dtype):
-    got = got.detach().cpu().double()
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (got - want).abs().max().item()
-    bound = TOL[dtype] * max(1.0, want.abs().max().item())
-    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -219,13 +144,24 @@ def test_bad_inputs():
 
 
 def test_triton_on_cpu_needs_the_interpreter():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the Triton interpreter is active in this process (see test_packed_attention_triton.py)")
+    """Without TRITON_INTERPRET, backend="triton" on CPU tensors is a clear error. Checked in
+    a fresh process: once an interpreter test file has set the variable, Triton stays in
+    interpreter mode for the rest of this one."""
     pytest.importorskip("triton")
-    meta = random_meta(1, 40)
-    q = torch.randn(meta.num_tokens, 2, 16)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        packed_attention(q, q, q, meta, backend="triton")
+    code = (
+        "import torch, pytest\n"
+        "from _attention_cases import random_meta\n"
+        "from memopd.ops.packed_attention import packed_attention\n"
+        "meta = random_meta(1, 40)\n"
+        "q = torch.randn(meta.num_tokens, 2, 16)\n"
+        "with pytest.raises(RuntimeError, match='TRITON_INTERPRET'):\n"
+        "    packed_attention(q, q, q, meta, backend='triton')\n"
+        "print('raised')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "raised" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the compiled Triton kernels")

@@ -18,7 +18,6 @@ import copy
 import json
 import os
 import random
-import shutil
 import time
 from typing import Callable
 

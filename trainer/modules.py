@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memopd.hf import lm_head_of, packed_hidden_states
+from memopd.hf import lm_head_of, packed_forward
 from memopd.layout import PackedBatch
 from memopd.ops import fused_linear_reverse_kl
 
@@ -30,8 +30,7 @@ class Actor(nn.Module):
         self.attention_backend = attention_backend
 
     def hidden(self, batch: PackedBatch) -> torch.Tensor:
-        h = packed_hidden_states(self.lm, batch, attention_backend=self.attention_backend)
-        return h.index_select(0, batch.pred_index.to(h.device))
+        return packed_forward(self.lm, batch, output="hidden", attention_backend=self.attention_backend)
 
     def forward(self, batch: PackedBatch, teacher_hidden: torch.Tensor | None = None,
                 teacher_weight: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None):
@@ -47,7 +46,8 @@ class Actor(nn.Module):
         return fused_linear_reverse_kl(
             h, w, teacher_hidden.to(h.dtype), teacher_weight.to(w.dtype), targets,
             student_bias=b, teacher_bias=teacher_bias, reduction="none",
-            vocab_size=min(w.shape[0], teacher_weight.shape[0]) if teacher_weight.shape[0] != w.shape[0] else None,
+            # one padded lm_head: score only the vocabulary both heads have
+            vocab_size=min(w.shape[0], teacher_weight.shape[0]),
         )
 
 
@@ -64,8 +64,7 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        h = packed_hidden_states(self.lm, batch, attention_backend=self.attention_backend)
-        h = h.index_select(0, batch.pred_index.to(h.device))
+        h = packed_forward(self.lm, batch, output="hidden", attention_backend=self.attention_backend)
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 

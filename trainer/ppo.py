@@ -68,7 +68,6 @@ def gae(
     """
     _check_same(("rewards", rewards), ("values", values), ("traj_index", traj_index))
     A = rewards.shape[0]
-    adv = torch.zeros(A, dtype=torch.float32, device=rewards.device)
     r = rewards.float().cpu()
     v = values.float().cpu()
     ti = traj_index.cpu()

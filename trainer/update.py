@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from memopd.hf import lm_head_of, packed_hidden_states
+from memopd.hf import lm_head_of, packed_forward
 from memopd.packing import pack
 from memopd.records import Trajectory
 
@@ -107,8 +107,7 @@ def score(
 
     def logp_of(lm):
         def fn(mb):
-            h = packed_hidden_states(lm, mb, attention_backend=actor.attention_backend)
-            h = h.index_select(0, mb.pred_index.to(h.device))
+            h = packed_forward(lm, mb, output="hidden", attention_backend=actor.attention_backend)
             logits = lm_head_of(lm)(h).float()
             return torch.log_softmax(logits, -1).gather(1, mb.target_ids.to(h.device)[:, None])[:, 0]
         return fn
@@ -118,14 +117,11 @@ def score(
     values = _per_action(critic, batch, max_tokens)
     teacher_hidden = None
     if teacher_lm is not None and teacher_layout is not None:
-        tbatch = pack(trajs, layout=teacher_layout, max_tokens=max_tokens, share_prefix="group") \
-            if teacher_layout == "aligned" else pack(trajs, layout=teacher_layout, max_tokens=max_tokens)
-
-        def th(mb):
-            h = packed_hidden_states(teacher_lm, mb, attention_backend=actor.attention_backend)
-            return h.index_select(0, mb.pred_index.to(h.device))
-
-        teacher_hidden = _per_action(th, tbatch, max_tokens)
+        tbatch = pack(trajs, layout=teacher_layout, max_tokens=max_tokens, share_prefix="group")
+        teacher_hidden = _per_action(
+            lambda mb: packed_forward(teacher_lm, mb, output="hidden", attention_backend=actor.attention_backend),
+            tbatch, max_tokens,
+        )
     ti = batch.traj_index.to(logp_old.device)
     final = torch.tensor([float(tr.reward) for tr in trajs], device=logp_old.device)
     rewards, pen = token_rewards(final, ti, logp_old, logp_ref, kl_coef)
