@@ -142,7 +142,8 @@ class PackedBatch:
 
     Token stream [T] (rows concatenated, `cu_rows` [R+1] marks them):
       input_ids, position_ids (restored), attn (`AttentionMeta`),
-      action_mask (m_act: the sampled occurrences of action tokens),
+      action_mask (m_act: the sampled occurrences of action tokens; with
+        `pack(action_domain="naive")`, every entry of that domain),
       naive_action_mask (flatten only: every token that came from a model output,
       re-encoded memory included; else None).
     Per action token [A], in (trajectory, call, k) order:
@@ -154,6 +155,8 @@ class PackedBatch:
       traj_index, call_index, token_index  the map back to (trajectory, call, k)
       action_id     position of the entry in the full batch's action order (kept by
                     `select_rows`, so per-action data of the full batch can be indexed)
+      is_sampled    True for sampled action tokens, False for the re-encoded copies a
+                    naive action domain adds (all True by default)
     """
 
     layout: str
@@ -176,6 +179,11 @@ class PackedBatch:
     naive_action_mask: Optional[torch.Tensor] = None
     num_trajectories: int = 0
     pad_id: int = 0
+    is_sampled: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.is_sampled is None:
+            self.is_sampled = torch.ones(self.target_ids.shape[0], dtype=torch.bool, device=self.target_ids.device)
 
     @property
     def num_tokens(self) -> int:
@@ -264,6 +272,7 @@ class PackedBatch:
             naive_action_mask=None if self.naive_action_mask is None else self.naive_action_mask[t0:t1],
             num_trajectories=self.num_trajectories,
             pad_id=self.pad_id,
+            is_sampled=self.is_sampled[keep],
         )
 
     def micro_batches(self, max_tokens: int) -> list["PackedBatch"]:

@@ -12,6 +12,17 @@ Layouts (design section 3):
   `naive_action_mask` marks every token that came from a model output, including
   re-encoded memory, to count the spurious decision positions.
 
+Action domain (`action_domain=`, any layout):
+- `"exact"` (default): the per-action entries are the sampled occurrences of action
+  tokens (m_act of design section 3).
+- `"naive"`: also every re-encoded copy of earlier model output inside a later context
+  x_t (context tokens whose provenance is an action), each predicted from the token
+  before it, as a trainer that marks "every model-written token" would score them.
+  The ablation of the action domain. Copies come first in their call's entries
+  (`token_index` 0..c-1, then the action tokens), carry NaN sampling log-probs and
+  `is_sampled=False`. The entry set does not depend on the layout, so batches of one
+  set of trajectories under different layouts index the same entries.
+
 Rows are planned by the C++ planner under `max_tokens`; an item that cannot fit is an
 error, never a truncation.
 """
@@ -27,9 +38,10 @@ from .layout import AttentionMeta, PackedBatch, SegmentKind
 from .planner import plan_rows, rows_from_assignment
 from .records import Source, Trajectory, validate_trajectories
 
-__all__ = ["LAYOUTS", "PackError", "pack"]
+__all__ = ["LAYOUTS", "ACTION_DOMAINS", "PackError", "pack"]
 
 LAYOUTS = ("aligned", "aligned_unshared", "independent", "flatten")
+ACTION_DOMAINS = ("exact", "naive")
 _ALIASES = {"aligned_shared": "aligned", "packed": "aligned", "unshared": "aligned_unshared"}
 
 
@@ -40,7 +52,8 @@ class PackError(ValueError):
 class _Builder:
     """Accumulates the flat token stream, segments and action entries."""
 
-    def __init__(self) -> None:
+    def __init__(self, action_domain: str = "exact") -> None:
+        self.naive_domain = action_domain == "naive"
         self.ids: list[int] = []
         self.pos: list[int] = []
         self.act_mask: list[bool] = []
@@ -59,7 +72,7 @@ class _Builder:
         self.a_traj: list[int] = []
         self.a_call: list[int] = []
         self.a_k: list[int] = []
-        self.a_sort: list[tuple[int, int, int]] = []
+        self.a_sampled: list[bool] = []
 
     def segment(self, ids, positions, kind, prefix_seg, traj, call, naive=None) -> tuple[int, int]:
         start = len(self.ids)
@@ -74,21 +87,40 @@ class _Builder:
         self.seg_call.append(call)
         return len(self.seg_kind) - 1, start
 
-    def actions(self, first_index: int, first_pred: int, inv, traj: int, call: int) -> None:
-        """Action tokens of one call start at `first_index`; a_{t,0} is predicted at
-        `first_pred`, a_{t,k>0} at the token just before it."""
+    def _entry(self, idx: int, pred: int, tok: int, lp: float, traj: int, call: int, k: int, sampled: bool) -> None:
+        self.act_mask[idx] = True
+        self.a_index.append(idx)
+        self.p_index.append(pred)
+        self.targets.append(tok)
+        self.lps.append(lp)
+        self.a_traj.append(traj)
+        self.a_call.append(call)
+        self.a_k.append(k)
+        self.a_sampled.append(sampled)
+
+    def call_entries(self, x_start: int, x_pred: int, first_index: int, first_pred: int, inv, q_len: int,
+                     traj: int, call: int) -> None:
+        """Entries of one call. x_t starts at packed index `x_start` (its first token
+        is predicted at `x_pred`), a_t at `first_index` (a_{t,0} predicted at
+        `first_pred`); every later token is predicted at the token just before it.
+        Context copies enter only in the naive domain; a copy at position 0 of
+        [q, x_t, a_t] (empty q) has nothing to be predicted from and is left out."""
+        k = 0
+        prov = inv.provenance
+        if self.naive_domain and prov is not None:
+            for j, (src, _, _) in enumerate(prov):
+                if src != Source.ACTION or (j == 0 and q_len == 0):
+                    continue
+                idx = x_start + j
+                self._entry(idx, x_pred if j == 0 else idx - 1, inv.context_ids[j], math.nan, traj, call, k, False)
+                k += 1
         lps = inv.sample_logprobs
-        for k, tok in enumerate(inv.action_ids):
-            idx = first_index + k
-            self.act_mask[idx] = True
+        for i, tok in enumerate(inv.action_ids):
+            idx = first_index + i
             self.naive[idx] = True
-            self.a_index.append(idx)
-            self.p_index.append(first_pred if k == 0 else idx - 1)
-            self.targets.append(tok)
-            self.lps.append(math.nan if lps is None else lps[k])
-            self.a_traj.append(traj)
-            self.a_call.append(call)
-            self.a_k.append(k)
+            self._entry(idx, first_pred if i == 0 else idx - 1, tok, math.nan if lps is None else lps[i],
+                        traj, call, k, True)
+            k += 1
 
     def end_row(self) -> None:
         self.cu_rows.append(len(self.ids))
@@ -119,6 +151,7 @@ class _Builder:
             segment_traj=torch.tensor(self.seg_traj, dtype=torch.long),
             segment_call=torch.tensor(self.seg_call, dtype=torch.long),
             action_id=torch.arange(len(order), dtype=torch.long),
+            is_sampled=take(self.a_sampled, torch.bool),
             naive_action_mask=torch.tensor(self.naive, dtype=torch.bool) if layout == "flatten" else None,
             num_trajectories=n_traj,
             pad_id=pad_id,
@@ -185,7 +218,9 @@ def _pack_aligned(trajs: Sequence[Trajectory], max_tokens: int, shared: bool, sh
                 # a_{t,0} is read at the token before it; with an empty x_t under a shared
                 # prefix, that token is the last one of the prefix segment
                 first_pred = first - 1 if first > start else pstart + plen - 1
-                b.actions(first, first_pred, inv, bi, t)
+                x_start = first - len(inv.context_ids)
+                x_pred = x_start - 1 if x_start > start else pstart + plen - 1
+                b.call_entries(x_start, x_pred, first, first_pred, inv, len(q), bi, t)
         b.end_row()
 
 
@@ -200,7 +235,8 @@ def _pack_independent(trajs: Sequence[Trajectory], max_tokens: int, pad_id: int,
         body = inv.input_ids
         _, start = b.segment(body, list(range(len(body))), SegmentKind.CALL, -1, bi, t)
         first = start + len(body) - len(inv.action_ids)
-        b.actions(first, first - 1, inv, bi, t)
+        x_start = first - len(inv.context_ids)
+        b.call_entries(x_start, x_start - 1, first, first - 1, inv, len(inv.prefix_ids), bi, t)
         pad = width - len(body)
         if pad:
             b.segment([pad_id] * pad, [0] * pad, SegmentKind.PAD, -1, -1, -1)
@@ -233,7 +269,8 @@ def _pack_flatten(trajs: Sequence[Trajectory], max_tokens: int, b: _Builder) -> 
             _, start = b.segment(ids, list(range(len(ids))), SegmentKind.HISTORY, -1, bi, -1, naive=naive)
             for t, inv in enumerate(tr.invocations):
                 first = start + starts[t]
-                b.actions(first, first - 1, inv, bi, t)
+                x_start = first - len(inv.context_ids)
+                b.call_entries(x_start, x_start - 1, first, first - 1, inv, len(tr.prefix_ids), bi, t)
         b.end_row()
 
 
@@ -246,18 +283,23 @@ def pack(
     pad_id: int = 0,
     vocab_size: int | None = None,
     validate: bool = True,
+    action_domain: str = "exact",
 ) -> PackedBatch:
     """Lay trajectories out for one training forward (see the module docstring).
 
     share_prefix: for `aligned`, "trajectory" (one prefix segment per trajectory per
     row) or "group" (trajectories with the same group_id and identical prefix ids
     share one prefix segment per row).
+    action_domain: "exact" (the sampled action tokens) or "naive" (also re-encoded
+    copies of model output inside later contexts: the ablation; module docstring).
     """
     layout = _ALIASES.get(layout, layout)
     if layout not in LAYOUTS:
         raise PackError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if share_prefix not in ("trajectory", "group"):
         raise PackError(f"share_prefix must be 'trajectory' or 'group', got {share_prefix!r}")
+    if action_domain not in ACTION_DOMAINS:
+        raise PackError(f"action_domain must be one of {', '.join(ACTION_DOMAINS)}, got {action_domain!r}")
     if not isinstance(max_tokens, int) or max_tokens <= 0:
         raise PackError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     trajectories = list(trajectories)
@@ -265,7 +307,7 @@ def pack(
         raise PackError("no trajectories to pack")
     if validate:
         validate_trajectories(trajectories, vocab_size)
-    b = _Builder()
+    b = _Builder(action_domain)
     if layout == "aligned":
         _pack_aligned(trajectories, max_tokens, True, share_prefix, b)
     elif layout == "aligned_unshared":

@@ -199,3 +199,74 @@ def test_reference_attention_masked_rows_zero_and_errors():
         reference_packed_attention(torch.randn(5, 3, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4), meta)
     with pytest.raises(ValueError, match="metadata describes 5 tokens"):
         reference_packed_attention(torch.randn(4, 2, 4), torch.randn(4, 2, 4), torch.randn(4, 2, 4), meta)
+
+
+def naive_entries(trajs):
+    """(trajectory, call, index, target id, is_sampled) of the naive action domain, in order."""
+    out = []
+    for b, tr in enumerate(trajs):
+        for t, inv in enumerate(tr.invocations):
+            k = 0
+            for j, p in enumerate(inv.provenance or []):
+                if p[0] == 1 and not (j == 0 and not tr.prefix_ids):
+                    out.append((b, t, k, inv.context_ids[j], False))
+                    k += 1
+            for a in inv.action_ids:
+                out.append((b, t, k, a, True))
+                k += 1
+    return out
+
+
+@pytest.mark.parametrize("policy", ["full", "summary", "suffix"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_naive_action_domain_adds_context_copies(policy, layout, seed):
+    trajs = random_trajectories(policy, 6, seed=seed, group_size=3, calls=(3, 5))
+    exact = pack(trajs, layout=layout, max_tokens=4096, share_prefix="group")
+    naive = pack(trajs, layout=layout, max_tokens=4096, share_prefix="group", action_domain="naive")
+    want = naive_entries(trajs)
+    got = list(zip(naive.traj_index.tolist(), naive.call_index.tolist(), naive.token_index.tolist(),
+                   naive.target_ids.tolist(), naive.is_sampled.tolist()))
+    assert got == want
+    n_copies = sum(not e[4] for e in want)
+    assert n_copies > 0  # these policies keep model output in later contexts
+    assert naive.num_actions == exact.num_actions + n_copies
+    assert torch.equal(naive.input_ids[naive.action_index], naive.target_ids)
+    assert int(naive.action_mask.sum()) == naive.num_actions
+    # copies carry no sampling log-prob; the sampled entries are those of the exact domain
+    assert bool(torch.isnan(naive.sample_logprobs[~naive.is_sampled]).all())
+    s = naive.is_sampled
+    assert torch.equal(naive.target_ids[s], exact.target_ids)
+    assert torch.equal(naive.pred_index[s], exact.pred_index)
+    assert torch.equal(naive.sample_logprobs[s], exact.sample_logprobs)
+    assert bool(exact.is_sampled.all())
+    # every copy is predicted from the token just before it in the state it sits in
+    vis = naive.attn.visible()
+    for i in torch.nonzero(~s).flatten().tolist():
+        p, a = int(naive.pred_index[i]), int(naive.action_index[i])
+        assert bool(vis[a, p]) and int(naive.position_ids[p]) == int(naive.position_ids[a]) - 1
+    if layout in ("aligned", "aligned_unshared", "independent"):
+        # restored layouts score a copy in its own call's state [q, x_t[:j]]
+        for i in torch.nonzero(~s).flatten().tolist():
+            b, t = int(naive.traj_index[i]), int(naive.call_index[i])
+            inv = trajs[b].invocations[t]
+            j = int(naive.position_ids[naive.action_index[i]]) - len(inv.prefix_ids)
+            ids, _ = visible_state(naive, vis, int(naive.pred_index[i]))
+            assert ids == inv.prefix_ids + inv.context_ids[:j]
+
+
+def test_naive_domain_micro_batches_keep_entries(seed):
+    trajs = random_trajectories("summary", 8, seed=seed, group_size=4, calls=(3, 5))
+    naive = pack(trajs, layout="aligned", max_tokens=300, share_prefix="group", action_domain="naive")
+    mbs = naive.micro_batches(300)
+    assert len(mbs) > 1
+    ids = torch.cat([mb.action_id for mb in mbs]).sort().values
+    assert torch.equal(ids, torch.arange(naive.num_actions))
+    for mb in mbs:
+        assert torch.equal(mb.is_sampled, naive.is_sampled[mb.action_id])
+        assert torch.equal(mb.input_ids[mb.action_index], mb.target_ids)
+
+
+def test_unknown_action_domain_is_an_error():
+    trajs = random_trajectories("full", 2, seed=0)
+    with pytest.raises(PackError, match="action_domain"):
+        pack(trajs, action_domain="everything")

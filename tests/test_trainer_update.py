@@ -5,7 +5,7 @@ from memopd import pack, random_trajectories
 from memopd.models import tiny_causal_lm
 from memopd.ops import reference_linear_reverse_kl
 from memopd.trainer.modules import Actor, Critic
-from memopd.trainer.update import actor_loss, call_offsets
+from memopd.trainer.update import actor_loss, entry_offsets
 
 
 def _setup(seed):
@@ -66,5 +66,10 @@ def test_critic_values_per_action(seed):
     torch.nn.init.normal_(critic.value_head.weight)
     v = critic(batch)
     assert v.shape == (batch.num_actions,)
-    offs = call_offsets(trajs)
+    offs = entry_offsets(batch, trajs)
     assert int(offs[0, 0]) == 0 and int(offs[1, 0]) == sum(len(i.action_ids) for i in trajs[0].invocations)
+    # the naive domain counts the context copies too, and every (b, t, k) maps back
+    naive = pack(trajs, layout="aligned", action_domain="naive")
+    offs = entry_offsets(naive, trajs)
+    gid = offs[naive.traj_index, naive.call_index] + naive.token_index
+    assert torch.equal(gid, torch.arange(naive.num_actions))

@@ -38,6 +38,9 @@ class TrainConfig:
     eval_k: list[int] = field(default_factory=lambda: [2, 8, 16])
     eval_tasks: int = 16  # held-out question sets per k at the end
     policy: str = "summary"
+    # loss domain: "exact" (the sampled action tokens) or "naive" (also re-encoded copies
+    # of model output inside later contexts: the action-domain ablation)
+    action_domain: str = "exact"
     # rollouts
     tasks_per_step: int = 4
     group_size: int = 4  # rollouts per task (share the prefix when packed)
@@ -69,6 +72,8 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         if self.arm not in ARMS:
             raise ConfigError(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
+        if self.action_domain not in ("exact", "naive"):
+            raise ConfigError(f"action_domain must be 'exact' or 'naive', got {self.action_domain!r}")
         for name in ("steps", "tasks_per_step", "group_size", "ppo_epochs", "minibatches", "max_tokens", "eval_tasks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

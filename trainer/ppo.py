@@ -85,11 +85,24 @@ def gae(
     return adv, adv + values.float()
 
 
-def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero-mean, unit-variance (the usual PPO advantage normalisation)."""
-    if x.numel() < 2:
-        return x - x.mean() if x.numel() else x
-    return (x - x.mean()) / (x.std() + eps)
+def whiten(x: torch.Tensor, eps: float = 1e-8, reduce_sum=None) -> torch.Tensor:
+    """Zero-mean, unit-variance (the usual PPO advantage normalisation).
+
+    `reduce_sum(t) -> t summed over ranks` makes the statistics global, so that a
+    data-parallel run normalises exactly as one process holding the whole batch.
+    """
+    st = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64),
+                      x.detach().double().sum().cpu(), x.detach().double().pow(2).sum().cpu()])
+    if reduce_sum is not None:
+        st = reduce_sum(st.to(x.device)).cpu()
+    n, s, ss = (float(v) for v in st)
+    if n == 0:
+        return x
+    mean = s / n
+    if n < 2:
+        return x - mean
+    var = max(ss - n * mean * mean, 0.0) / (n - 1)
+    return (x - mean) / (var ** 0.5 + eps)
 
 
 @dataclass

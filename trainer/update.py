@@ -13,6 +13,9 @@ under the token budget:
     L_actor  = mean_act[ PPO clip loss ] - alpha * mean_act[ H ] + lambda * mean_T[ KL ]
     L_critic = mean_act[ clipped value loss ]
 
+The entries are the action tokens (`action_domain="exact"`), or for the ablation the
+naive domain that adds re-encoded copies of model output inside later contexts
+(`"naive"`, see `memopd.packing`): every loss, value and advantage then covers them.
 Student log-probs, entropy and reverse KL come from one fused pass over the vocabulary
 (`memopd.ops.fused_linear_reverse_kl`). Means are over the whole minibatch (all
 micro-batches, all ranks): each micro-batch contributes sum / global count * world.
@@ -32,12 +35,12 @@ from memopd.records import Trajectory
 from .modules import Actor, Critic
 from .ppo import gae, policy_loss, token_rewards, value_loss, whiten
 
-__all__ = ["Scored", "score", "update", "call_offsets", "actor_loss"]
+__all__ = ["Scored", "score", "update", "entry_offsets", "actor_loss", "max_over_ranks"]
 
 
 @dataclass
 class Scored:
-    """Per action token of the rollout batch, in (trajectory, call, k) order."""
+    """Per action-domain entry of the rollout batch, in (trajectory, call, k) order."""
 
     logp_old: torch.Tensor
     logp_ref: torch.Tensor | None
@@ -47,33 +50,38 @@ class Scored:
     advantages: torch.Tensor
     returns: torch.Tensor
     teacher_hidden: torch.Tensor | None
-    offsets: torch.Tensor  # [B, max_calls]: global action id of (b, t, k=0)
+    offsets: torch.Tensor  # [B, max_calls]: global entry id of (b, t, k=0)
     sample_dlogp: float  # max |logp_old - recorded sampling log-prob| (RCE in training)
+    is_sampled: torch.Tensor  # False on the context copies of a naive action domain
 
 
-def call_offsets(trajs: Sequence[Trajectory]) -> torch.Tensor:
+def entry_offsets(batch, trajs: Sequence[Trajectory]) -> torch.Tensor:
+    """[B, max_calls]: the entry id of (b, t, k=0) in `batch` (entries are in (b, t, k)
+    order with k = 0, 1, ... inside each call), so that entry (b, t, k) of any batch
+    packed from a subset of `trajs` with the same action domain is offsets[b, t] + k."""
     n_calls = max(len(tr.invocations) for tr in trajs)
     out = torch.full((len(trajs), n_calls), -1, dtype=torch.long)
-    a = 0
-    for b, tr in enumerate(trajs):
-        for t, inv in enumerate(tr.invocations):
-            out[b, t] = a
-            a += len(inv.action_ids)
+    first = batch.token_index == 0
+    out[batch.traj_index[first], batch.call_index[first]] = torch.nonzero(first).flatten()
     return out
 
 
-def _max_over_ranks(n: int, world: int, device=None) -> int:
+def max_over_ranks(x, world: int, device=None):
+    """Max of an int or float over ranks (NaN counts as missing; all NaN gives NaN)."""
     if world == 1:
-        return n
+        return x
     import torch.distributed as dist
 
-    t = torch.tensor([n], dtype=torch.long, device=device)
+    is_int = isinstance(x, int)
+    v = float(x)
+    t = torch.tensor([-math.inf if math.isnan(v) else v], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
+    r = float(t)
+    return int(r) if is_int else (math.nan if r == -math.inf else r)
 
 
-def _pack(trajs, max_tokens):
-    return pack(trajs, layout="aligned", max_tokens=max_tokens, share_prefix="group")
+def _pack(trajs, max_tokens, action_domain="exact", layout="aligned"):
+    return pack(trajs, layout=layout, max_tokens=max_tokens, share_prefix="group", action_domain=action_domain)
 
 
 @torch.no_grad()
@@ -102,8 +110,9 @@ def score(
     kl_coef: float,
     gamma: float,
     lam: float,
+    action_domain: str = "exact",
 ) -> Scored:
-    batch = _pack(trajs, max_tokens)
+    batch = _pack(trajs, max_tokens, action_domain)
 
     def logp_of(lm):
         def fn(mb):
@@ -117,7 +126,8 @@ def score(
     values = _per_action(critic, batch, max_tokens)
     teacher_hidden = None
     if teacher_lm is not None and teacher_layout is not None:
-        tbatch = pack(trajs, layout=teacher_layout, max_tokens=max_tokens, share_prefix="group")
+        # same action domain: entry (b, t, k) is the same token under either layout
+        tbatch = _pack(trajs, max_tokens, action_domain, layout=teacher_layout)
         teacher_hidden = _per_action(
             lambda mb: packed_forward(teacher_lm, mb, output="hidden", attention_backend=actor.attention_backend),
             tbatch, max_tokens,
@@ -129,7 +139,8 @@ def score(
     recorded = batch.sample_logprobs.to(logp_old.device)
     known = ~torch.isnan(recorded)
     sample_dlogp = float((logp_old[known] - recorded[known]).abs().max()) if bool(known.any()) else math.nan
-    return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, call_offsets(trajs), sample_dlogp)
+    return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, entry_offsets(batch, trajs),
+                  sample_dlogp, batch.is_sampled.clone())
 
 
 def actor_loss(out, logp_old, adv, teacher_mask, *, clip_eps, entropy_coef, opd_coef, n_act, n_teacher, world):
@@ -158,9 +169,11 @@ def update(
     opd_coef: float,
     generator: torch.Generator,
     whiten_advantages: bool = True,
+    action_domain: str = "exact",
 ) -> dict:
     """PPO epochs over minibatches; returns averaged statistics."""
-    adv_all = whiten(scored.advantages) if whiten_advantages else scored.advantages
+    # global statistics: data-parallel ranks normalise as one process with the whole batch
+    adv_all = whiten(scored.advantages, reduce_sum=actor_backend.all_reduce_sum) if whiten_advantages else scored.advantages
     device = scored.logp_old.device
     stats = {"pg_loss": 0.0, "vf_loss": 0.0, "entropy": 0.0, "kl_teacher": 0.0, "clip_frac": 0.0,
              "approx_kl": 0.0, "actor_grad_norm": 0.0, "critic_grad_norm": 0.0}
@@ -175,14 +188,14 @@ def update(
                 continue
             chunk = sorted(chunk)
             sub = [trajs[i] for i in chunk]
-            batch = _pack(sub, max_tokens)
+            batch = _pack(sub, max_tokens, action_domain)
             gmap = torch.tensor(chunk, dtype=torch.long)
             mbs = batch.micro_batches(max_tokens)
             # ZeRO runs collectives inside every backward: all ranks make the same number
             # of backward calls; a rank with fewer micro-batches repeats its last one at
             # zero weight
             n_real = len(mbs)
-            mbs = mbs + [mbs[-1]] * (_max_over_ranks(n_real, world, actor_backend.device) - n_real)
+            mbs = mbs + [mbs[-1]] * (max_over_ranks(n_real, world, actor_backend.device) - n_real)
             counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
             counts = actor_backend.all_reduce_sum(counts)
             n_act, n_t = float(counts[0]), float(counts[1])
@@ -213,11 +226,10 @@ def update(
                 agg["akl"] += float(st.approx_kl) * w
             stats["actor_grad_norm"] += actor_backend.step()
             stats["critic_grad_norm"] += critic_backend.step()
-            stats["pg_loss"] += agg["pg"]
-            stats["vf_loss"] += agg["vf"]
-            stats["entropy"] += agg["ent"]
-            stats["kl_teacher"] += agg["kl"]
-            stats["clip_frac"] += agg["clip"]
-            stats["approx_kl"] += agg["akl"]
+            # each rank's sums are token-weighted shares of the global mean: sum over ranks
+            keys = ("pg", "vf", "ent", "kl", "clip", "akl")
+            red = actor_backend.all_reduce_sum(torch.tensor([agg[k] for k in keys], dtype=torch.float64)) / world
+            for name, v in zip(("pg_loss", "vf_loss", "entropy", "kl_teacher", "clip_frac", "approx_kl"), red.tolist()):
+                stats[name] += v
             n_updates += 1
     return {k: v / max(n_updates, 1) for k, v in stats.items()} | {"optimizer_steps": n_updates}
