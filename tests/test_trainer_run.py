@@ -30,7 +30,7 @@ def _cfg(sft_dirs, run_dir, **kw):
 def test_smoke_run_each_arm(sft_dirs, tmp_path, arm):
     from memopd.trainer.loop import train
 
-    rep = train(_cfg(sft_dirs, tmp_path / arm, arm=arm), log=lambda *_: None)
+    rep = train(_cfg(sft_dirs, tmp_path / arm, arm=arm, tensorboard=arm == "memopd"), log=lambda *_: None)
     lines = [json.loads(x) for x in open(tmp_path / arm / "metrics.jsonl")]
     train_lines = [x for x in lines if "train/pg_loss" in x]
     assert [x["step"] for x in train_lines] == [1, 2, 3]
@@ -46,6 +46,33 @@ def test_smoke_run_each_arm(sft_dirs, tmp_path, arm):
     from memopd.trainer.plot import plot_run
 
     assert os.path.getsize(plot_run(str(tmp_path / arm))) > 1000
+    if arm == "memopd":  # the same scalars as TensorBoard events
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        ev = EventAccumulator(str(tmp_path / arm / "tb"))
+        ev.Reload()
+        pg = ev.Scalars("train/pg_loss")
+        assert [e.step for e in pg] == [1, 2, 3]
+        assert [e.value for e in pg] == pytest.approx([x["train/pg_loss"] for x in train_lines], rel=1e-6)
+        assert "eval/em_mean_q1" in ev.Tags()["scalars"]
+
+
+def test_naive_action_domain_ablation_runs(sft_dirs, tmp_path):
+    from memopd.trainer.loop import Trainer, prepare
+
+    def run(domain):
+        cfg = _cfg(sft_dirs, tmp_path / domain, steps=1, arm="memopd", action_domain=domain, policy="full")
+        student, teacher, env, world, *_ = prepare(cfg)
+        tr = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=lambda *_: None)
+        return tr.fit()[0]
+
+    exact, naive = run("exact"), run("naive")
+    # same rollouts (same seeds and start weights); the naive run also trains on the
+    # copies of earlier actions that the "full" memory policy keeps in later contexts
+    assert naive["rollout/action_tokens"] == exact["rollout/action_tokens"]
+    assert exact["train/context_copies"] == 0 and naive["train/context_copies"] > 0
+    assert naive["rce/max_dlogp_vs_sampling"] < 1e-4
+    assert naive["train/kl_teacher"] != pytest.approx(exact["train/kl_teacher"], rel=1e-6)
 
 
 def test_kill_and_resume_equals_uninterrupted(sft_dirs, tmp_path):
@@ -79,6 +106,8 @@ def test_kill_and_resume_equals_uninterrupted(sft_dirs, tmp_path):
 def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="arm must be one of"):
         TrainConfig.load(None, ["arm=nope"])
+    with pytest.raises(ConfigError, match="action_domain"):
+        TrainConfig.load(None, ["action_domain=all"])
     with pytest.raises(ConfigError, match="unknown config key"):
         TrainConfig.load(None, ["stepz=3"])
     p = tmp_path / "c.yaml"

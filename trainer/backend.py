@@ -409,6 +409,20 @@ class TrainBackend:
     def save_pretrained(self, path: str) -> None:
         raise NotImplementedError
 
+    def copy_weights_to(self, target: torch.nn.Module) -> None:
+        """Collective: copy the full current weights into `target`, a plain module of the
+        same architecture (names match `unwrapped`). Rollouts and no-grad scoring run on
+        such a copy under ZeRO-3, where ranks make different numbers of forward calls and
+        the engine's per-forward gathers would deadlock."""
+        src = dict(self.unwrapped.named_parameters())
+        with torch.no_grad():
+            for name, p in target.named_parameters():
+                p.copy_(src[name].detach().to(p.device))
+            bufs = dict(self.unwrapped.named_buffers())
+            for name, b in target.named_buffers():
+                if name in bufs:
+                    b.copy_(bufs[name].to(b.device))
+
     # per-rank client state, same layout for both backends
     def _save_client_state(self, path: str, client_state: dict | None) -> None:
         os.makedirs(path, exist_ok=True)
@@ -714,6 +728,21 @@ class DeepSpeedBackend(TrainBackend):
         _sync_lr_from_scheduler(self.optimizer, self.scheduler)
         self._after_step()
         return self._load_client_state(path)
+
+    def copy_weights_to(self, target: torch.nn.Module) -> None:
+        if self.zero_stage != 3:
+            return super().copy_weights_to(target)
+        deepspeed = _import_deepspeed()
+        src = dict(self.unwrapped.named_parameters())
+        with torch.no_grad():
+            for name, p in target.named_parameters():
+                # one tensor at a time: peak memory stays at one gathered parameter
+                with deepspeed.zero.GatheredParameters([src[name]], modifier_rank=None):
+                    p.copy_(src[name].detach().to(p.device))
+            bufs = dict(self.unwrapped.named_buffers())
+            for name, b in target.named_buffers():
+                if name in bufs:
+                    b.copy_(bufs[name].to(b.device))
 
     def save_pretrained(self, path: str) -> None:
         """Collective (ZeRO-3 gathers layer by layer to rank 0); the main rank writes."""

@@ -10,7 +10,8 @@ Everything random is a pure function of (seed, step, rank): task sampling, the
 sampler's seeds and the minibatch shuffles. So a resumed run only needs the weights,
 optimiser and scheduler state, and continues with exactly the next steps of an
 uninterrupted run. Checkpoints: RUN_DIR/checkpoints/step_N/{actor,critic}/ (+ "latest").
-Metrics: RUN_DIR/metrics.jsonl (one line per step; eval lines carry "eval/..." keys).
+Metrics: RUN_DIR/metrics.jsonl (one line per step; eval lines carry "eval/..." keys),
+and with `tensorboard=true` the same scalars as TensorBoard events under RUN_DIR/tb.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import yaml
 from .backend import init_distributed, make_backend
 from .config import TrainConfig
 from .modules import Actor, Critic, register_zero3_external_params
-from .update import score, update
+from .update import max_over_ranks, score, update
 
 __all__ = ["Trainer", "train"]
 
@@ -69,7 +70,13 @@ class Trainer:
         self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm != "ppo") else None
         actor = Actor(student_lm)
         critic = Critic(copy.deepcopy(student_lm))
-        if ds and _zero_stage(ds) == 3:
+        self.zero3 = bool(ds) and _zero_stage(ds) == 3
+        self._views = None
+        if self.zero3:
+            # plain replicas for rollouts and no-grad scoring, refreshed every step: ranks
+            # make different numbers of those forwards, and ZeRO-3's per-forward gathers
+            # would deadlock (see TrainBackend.copy_weights_to)
+            self._views = (copy.deepcopy(actor).requires_grad_(False), copy.deepcopy(critic).requires_grad_(False))
             register_zero3_external_params(actor)
         total = cfg.steps * cfg.ppo_epochs * cfg.minibatches
         self.actor = make_backend(actor, lr=cfg.actor_lr, warmup_steps=cfg.warmup_steps, total_steps=total,
@@ -77,10 +84,20 @@ class Trainer:
         self.critic = make_backend(critic, lr=cfg.critic_lr, warmup_steps=cfg.warmup_steps, total_steps=total,
                                    max_grad_norm=cfg.max_grad_norm, deepspeed_config=ds)
         dev = self.actor.device
-        for m in (self.ref_lm, self.teacher_lm):
+        for m in (self.ref_lm, self.teacher_lm, *(self._views or ())):
             if m is not None:
                 m.to(dev)
         self.step = 0
+        self._tb = None  # TensorBoard writer, opened on first use (rank 0)
+
+    def inference_modules(self):
+        """(actor, critic) holding the current weights, for no-grad forwards that ranks
+        run independently. Collective under ZeRO-3 (call on every rank)."""
+        if self._views is None:
+            return self.actor.unwrapped, self.critic.unwrapped
+        self.actor.copy_weights_to(self._views[0])
+        self.critic.copy_weights_to(self._views[1])
+        return self._views
 
     # ---- paths ---------------------------------------------------------------------
     @property
@@ -92,13 +109,14 @@ class Trainer:
         return os.path.join(self.cfg.run_dir, "metrics.jsonl")
 
     # ---- one step ------------------------------------------------------------------
-    def rollout(self, step: int):
+    def rollout(self, step: int, actor: Actor):
+        """This rank's episodes of `step`, sampled from `actor` (a no-grad module)."""
         from memopd.env.rollout import HFEngine, rollout
 
         cfg = self.cfg
         k = cfg.train_k[step % len(cfg.train_k)]
         tasks = self.world.sample_tasks(k, cfg.tasks_per_step, split="train", seed=_mix(cfg.seed, step, self.rank))
-        lm = self.actor.unwrapped.lm
+        lm = actor.lm
         lm.eval()
         engine = HFEngine(lm, pad_id=self.env.tokens.pad)
         with torch.no_grad():
@@ -109,14 +127,15 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
         t0 = time.time()
-        trajs, k = self.rollout(step)
+        actor, critic = self.inference_modules()
+        actor.eval()
+        critic.eval()
+        trajs, k = self.rollout(step, actor)
         t_roll = time.time() - t0
-        self.actor.unwrapped.eval()
-        self.critic.unwrapped.eval()
         teacher_layout = {"ppo": None, "persistent": "flatten", "memopd": "aligned"}[cfg.arm]
-        scored = score(self.actor.unwrapped, self.critic.unwrapped, self.ref_lm, self.teacher_lm, trajs,
+        scored = score(actor, critic, self.ref_lm, self.teacher_lm, trajs,
                        teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, kl_coef=cfg.kl_coef,
-                       gamma=cfg.gamma, lam=cfg.lam)
+                       gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
         self.actor.train()
         self.critic.train()
         gen = torch.Generator().manual_seed(_mix(cfg.seed, step, self.rank, 2))
@@ -126,21 +145,27 @@ class Trainer:
         stats = update(self.actor, self.critic, trajs, scored, teacher_weight=tw, ppo_epochs=cfg.ppo_epochs,
                        minibatches=cfg.minibatches, max_tokens=cfg.max_tokens, clip_eps=cfg.clip_eps,
                        value_clip=cfg.value_clip, entropy_coef=cfg.entropy_coef, opd_coef=cfg.opd_coef,
-                       generator=gen)
-        rewards = torch.tensor([float(tr.reward) for tr in trajs])
-        em = [float(tr.rewards.get("em_mean", float("nan"))) for tr in trajs]
-        f1 = [float(tr.rewards.get("f1_mean", float("nan"))) for tr in trajs]
+                       generator=gen, action_domain=cfg.action_domain)
+        # rollout statistics over all ranks' episodes
+        sums = torch.tensor([
+            len(trajs), sum(float(tr.reward) for tr in trajs),
+            sum(float(tr.rewards.get("em_mean", float("nan"))) for tr in trajs),
+            sum(float(tr.rewards.get("f1_mean", float("nan"))) for tr in trajs),
+            sum(len(tr) for tr in trajs), int(scored.is_sampled.sum()), int((~scored.is_sampled).sum()),
+        ], dtype=torch.float64)
+        n, r_sum, em_sum, f1_sum, calls, n_act, n_copies = self.actor.all_reduce_sum(sums).tolist()
         m = {
             "step": step + 1,
             "rollout/k": k,
-            "rollout/episodes": len(trajs),
-            "rollout/reward_mean": float(rewards.mean()),
-            "rollout/em_mean": sum(em) / len(em),
-            "rollout/f1_mean": sum(f1) / len(f1),
-            "rollout/calls_mean": sum(len(t) for t in trajs) / len(trajs),
-            "rollout/peak_context": _peak_context(trajs),
-            "rollout/action_tokens": int(scored.logp_old.numel()),
-            "rce/max_dlogp_vs_sampling": scored.sample_dlogp,
+            "rollout/episodes": int(n),
+            "rollout/reward_mean": r_sum / n,
+            "rollout/em_mean": em_sum / n,
+            "rollout/f1_mean": f1_sum / n,
+            "rollout/calls_mean": calls / n,
+            "rollout/peak_context": max_over_ranks(_peak_context(trajs), self.world_size, self.actor.device),
+            "rollout/action_tokens": int(n_act),
+            "train/context_copies": int(n_copies),
+            "rce/max_dlogp_vs_sampling": max_over_ranks(scored.sample_dlogp, self.world_size, self.actor.device),
             "train/kl_penalty_mean": float(scored.kl_penalty.mean()) if scored.kl_penalty.numel() else 0.0,
             "train/lr": self.actor.lr(),
             **{f"train/{k2}": v for k2, v in stats.items()},
@@ -193,6 +218,23 @@ class Trainer:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
+        if self.cfg.tensorboard:
+            tb = self._tb_writer()
+            for key, v in m.items():
+                if key != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    tb.add_scalar(key, v, global_step=int(m["step"]))
+            tb.flush()
+
+    def _tb_writer(self):
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("tensorboard=true needs the tensorboard package: "
+                                  "pip install 'memopd[plot]' (or pip install tensorboard)") from e
+            # purge_step: a resumed run replaces the events written after its checkpoint
+            self._tb = SummaryWriter(os.path.join(self.cfg.run_dir, "tb"), purge_step=self.step + 1)
+        return self._tb
 
     # ---- the run -------------------------------------------------------------------
     def fit(self, *, resume: bool = False, evaluate: Callable[[int], dict] | None = None,
@@ -203,6 +245,9 @@ class Trainer:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
         start = self.resume() if resume else 0
+        self.step = start
+        if cfg.tensorboard and self.rank == 0:
+            self._tb_writer()  # fail early if tensorboard is missing, before any step
         if not resume and self.rank == 0 and os.path.exists(self.metrics_path):
             os.remove(self.metrics_path)
         history = []
@@ -226,7 +271,14 @@ class Trainer:
                 bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m['train/kl_teacher']:.3f}")
         if bar is not None:
             bar.close()
+        if self._tb is not None:
+            self._tb.flush()
         return history
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
 
 def _zero_stage(ds) -> int:
@@ -278,9 +330,10 @@ def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -
     """The current actor as a normal HF checkpoint dir that `memopd eval` can load."""
     from memopd.env.sft import ENV_META_FILE
 
+    actor, _ = trainer.inference_modules()  # collective under ZeRO-3
     if trainer.rank != 0:
         return
-    lm = trainer.actor.unwrapped.lm
+    lm = actor.lm
     lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(student_dir, ENV_META_FILE)) as f:
@@ -320,6 +373,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         report["eval"] = final["results"]
         log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
         log(format_table(final))
+    trainer.close()
     report["wall_s"] = round(time.time() - t0, 1)
     report["cpu_s"] = round(time.process_time() - cpu0, 1)
     report["last_step"] = history[-1] if history else None

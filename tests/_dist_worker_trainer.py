@@ -1,0 +1,90 @@
+"""Helper for tests/test_trainer_dist.py: one trainer step (PPO + OPD) on a fixed batch.
+
+Run as ``python tests/_dist_worker_trainer.py OUT SCENARIO...`` (one process) or under
+``torchrun --standalone --nproc_per_node 2``. Every scenario builds the same tiny
+student, critic, reference and teacher, replaces the environment rollout by a fixed
+global batch of recorded trajectories (rank r takes every world_size-th one), runs one
+`Trainer.train_step` (scoring, GAE, global advantage whitening, 2 PPO epochs of one
+minibatch: two optimiser steps on each of actor and critic) and writes the full actor
+and critic weights from rank 0. The leading underscore keeps pytest from collecting it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import torch
+
+VOCAB = 96
+N_TRAJ = 8
+SCENARIOS = {
+    "plain": None,
+    "zero2": {"zero_optimization": {"stage": 2}},
+    "zero3": {"zero_optimization": {"stage": 3}},
+}
+
+
+def global_batch():
+    from memopd import random_trajectories
+
+    trajs = random_trajectories("summary", N_TRAJ, seed=11, group_size=2, vocab_size=VOCAB, calls=(2, 4))
+    rng = random.Random(5)
+    for tr in trajs:
+        tr.reward = rng.choice([0.0, 0.5, 1.0])
+    return trajs
+
+
+def make_models():
+    from memopd.models import tiny_causal_lm
+
+    student = tiny_causal_lm("qwen2", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                             num_kv_heads=2, initializer_range=0.2, seed=3)
+    teacher = tiny_causal_lm("llama", vocab_size=VOCAB, hidden_size=48, num_heads=4, num_kv_heads=4,
+                             initializer_range=0.2, seed=4)
+    return student, teacher
+
+
+def run_scenario(name: str, out: str, action_domain: str) -> None:
+    from memopd.trainer.config import TrainConfig
+    from memopd.trainer.loop import Trainer
+
+    ds = ""
+    if SCENARIOS[name] is not None:
+        ds = os.path.join(out, f"{name}.json")
+        with open(ds, "w") as f:
+            json.dump(SCENARIOS[name], f)
+    cfg = TrainConfig(arm="memopd", steps=1, ppo_epochs=2, minibatches=1, tasks_per_step=N_TRAJ, group_size=1,
+                      kl_coef=0.05, entropy_coef=0.01, warmup_steps=0, actor_lr=1e-2, critic_lr=1e-2,
+                      checkpoint_every=0, progress=False, deepspeed=ds, run_dir=os.path.join(out, name),
+                      action_domain=action_domain).validate()
+
+    class FixedBatch(Trainer):
+        def rollout(self, step, actor):
+            return global_batch()[self.rank::self.world_size], 2
+
+    student, teacher = make_models()
+    tr = FixedBatch(cfg, student_lm=student, teacher_lm=teacher, env=None, world=None, log=lambda *_: None)
+    metrics = tr.train_step(0)
+    actor, critic = tr.inference_modules()  # full weights on every rank, also under ZeRO-3
+    if tr.rank == 0:
+        torch.save({"actor": {k: v.detach().cpu() for k, v in actor.state_dict().items()},
+                    "critic": {k: v.detach().cpu() for k, v in critic.state_dict().items()},
+                    "metrics": metrics, "world_size": tr.world_size},
+                   os.path.join(out, f"{name}_{action_domain}.pt"))
+
+
+def main() -> None:
+    out, action_domain, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    from memopd.trainer.backend import init_distributed
+
+    init_distributed()
+    os.makedirs(out, exist_ok=True)
+    for name in names:
+        run_scenario(name, out, action_domain)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
