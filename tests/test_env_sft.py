@@ -52,6 +52,13 @@ def test_tiny_sft_cache_and_eval(tmp_path, capsys):
     assert sft_main(args) == 0  # cached: nothing retrained
     assert "skipping" in capsys.readouterr().out
     assert os.path.getmtime(out / "teacher" / "memopd_env.json") == mtime
+    # a cache trained with other settings is never reused silently
+    changed = [a if a != "2" or i == 0 or args[i - 1] != "--student-steps" else "3" for i, a in enumerate(args)]
+    assert sft_main(changed) == 0
+    said = capsys.readouterr().out
+    assert "student: checkpoint at" in said and "sft_config.steps 2 -> 3" in said and "retraining" in said
+    assert read_env_meta(out / "student")["sft"]["steps"] == 3
+    assert os.path.getmtime(out / "teacher" / "memopd_env.json") == mtime  # teacher unchanged: reused
 
     rep = tmp_path / "eval.json"
     assert eval_main(["--model", str(out / "student"), "--k", "2", "--n", "2", "--json", str(rep)]) == 0

@@ -330,6 +330,29 @@ def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, meta: dict[str
     os.replace(tmp, os.path.join(out_dir, ENV_META_FILE))
 
 
+# Bumped whenever a change of the data, tokenizer or training recipe makes older cached
+# checkpoints unlike what `run_sft` would train now (2: byte-level BPE tokenizer and the
+# copy warm-up).
+CHECKPOINT_VERSION = 2
+
+
+def _cache_mismatch(path: str, job: dict[str, Any]) -> list[str]:
+    """What differs between a cached checkpoint and the training job asked for ([] = reusable)."""
+    meta = read_env_meta(path)
+    diff = []
+    if meta.get("version") != CHECKPOINT_VERSION:
+        diff.append(f"checkpoint version {meta.get('version')} (current {CHECKPOINT_VERSION})")
+    for key, want in (("world", job["world"]), ("env", job["env"]), ("sft_config", job["sft"]),
+                      ("model_spec", job["spec"])):
+        have = meta.get(key, {})
+        for name in sorted(set(want) | set(have)):
+            if key == "sft_config" and name in ("threads",):
+                continue  # how it ran, not what it learned
+            if have.get(name) != want.get(name):
+                diff.append(f"{key}.{name} {have.get(name)!r} -> {want.get(name)!r}")
+    return diff
+
+
 def checkpoint_exists(path: str | os.PathLike) -> bool:
     path = os.fspath(path)
     return all(os.path.exists(os.path.join(path, f)) for f in ("config.json", "tokenizer.json", ENV_META_FILE))
@@ -388,7 +411,7 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     stats["data_cpu_s"] = round(time.process_time() - t0 - stats["cpu_s"], 2)
     meta = {
         "format": "memopd.env.checkpoint",
-        "version": 1,
+        "version": CHECKPOINT_VERSION,
         "role": role,
         "world": world_config.to_json(),
         "env": asdict(env_config),
@@ -435,21 +458,26 @@ def run_sft(
     EnvConfig(**asdict(env_config))  # validate before spawning anything
     summary: dict[str, Any] = {}
     todo = []
+    jobs_by_role = {
+        r: {"role": r, "out": os.path.join(out_dir, r), "world": world_config.to_json(), "env": asdict(env_config),
+            "sft": cfgs[r].to_json(), "spec": asdict(specs[r]), "progress": progress, "verbose": log is print}
+        for r in roles
+    }
     for r in roles:
         d = os.path.join(out_dir, r)
         if checkpoint_exists(d) and not force:
-            log(f"[memopd sft] {r}: checkpoint exists at {d}; skipping (use --force to retrain)")
-            summary[r] = {"path": d, "skipped": True, **read_env_meta(d).get("sft", {})}
-        else:
-            todo.append(r)
+            diff = _cache_mismatch(d, jobs_by_role[r])
+            if not diff:
+                log(f"[memopd sft] {r}: checkpoint exists at {d}; skipping (use --force to retrain)")
+                summary[r] = {"path": d, "skipped": True, **read_env_meta(d).get("sft", {})}
+                continue
+            # a stale cache would silently stand in for the model asked for
+            shown = "; ".join(diff[:4]) + (f"; +{len(diff) - 4} more" if len(diff) > 4 else "")
+            log(f"[memopd sft] {r}: checkpoint at {d} was trained with other settings ({shown}); retraining")
+        todo.append(r)
     if not todo:
         return summary
-    job_list = [
-        {"role": r, "out": os.path.join(out_dir, r), "world": world_config.to_json(), "env": asdict(env_config),
-         "sft": cfgs[r].to_json(), "spec": asdict(specs[r]), "progress": progress, "position": i,
-         "verbose": log is print}
-        for i, r in enumerate(todo)
-    ]
+    job_list = [{**jobs_by_role[r], "position": i} for i, r in enumerate(todo)]
     if jobs is None:
         jobs = min(len(todo), os.cpu_count() or 1)
     t0 = time.time()
