@@ -1,8 +1,17 @@
 """Python face of the C++ row planner (`memopd._C.plan_rows`).
 
 Assigns packable items (call segments or whole flattened trajectories) to rows under a
-token budget: first-fit decreasing with prefix affinity (see csrc/planner.cpp). Items
-of one prefix group pay that group's prefix once per row.
+token budget. Items of one prefix group pay that group's prefix once per row holding any
+of them, so the planner keeps each group in as few rows as it can (see csrc/planner.cpp):
+
+1. the items of each group, longest first, go first-fit into chunks of at most
+   `budget - prefix` tokens; a group whose prefix plus items fit one row is one chunk;
+2. the chunks (cost: prefix + items) and the ungrouped items go first-fit decreasing
+   into rows.
+
+Two chunks of one group never share a row, so a group's prefix is repeated exactly once
+per chunk. With no groups (the flatten layout) this is plain first-fit decreasing.
+Deterministic; O(n log n).
 """
 from __future__ import annotations
 
@@ -28,9 +37,13 @@ def plan_rows(
     group_cost: Sequence[int],
     budget: int,
 ) -> list[int]:
-    """Row index of each item. groups[i] = -1: no shared prefix; else its group id.
+    """Row index of each item (rows numbered 0.. in the order they were opened).
 
-    Raises ValueError if one item (plus its group's prefix) exceeds the budget.
+    groups[i] = -1: no shared prefix; else its group id, an index into group_cost (the
+    prefix length of that group). Raises ValueError if one item (plus its group's prefix)
+    exceeds the budget, if a length is not positive, if a group has no (or a negative)
+    group_cost entry, if the budget is not positive, or if lengths and groups differ
+    in size.
     """
     return list(_core().plan_rows(list(map(int, lengths)), list(map(int, groups)), list(map(int, group_cost)), int(budget)))
 
