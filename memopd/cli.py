@@ -158,6 +158,7 @@ _EXTERNAL: list[tuple[str, str, str, str]] = [
     ("eval", "memopd.env.cli", "eval_main", "EM/F1 of a checkpoint on held-out Q2/Q8/Q16 question sets"),
     ("train", "memopd.trainer.cli", "train_main", "the main job: PPO / persistent / MemOPD training run"),
     ("plot", "memopd.trainer.plot", "plot_main", "learning curves of a run directory to PNG"),
+    ("compare", "memopd.trainer.compare", "compare_main", "train several arms over seeds; EM/F1 table"),
 ]
 
 

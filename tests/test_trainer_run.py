@@ -103,6 +103,28 @@ def test_kill_and_resume_equals_uninterrupted(sft_dirs, tmp_path):
     assert lines_a == lines_b == [1, 2, 3, 4]
 
 
+def test_compare_arms_table(sft_dirs, tmp_path, capsys):
+    from memopd.trainer.compare import compare_main
+
+    out = tmp_path / "cmp"
+    common = [f"student={sft_dirs[0]}", f"teacher={sft_dirs[1]}", "steps=1", "tasks_per_step=2", "group_size=2",
+              "train_k=[1]", "eval_k=[1]", "eval_tasks=2", "ppo_epochs=1", "minibatches=1", "checkpoint_every=0"]
+    assert compare_main(["--arms", "ppo", "memopd:naive", "--seeds", "0", "--jobs", "2", "--out", str(out), *common]) == 0
+    res = json.loads((out / "compare.json").read_text())
+    assert [r["arm"] for r in res["rows"]] == ["sft student", "ppo", "memopd:naive"]
+    for r in res["rows"][1:]:
+        assert 0.0 <= r["eval"]["Q1"]["em_mean"] <= 1.0 and r["cpu_s"] > 0
+        cfg = json.loads(json.dumps(__import__("yaml").safe_load(open(os.path.join(r["run_dir"], "config.yaml")))))
+        assert cfg["arm"] == r["arm"].split(":")[0] and cfg["steps"] == 1
+    assert cfg["action_domain"] == "naive"
+    table = (out / "compare.md").read_text()
+    assert "| memopd:naive | 1 |" in table and "Q1 em_mean" in table and "Q1 f1_mean" in table
+    with pytest.raises(SystemExit):
+        compare_main(["--arms", "bogus", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        compare_main(["--out", str(out), "seed=3"])
+
+
 def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="arm must be one of"):
         TrainConfig.load(None, ["arm=nope"])

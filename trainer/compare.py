@@ -1,0 +1,122 @@
+"""`memopd compare`: train several arms from the same SFT student over several seeds and
+tabulate held-out EM/F1 per Qk (mean ± std over seeds) with CPU time.
+
+    memopd compare                                   # ppo, persistent, memopd, memopd:naive; seeds 0 1 2
+    memopd compare --arms ppo memopd --seeds 0 1 --jobs 2 steps=40 train_k=[2,8]
+
+An arm is `ARM` or `ARM:naive` (the action-domain ablation). Every run is a separate
+`memopd train` process (so `--jobs` runs use separate cores) writing
+OUT/<arm>/seed<S>/; the SFT student itself is evaluated once on the same held-out sets as
+the baseline row. Results: OUT/compare.json and a Markdown table OUT/compare.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .config import ARMS, ConfigError, TrainConfig
+
+__all__ = ["compare_main", "format_compare"]
+
+DEFAULT_ARMS = ("ppo", "persistent", "memopd", "memopd:naive")
+
+
+def _parse_arm(spec: str) -> tuple[str, str]:
+    arm, _, domain = spec.partition(":")
+    domain = domain or "exact"
+    if arm not in ARMS or domain not in ("exact", "naive"):
+        raise ConfigError(f"arm {spec!r}: expected ARM or ARM:naive with ARM one of {', '.join(ARMS)}")
+    return arm, domain
+
+
+def _run_one(spec: str, seed: int, out: str, overrides: list[str]) -> dict:
+    arm, domain = _parse_arm(spec)
+    run_dir = os.path.join(out, spec.replace(":", "-"), f"seed{seed}")
+    cmd = [sys.executable, "-m", "memopd.cli", "train", *overrides, f"arm={arm}", f"action_domain={domain}",
+           f"seed={seed}", f"run_dir={run_dir}", "progress=false"]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "train.log"), "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec} seed {seed} failed (rc={proc.returncode}); see {run_dir}/train.log")
+    with open(os.path.join(run_dir, "report.json")) as f:
+        rep = json.load(f)
+    return {"arm": spec, "seed": seed, "eval": rep["eval"], "cpu_s": rep["cpu_s"], "wall_s": rep["wall_s"],
+            "run_dir": run_dir}
+
+
+def _mean_std(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return f"{xs[0]:.3f}"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
+
+
+def format_compare(rows: list[dict], ks: list[int], metric: str = "em_mean") -> str:
+    """Markdown table: one line per arm, mean ± std over seeds of `metric` per Qk."""
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    head = "| arm | seeds | " + " | ".join(f"Q{k} {metric}" for k in ks) + " | CPU s / run |"
+    lines = [head, "|" + "---|" * (len(ks) + 3)]
+    for arm in arms:
+        rs = [r for r in rows if r["arm"] == arm]
+        cells = [_mean_std([r["eval"][f"Q{k}"][metric] for r in rs]) for k in ks]
+        cpu = [r["cpu_s"] for r in rs if r.get("cpu_s") is not None]
+        lines.append(f"| {arm} | {len(rs)} | " + " | ".join(cells) + f" | {statistics.mean(cpu):.0f} |"
+                     if cpu else f"| {arm} | {len(rs)} | " + " | ".join(cells) + " | - |")
+    return "\n".join(lines)
+
+
+def compare_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memopd compare", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help="ARM or ARM:naive (default: %(default)s)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at the same time")
+    p.add_argument("--out", default="runs/compare")
+    p.add_argument("overrides", nargs="*", help="key=value overrides passed to every `memopd train`")
+    args = p.parse_args(argv)
+    try:
+        for spec in args.arms:
+            _parse_arm(spec)
+        bad = [o for o in args.overrides if o.split("=", 1)[0].strip() in ("arm", "seed", "run_dir", "action_domain")]
+        if bad:
+            raise ConfigError(f"{bad}: set by `memopd compare` itself (use --arms / --seeds / --out)")
+        cfg = TrainConfig.load(None, args.overrides)
+    except ConfigError as e:
+        p.error(str(e))
+    from memopd.env.evaluate import evaluate as evaluate_dir
+
+    from .loop import prepare
+
+    t0 = time.time()
+    # build (or check) the SFT cache once, before parallel runs would race for it
+    _, _, _, _, _, student_dir, _ = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate())
+    os.makedirs(args.out, exist_ok=True)
+    print(f"[memopd compare] baseline: SFT student {student_dir}", flush=True)
+    base = evaluate_dir(student_dir, ks=cfg.eval_k, n=cfg.eval_tasks)
+    rows = [{"arm": "sft student", "seed": None, "eval": base["results"], "cpu_s": None, "wall_s": None}]
+    todo = [(a, s) for a in args.arms for s in args.seeds]
+    print(f"[memopd compare] {len(todo)} runs, {args.jobs} at a time, under {args.out}", flush=True)
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
+        futures = [ex.submit(_run_one, a, s, args.out, args.overrides) for a, s in todo]
+        for (a, s), fut in zip(todo, futures):
+            r = fut.result()
+            q = ", ".join(f"Q{k} {r['eval'][f'Q{k}']['em_mean']:.3f}" for k in cfg.eval_k)
+            print(f"[memopd compare] {a} seed {s}: EM {q} ({r['cpu_s']:.0f} s CPU)", flush=True)
+            rows.append(r)
+    table = "\n\n".join(format_compare(rows, cfg.eval_k, m) for m in ("em_mean", "f1_mean"))
+    with open(os.path.join(args.out, "compare.json"), "w") as f:
+        json.dump({"overrides": args.overrides, "config": cfg.to_dict(), "rows": rows,
+                   "wall_s": round(time.time() - t0, 1)}, f, indent=2)
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    print(f"[memopd compare] {time.time() - t0:.0f} s wall; results in {os.path.abspath(args.out)}")
+    return 0
