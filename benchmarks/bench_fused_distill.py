@@ -1,4 +1,5 @@
-"""Benchmark: fused linear reverse-KL + log-prob + entropy vs the naive materialising op.
+"""Benchmark: fused linear reverse-KL + log-prob + entropy vs the naive materialising op,
+and the teacher-less fused log-prob + entropy vs naive log_softmax + gather + entropy.
 
 Run: `pytest benchmarks/bench_fused_distill.py --benchmark-only` (add `-s` to also see
 the per-case lines; the summary table is written to the terminal either way).
@@ -17,11 +18,21 @@ What is measured (forward + backward of the actor-style loss
     gradients included (plus whatever the allocator keeps mapped), not an estimate.
     Where clear_refs is unavailable it falls back to ru_maxrss (then the input
     construction peak is a lower bound of the reported number; flagged in the table).
+* Teacher-less (`fused_linear_logprob_entropy` vs `reference_linear_logprob_entropy`,
+  i.e. fp32 [N, V] logits -> log_softmax -> gather + entropy), CPU, fp32, N=1024,
+  H=512, V=32000, same time / peak-memory method, two modes:
+  - `lpe-train-*`: forward + backward of a PPO-style `-Σ adv·logprobs - 0.01·Σ entropy`
+    (gradients to hidden and weight);
+  - `lpe-score-*`: forward only under `torch.no_grad()` (rollout scoring).
+  In train mode a third variant, `kl_self`, is the workaround this op replaces: the
+  detached student passed as the "teacher" of `fused_linear_reverse_kl`.
+  The whole `-k lpe` selection runs in well under a minute on 2 CPU cores.
 * GPU (skipped without CUDA): bf16 at Qwen2.5-3B / 7B lm_head shapes (H = 2048 / 3584,
   V = 151936), N = 4096: ours, the naive op, and Liger's `LigerFusedLinearJSD`
   with jsd_beta=1 (= reverse KL; imported lazily, skipped if absent). Memory is
   `torch.cuda.max_memory_allocated` above the inputs; only the divergence is
-  backpropagated there, since Liger computes nothing else.
+  backpropagated there, since Liger computes nothing else. Teacher-less at the 7B
+  shape (bf16, N=4096): the fused op vs the naive one, train and score modes.
 
 Every figure goes into `benchmark.extra_info`; a table with the memory ratio
 (naive / fused) and the time ratio (fused / naive) is printed at the end.
@@ -38,7 +49,13 @@ import time
 import pytest
 import torch
 
-from memopd.ops import fused_linear_distill, reference_linear_distill
+from memopd.ops import (
+    fused_linear_distill,
+    fused_linear_logprob_entropy,
+    fused_linear_reverse_kl,
+    reference_linear_distill,
+    reference_linear_logprob_entropy,
+)
 
 ROUNDS = int(os.environ.get("MEMOPD_BENCH_ROUNDS", "1"))
 CPU_CASES = {
@@ -51,6 +68,25 @@ GPU_CASES = {
     "3b-student-7b-teacher": dict(N=4096, Hs=2048, Ht=3584, V=151936),
 }
 IMPLS = {"fused": fused_linear_distill, "naive": reference_linear_distill}
+# teacher-less: case -> shape and mode ("train": fwd+bwd, "score": forward under no_grad)
+LPE_CPU_CASES = {
+    "lpe-train-N1024-H512-V32000": dict(N=1024, H=512, V=32000, mode="train"),
+    "lpe-score-N1024-H512-V32000": dict(N=1024, H=512, V=32000, mode="score"),
+}
+LPE_GPU_CASES = {
+    "lpe-train-qwen2.5-7b": dict(N=4096, H=3584, V=151936, mode="train"),
+    "lpe-score-qwen2.5-7b": dict(N=4096, H=3584, V=151936, mode="score"),
+}
+
+
+def _kl_self(h, w, y, mask):
+    """The workaround the teacher-less op replaces: a detached copy of the student as the
+    'teacher' of fused_linear_reverse_kl (twice the lm_head matmuls in the forward)."""
+    return fused_linear_reverse_kl(h, w, h.detach(), w.detach(), y, mask=mask)
+
+
+LPE_IMPLS = {"fused": fused_linear_logprob_entropy, "naive": reference_linear_logprob_entropy,
+             "kl_self": _kl_self}
 RESULTS: dict = {}
 
 
@@ -71,6 +107,26 @@ def actor_step(impl, hs, ws, ht, wt, y, mask):
     return torch.autograd.grad(loss, [hs, ws])
 
 
+def make_lpe_inputs(N, H, V, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(N, H, generator=g, device=device, dtype=dtype).requires_grad_()
+    w = torch.randn(V, H, generator=g, device=device, dtype=dtype).mul_(H ** -0.5).requires_grad_()
+    y = torch.randint(0, V, (N,), generator=g, device=device)
+    adv = torch.randn(N, generator=g, device=device)
+    mask = torch.ones(N, dtype=torch.bool, device=device)
+    return h, w, y, adv, mask
+
+
+def lpe_step(impl, mode, h, w, y, adv, mask):
+    """One PPO-style actor step (mode="train") or one no-grad scoring pass ("score")."""
+    if mode == "score":
+        with torch.no_grad():
+            return LPE_IMPLS[impl](h, w, y, mask=mask)
+    out = LPE_IMPLS[impl](h, w, y, mask=mask)
+    loss = -(adv * out.logprobs).sum() - 0.01 * out.entropy.sum()
+    return torch.autograd.grad(loss, [h, w])
+
+
 # ----------------------------------------------------------------------------------
 # peak resident memory of one forward+backward, in a fresh process
 # ----------------------------------------------------------------------------------
@@ -82,14 +138,22 @@ def _status_kb(field):
     return None
 
 
-def _warm_up(impl, device="cpu", dtype=torch.float32):
+def _warm_up(impl, device="cpu", dtype=torch.float32, mode=None):
     # first-call costs (lazy imports, op registration, thread pools) are not the op's
-    actor_step(impl, *make_inputs(8, 16, 16, 64, device=device, dtype=dtype))
+    if mode is None:
+        actor_step(impl, *make_inputs(8, 16, 16, 64, device=device, dtype=dtype))
+    else:
+        lpe_step(impl, mode, *make_lpe_inputs(8, 16, 64, device=device, dtype=dtype))
 
 
-def _measure(impl, N, Hs, Ht, V):
-    _warm_up(impl)
-    inputs = make_inputs(N, Hs, Ht, V)
+def _measure(impl, N, Hs, Ht, V, mode=None):
+    """Peak RSS of one step above its inputs. mode=None: distillation actor step (Ht
+    used); mode="train"/"score": teacher-less step with hidden size Hs."""
+    _warm_up(impl, mode=mode)
+    if mode is None:
+        inputs, step = make_inputs(N, Hs, Ht, V), actor_step
+    else:
+        inputs, step = make_lpe_inputs(N, Hs, V), (lambda impl_, *a: lpe_step(impl_, mode, *a))
     exact = True
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -98,7 +162,7 @@ def _measure(impl, N, Hs, Ht, V):
         exact = False
     base_kb = _status_kb("VmRSS")
     t0 = time.perf_counter()
-    grads = actor_step(impl, *inputs)
+    grads = step(impl, *inputs)
     dt = time.perf_counter() - t0
     peak_kb = _status_kb("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     del grads
@@ -106,8 +170,14 @@ def _measure(impl, N, Hs, Ht, V):
 
 
 def measure_in_subprocess(impl, case):
-    c = CPU_CASES[case]
+    if case in LPE_CPU_CASES:
+        c = LPE_CPU_CASES[case]
+        c = dict(N=c["N"], Hs=c["H"], Ht=c["H"], V=c["V"], mode=c["mode"])
+    else:
+        c = CPU_CASES[case]
     cmd = [sys.executable, __file__, "--measure", impl, str(c["N"]), str(c["Hs"]), str(c["Ht"]), str(c["V"])]
+    if c.get("mode"):
+        cmd.append(c["mode"])
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise RuntimeError(f"memory probe failed:\n{res.stderr[-3000:]}")
@@ -122,11 +192,11 @@ def _summary(request):
     yield
     if not RESULTS:
         return
-    lines = ["", "fused linear distillation: forward+backward, fused vs naive",
-             f"{'case':<24}{'impl':<8}{'time s':>9}{'peak MiB':>11}{'mem ratio':>11}{'time ratio':>12}"]
+    lines = ["", "fused linear distillation (lpe-*: teacher-less log-prob + entropy), fused vs naive",
+             f"{'case':<30}{'impl':<12}{'time s':>9}{'peak MiB':>11}{'mem ratio':>11}{'time ratio':>12}"]
     for case in sorted({k[0] for k in RESULTS}):
         naive = RESULTS.get((case, "naive"))
-        for impl in ("naive", "fused", "liger", "fused_actor"):
+        for impl in ("naive", "fused", "liger", "fused_actor", "kl_self"):
             r = RESULTS.get((case, impl))
             if r is None:
                 continue
@@ -135,7 +205,7 @@ def _summary(request):
                 mr = f"{naive['peak_bytes'] / max(r['peak_bytes'], 1):.1f}x"
                 tr = f"{r['seconds'] / naive['seconds']:.2f}x"
             flag = "" if r.get("exact", True) else " (ru_maxrss)"
-            lines.append(f"{case:<24}{impl:<8}{r['seconds']:>9.3f}{r['peak_bytes'] / 2**20:>11.1f}"
+            lines.append(f"{case:<30}{impl:<12}{r['seconds']:>9.3f}{r['peak_bytes'] / 2**20:>11.1f}"
                          f"{mr:>11}{tr:>12}{flag}")
     lines.append("mem ratio = naive peak / this peak; time ratio = this time / naive time")
     text = "\n".join(lines)
@@ -176,6 +246,22 @@ def test_cpu_forward_backward(benchmark, case, impl):
     inputs = make_inputs(**CPU_CASES[case])
     benchmark.group = f"cpu {case}"
     benchmark.pedantic(actor_step, args=(impl, *inputs), rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    _record(benchmark, case, impl, mem)
+
+
+@pytest.mark.parametrize("impl", ["naive", "fused", "kl_self"])
+@pytest.mark.parametrize("case", list(LPE_CPU_CASES))
+def test_cpu_lpe(benchmark, case, impl):
+    """Teacher-less: naive log_softmax + gather + entropy vs fused_linear_logprob_entropy."""
+    c = LPE_CPU_CASES[case]
+    if impl == "kl_self" and c["mode"] != "train":
+        pytest.skip("kl_self is only measured in train mode (keeps the CPU run under a minute)")
+    mem = measure_in_subprocess(impl, case)
+    _warm_up(impl, mode=c["mode"])
+    inputs = make_lpe_inputs(c["N"], c["H"], c["V"])
+    benchmark.group = f"cpu {case}"
+    benchmark.pedantic(lpe_step, args=(impl, c["mode"], *inputs), rounds=ROUNDS, iterations=1,
+                       warmup_rounds=0)
     _record(benchmark, case, impl, mem)
 
 
@@ -243,6 +329,40 @@ def test_gpu_forward_backward(benchmark, case, impl):
     _record(benchmark, case, impl, dict(peak_bytes=peak, how="torch.cuda.max_memory_allocated above inputs"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU benchmark: needs a CUDA device")
+@pytest.mark.parametrize("impl", ["naive", "fused"])
+@pytest.mark.parametrize("case", list(LPE_GPU_CASES))
+def test_gpu_lpe(benchmark, case, impl):
+    c = LPE_GPU_CASES[case]
+    inputs = make_lpe_inputs(c["N"], c["H"], c["V"], device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return lpe_step(impl, c["mode"], *inputs)
+
+    torch.cuda.synchronize()
+    try:
+        step()  # warm-up: Triton autotuning / compilation
+    except torch.cuda.OutOfMemoryError:
+        pytest.skip(f"{impl} runs out of memory at {case}")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+
+    def timed():
+        step()
+        torch.cuda.synchronize()
+
+    benchmark.group = f"gpu {case}"
+    benchmark.pedantic(timed, rounds=max(ROUNDS, 5), iterations=1, warmup_rounds=1)
+    _record(benchmark, case, impl, dict(peak_bytes=peak, how="torch.cuda.max_memory_allocated above inputs"))
+
+
 if __name__ == "__main__" and len(sys.argv) >= 7 and sys.argv[1] == "--measure":
     impl_, N_, Hs_, Ht_, V_ = sys.argv[2], *map(int, sys.argv[3:7])
-    print(json.dumps(_measure(impl_, N_, Hs_, Ht_, V_)))
+    mode_ = sys.argv[7] if len(sys.argv) >= 8 else None
+    print(json.dumps(_measure(impl_, N_, Hs_, Ht_, V_, mode_)))

@@ -1,4 +1,5 @@
-"""Triton kernels of the fused linear distillation op (reverse KL / forward KL / JSD).
+"""Triton kernels of the fused linear distillation op (reverse KL / forward KL / JSD)
+and of its teacher-less mode (student log-prob + entropy).
 
 The public, validated, dispatching wrapper is `memopd.ops.fused_distill`; this module
 only holds the kernels and thin launchers that assume validated, contiguous inputs.
@@ -40,6 +41,13 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   hidden size is small (like flash-attention's head dim); with H = 2048..4096 the
   dH / dW accumulators do not fit, and re-reading them from global memory once per
   vocabulary tile costs far more than one bf16 scratch write, hence the scratch.
+* Teacher-less mode (`memopd.ops.fused_linear_logprob_entropy`: student log-prob and
+  entropy only, like verl's fused linear-for-PPO): the launchers take `ht = wt = bt =
+  None` and pass dummy pointers; the forward kernel's HAS_TEACHER=False constexpr
+  compiles out the teacher tile matmul, its online statistics and the joint-max sums
+  (one [BLOCK_N, BLOCK_V] tile live instead of two, hence larger tiles in its
+  autotune list), and the backward runs with HAS_GDIV=False, which already compiles
+  out the teacher tile of `_distill_dlogits_kernel`.
 
 Written for H100/H200: bf16 (or fp16) tiles into `tl.dot`, fp32 accumulation,
 BLOCK sizes 64..128, `@triton.autotune` only when a real GPU driver is present. fp32
@@ -163,7 +171,7 @@ def _distill_fwd_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr, order_ptr, count_ptr, part_ptr,
     N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, DIV: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr,
+    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr, HAS_TEACHER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Online statistics of one token block over one vocabulary split.
@@ -171,6 +179,10 @@ def _distill_fwd_kernel(
     Grid (token blocks, splits): splitting the vocabulary keeps every SM busy when N is
     small (N = 4096 gives only 64 token blocks of 64); the per-split partial statistics
     are merged afterwards (log-sum-exp style, on the device).
+
+    HAS_TEACHER=False is the teacher-less op (log-prob + entropy only): the teacher
+    tile, its statistics and the joint-max sums are compiled out, the teacher pointers
+    are unused dummies, and only rows m_s, z_s, a_s, s_y of `part` are written.
     """
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -219,36 +231,37 @@ def _distill_fwd_kernel(
         a_s = alpha_s * (a_s + (m_s - m_s_new) * z_s) + tl.sum(es * tl.where(valid, sc, 0.0), axis=1)
         z_s = alpha_s * z_s + tl.sum(es, axis=1)
 
-        t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
-                         stride_wt, kt_end, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
-        t = tl.where(valid, t * inv_temp, _NEG)
-        m_t_new = tl.maximum(m_t, tl.max(t, axis=1))
-        alpha_t = tl.exp(m_t - m_t_new)
-        tc = t - m_t_new[:, None]
-        et = tl.exp(tc)
-        z_t = alpha_t * z_t + tl.sum(et, axis=1)
+        if HAS_TEACHER:
+            t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
+                             stride_wt, kt_end, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
+            t = tl.where(valid, t * inv_temp, _NEG)
+            m_t_new = tl.maximum(m_t, tl.max(t, axis=1))
+            alpha_t = tl.exp(m_t - m_t_new)
+            tc = t - m_t_new[:, None]
+            et = tl.exp(tc)
+            z_t = alpha_t * z_t + tl.sum(et, axis=1)
 
-        # d = s - t from the shifted tiles (0 on padded columns)
-        d = tl.where(valid, (sc - tc) + (m_s_new - m_t_new)[:, None], 0.0)
-        es = tl.exp(sc)  # recomputed rather than kept live across the teacher dot
-        if DIV == 1:
-            e_d = alpha_t * e_d + tl.sum(et * d, axis=1)
-        else:
-            e_d = alpha_s * e_d + tl.sum(es * d, axis=1)
+            # d = s - t from the shifted tiles (0 on padded columns)
+            d = tl.where(valid, (sc - tc) + (m_s_new - m_t_new)[:, None], 0.0)
+            es = tl.exp(sc)  # recomputed rather than kept live across the teacher dot
+            if DIV == 1:
+                e_d = alpha_t * e_d + tl.sum(et * d, axis=1)
+            else:
+                e_d = alpha_s * e_d + tl.sum(es * d, axis=1)
 
-        # joint-max difference of the two normalisers, precise where d is small
-        m_j_new = tl.maximum(m_s_new, m_t_new)
-        r_j = tl.exp(m_j - m_j_new)
-        eS = es * tl.exp(m_s_new - m_j_new)[:, None]
-        eT = et * tl.exp(m_t_new - m_j_new)[:, None]
-        small = tl.abs(d) < 0.5
-        g = tl.where(small, eT * _expm1_small(tl.where(small, d, 0.0)), eS - eT)
-        zt_j = r_j * zt_j + tl.sum(eT, axis=1)
-        dz_j = r_j * dz_j + tl.sum(g, axis=1)
+            # joint-max difference of the two normalisers, precise where d is small
+            m_j_new = tl.maximum(m_s_new, m_t_new)
+            r_j = tl.exp(m_j - m_j_new)
+            eS = es * tl.exp(m_s_new - m_j_new)[:, None]
+            eT = et * tl.exp(m_t_new - m_j_new)[:, None]
+            small = tl.abs(d) < 0.5
+            g = tl.where(small, eT * _expm1_small(tl.where(small, d, 0.0)), eS - eT)
+            zt_j = r_j * zt_j + tl.sum(eT, axis=1)
+            dz_j = r_j * dz_j + tl.sum(g, axis=1)
+            m_t = m_t_new
+            m_j = m_j_new
 
         m_s = m_s_new
-        m_t = m_t_new
-        m_j = m_j_new
 
     # part[stat, split, row]
     base = part_ptr + pid_s * N + rows64
@@ -256,12 +269,13 @@ def _distill_fwd_kernel(
     tl.store(base + 0 * step, m_s, mask=in_range)
     tl.store(base + 1 * step, z_s, mask=in_range)
     tl.store(base + 2 * step, a_s, mask=in_range)
-    tl.store(base + 3 * step, m_t, mask=in_range)
-    tl.store(base + 4 * step, z_t, mask=in_range)
-    tl.store(base + 5 * step, e_d, mask=in_range)
-    tl.store(base + 6 * step, m_j, mask=in_range)
-    tl.store(base + 7 * step, zt_j, mask=in_range)
-    tl.store(base + 8 * step, dz_j, mask=in_range)
+    if HAS_TEACHER:
+        tl.store(base + 3 * step, m_t, mask=in_range)
+        tl.store(base + 4 * step, z_t, mask=in_range)
+        tl.store(base + 5 * step, e_d, mask=in_range)
+        tl.store(base + 6 * step, m_j, mask=in_range)
+        tl.store(base + 7 * step, zt_j, mask=in_range)
+        tl.store(base + 8 * step, dz_j, mask=in_range)
     tl.store(base + 9 * step, s_y, mask=in_range)
 
 
@@ -499,11 +513,20 @@ _FP32_CONFIGS = [
     _cfg(64, 64, 32, 8, 2),
     _cfg(32, 64, 32, 4, 2),
 ]
+# The teacher-less forward (HAS_TEACHER=False) keeps one tile live: with the ptxas of
+# CUDA 13.4 (Triton 3.9's ptxas-blackwell) for sm_90a, 64x64 needs 92 registers and
+# 128x128 (3 or 4 stages) fits in 255 without spilling, so the larger tiles are offered.
+_LPE16_FWD_CONFIGS = _KL16_CONFIGS + [
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 4),
+]
 
 
-def _configs(kind: str, divergence: int, fp32: bool):
+def _configs(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
     if fp32:
         return _FP32_CONFIGS
+    if kind == "fwd" and not has_teacher:
+        return _LPE16_FWD_CONFIGS
     if kind == "fwd":  # the forward kernel is the same for every divergence
         return _KL16_CONFIGS
     if divergence == JSD:  # the JSD pass and the JSD dlogits
@@ -521,21 +544,21 @@ _GEMM_INTERP = dict(BLOCK_M=32, BLOCK_H=32, BLOCK_K=32)
 _LOSS_INTERP = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=32)
 
 _KERNELS = {"fwd": _distill_fwd_kernel, "jsd": _jsd_pass_kernel, "dlogits": _distill_dlogits_kernel}
-_KEYS = {"fwd": ["Hs", "Ht", "V", "DIV"],
+_KEYS = {"fwd": ["Hs", "Ht", "V", "DIV", "HAS_TEACHER"],
          "jsd": ["Hs", "Ht", "V"],
          "dlogits": ["Hs", "Ht", "V", "DIV", "HAS_GDIV", "HAS_GLP", "HAS_GENT"]}
 _TUNERS = {}
 
 
-def _launcher(kind: str, divergence: int, fp32: bool):
+def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
     """(kernel or autotuner, explicit meta-parameters) for one kernel variant."""
     if INTERPRET:
         return _KERNELS[kind], dict(_LOSS_INTERP)
-    cfgs = _configs(kind, divergence, fp32)
+    cfgs = _configs(kind, divergence, fp32, has_teacher)
     if not AUTOTUNE:
         c = cfgs[0]
         return _KERNELS[kind], dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-    name = (kind, divergence, fp32)
+    name = (kind, divergence, fp32, has_teacher)
     if name not in _TUNERS:
         _TUNERS[name] = triton.autotune(cfgs, key=_KEYS[kind])(_KERNELS[kind])
     return _TUNERS[name], {}
@@ -585,11 +608,19 @@ def _split_plan(N: int, V: int, device):
     return triton.cdiv(V, per), per
 
 
-def merge_partials(part: torch.Tensor, divergence: int):
-    """Merge [NUM_PART, splits, N] partial statistics into [NUM_PART, N] (device ops only)."""
+def merge_partials(part: torch.Tensor, divergence: int, has_teacher: bool = True):
+    """Merge [NUM_PART, splits, N] partial statistics into [NUM_PART, N] (device ops only).
+
+    has_teacher=False: only the student rows (m_s, z_s, a_s, s_y) were written by the
+    kernel; the teacher rows of the result are zeros.
+    """
     m_s, z_s, a_s, m_t, z_t, e_d, m_j, zt_j, dz_j, s_y = part.unbind(0)
     M_s = m_s.amax(0)
     w_s = torch.exp(m_s - M_s)
+    if not has_teacher:
+        zero = torch.zeros_like(M_s)
+        return torch.stack([M_s, (w_s * z_s).sum(0), (w_s * (a_s + (m_s - M_s) * z_s)).sum(0),
+                            zero, zero, zero, zero, zero, zero, s_y.sum(0)])
     M_t = m_t.amax(0)
     w_t = torch.exp(m_t - M_t)
     M_j = m_j.amax(0)
@@ -602,6 +633,10 @@ def merge_partials(part: torch.Tensor, divergence: int):
 
 
 def _common(hs, ws, bs, ht, wt, bt):
+    # absent tensors (bias, or the whole teacher of the teacher-less op) are replaced by
+    # dummy pointers that the kernels never dereference (HAS_* constexprs)
+    if ht is None:
+        ht, wt = hs, ws
     return (hs, ws, bs if bs is not None else ws, ht, wt, bt if bt is not None else wt)
 
 
@@ -609,8 +644,11 @@ def distill_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_si
     """Launch the fused forward. Returns the merged online statistics [NUM_PART, N] fp32.
 
     The per-token outputs are finalised from these by `memopd.ops.fused_distill` (the same
-    code as its PyTorch path); the JSD then needs `jsd_second_pass`.
+    code as its PyTorch path); the JSD then needs `jsd_second_pass`. `ht is None`
+    (then wt, bt are None too) runs the teacher-less kernel: only rows m_s, z_s, a_s
+    and s_y of the result are meaningful.
     """
+    has_teacher = ht is not None
     N = hs.shape[0]
     dev = hs.device
     if N == 0:
@@ -618,18 +656,20 @@ def distill_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_si
     order, count = _compaction(keep)
     splits, per = _split_plan(N, vocab_size, dev)
     part = torch.empty((NUM_PART, splits, N), device=dev, dtype=torch.float32)
-    fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
-    launch, meta = _launcher("fwd", divergence, fp32)
+    args = _common(hs, ws, bs, ht, wt, bt)
+    ht_, wt_ = args[3], args[4]
+    fp32 = hs.dtype == torch.float32 or ht_.dtype == torch.float32
+    launch, meta = _launcher("fwd", divergence, fp32, has_teacher)
     grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
     launch[grid](
-        *_common(hs, ws, bs, ht, wt, bt), targets, order, count, part,
-        N, hs.shape[1], ht.shape[1], vocab_size, per,
-        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / temperature,
+        *args, targets, order, count, part,
+        N, hs.shape[1], ht_.shape[1], vocab_size, per,
+        hs.stride(0), ws.stride(0), ht_.stride(0), wt_.stride(0), 1.0 / temperature,
         HAS_BS=bs is not None, HAS_BT=bt is not None, DIV=divergence,
-        UPCAST=_upcast(hs.dtype, ht.dtype), IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht.dtype),
-        **meta,
+        UPCAST=_upcast(hs.dtype, ht_.dtype), IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht_.dtype),
+        HAS_TEACHER=has_teacher, **meta,
     )
-    return part[:, 0] if splits == 1 else merge_partials(part, divergence)
+    return part[:, 0] if splits == 1 else merge_partials(part, divergence, has_teacher)
 
 
 def jsd_second_pass(hs, ws, bs, ht, wt, bt, keep, stats, temperature, vocab_size, beta):
@@ -670,7 +710,14 @@ def default_token_chunk(n_tokens: int, vocab_size: int, elem_bytes: int) -> int:
 def distill_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, stats,
                      temperature, vocab_size, divergence, beta, need_dh, need_dw, need_db,
                      token_chunk=0):
-    """Launch the backward. Returns (dh, dw, db); entries not needed are None."""
+    """Launch the backward. Returns (dh, dw, db); entries not needed are None.
+
+    Teacher-less op: `ht`, `wt`, `bt` and `g_div` are None (the teacher tile of the
+    dlogits kernel is compiled out by HAS_GDIV=False).
+    """
+    if ht is None:
+        assert g_div is None, "the teacher-less op has no divergence gradient"
+        ht, wt = hs, ws  # dummies, never read
     N, Hs = hs.shape
     V_full = ws.shape[0]
     dev = hs.device

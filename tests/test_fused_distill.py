@@ -1,4 +1,5 @@
-"""Fused linear reverse-KL / forward-KL / JSD + log-prob + entropy: the PyTorch path.
+"""Fused linear reverse-KL / forward-KL / JSD + log-prob + entropy, and the teacher-less
+log-prob + entropy op (`fused_linear_logprob_entropy`): the PyTorch path.
 
 Every test draws fresh random inputs from a seed that is printed and put into the
 assertion messages (replay with MEMOPD_TEST_SEED=<seed>). Values and gradients are
@@ -8,8 +9,10 @@ in tests/test_fused_distill_triton.py.
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
+import weakref
 
 import pytest
 import torch
@@ -17,9 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopd.ops import (
     DistillOutput,
+    LogProbEntropy,
     fused_linear_distill,
+    fused_linear_logprob_entropy,
     fused_linear_reverse_kl,
     reference_linear_distill,
+    reference_linear_logprob_entropy,
     reference_linear_reverse_kl,
 )
 
@@ -350,18 +356,51 @@ def test_deterministic(seed):
 # ----------------------------------------------------------------------------------
 # memory: no [N, V] tensor is ever created
 # ----------------------------------------------------------------------------------
-class _LargestTensor(TorchDispatchMode):
+class _SeesInsideOurOps(TorchDispatchMode):
+    """A dispatch mode that also sees the aten ops *inside* the memopd custom ops.
+
+    A mode handling an op is popped while the op runs, so `func(*args)` on
+    `memopd::fused_distill_fwd` would hide every chunk it allocates: run the op's
+    Python body instead, with this mode pushed again.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.inner_ops = 0  # aten ops seen inside memopd custom ops (probe sanity)
+        self._depth = 0
+
+    def record(self, func, out):
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "memopd":
+            from torch._library import custom_ops
+
+            body = custom_ops.OPDEFS[func.name()]._init_fn
+            self._depth += 1
+            try:
+                with self:
+                    out = body(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        else:
+            out = func(*args, **kwargs)
+            self.inner_ops += self._depth > 0
+        self.record(func, out)
+        return out
+
+
+class _LargestTensor(_SeesInsideOurOps):
     def __init__(self):
         super().__init__()
         self.largest = 0
         self.op = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def record(self, func, out):
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.numel() > self.largest:
                 self.largest, self.op = t.numel(), str(func)
-        return out
 
 
 def test_never_materialises_tokens_by_vocab(seed):
@@ -370,6 +409,7 @@ def test_never_materialises_tokens_by_vocab(seed):
     w = {"loss": 1.0, "logprobs": rand_w(seed, N), "entropy": rand_w(seed + 1, N)}
     with _LargestTensor() as mode:
         run(fused_linear_distill, inp, w, chunk_size=256, token_chunk_size=64)
+    assert mode.inner_ops > 100  # the probe sees the chunks inside the custom ops
     # the biggest legit tensors are the [V, H] weight gradient and [64, 256] chunks
     assert mode.largest <= max(V * H, 64 * 256), (mode.largest, mode.op)
     assert mode.largest < N * V // 8
@@ -469,3 +509,248 @@ def test_repartitioned_weight_is_detected(seed):
     lin.weight.data = torch.empty(0)  # what re-partitioning does to the parameter
     with pytest.raises(RuntimeError, match="re-partitioned"):
         out.loss.backward()
+
+
+# ----------------------------------------------------------------------------------
+# teacher-less mode: fused_linear_logprob_entropy
+# ----------------------------------------------------------------------------------
+def run_lpe(fn, inp, weights=None, **kw):
+    """fused/reference_linear_logprob_entropy on the student of `inp`; (outputs, grads)."""
+    out = fn(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
+    if weights is None:
+        return out, None
+    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
+    total = sum((getattr(out, k) * w.to(getattr(out, k).dtype)).sum() for k, w in weights.items())
+    g = torch.autograd.grad(total, params, allow_unused=True)
+    return out, [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
+
+
+def compare_lpe(seed, inp, weights, kw, val_tol=(2e-5, 2e-5), grad_tol=(2e-5, 1e-4), fused_kw=None):
+    out, g = run_lpe(fused_linear_logprob_entropy, inp, weights, **kw, **(fused_kw or {}))
+    ref, gr = run_lpe(reference_linear_logprob_entropy, as64(inp), weights, **kw)
+    assert isinstance(out, LogProbEntropy)
+    for name in ("logprobs", "entropy"):
+        assert_close(getattr(out, name), getattr(ref, name), *val_tol, name, seed)
+    for name, a, b in zip(("d_hidden", "d_weight", "d_bias"), g, gr):
+        assert_close(a, b, grad_tol[0] * (b.abs().max().item() + 1e-12), grad_tol[1], name, seed)
+    return out, g
+
+
+LPE_CASES = {
+    # ragged N and a vocabulary that is not a multiple of the chunk; several token blocks
+    "ragged": dict(inp=dict(N=37, V=301), kw=dict(temperature=1.3),
+                   fused=dict(chunk_size=64, token_chunk_size=10)),
+    # padded lm_head: 128 rows beyond vocab_size (huge logits there if they leaked)
+    "vocab_tail": dict(inp=dict(N=29, V=517), kw=dict(vocab_size=389, temperature=0.7),
+                       fused=dict(chunk_size=100), pad=389),
+    "no_bias_hot": dict(inp=dict(N=33, V=250, bias=False, scale=1.5), kw=dict(temperature=2.5),
+                        fused=dict(chunk_size=7)),
+    "default_chunks": dict(inp=dict(N=64, V=1000, mask_p=0.6), kw=dict(temperature=0.5), fused={}),
+}
+
+
+@pytest.mark.parametrize("which", ["logprobs", "entropy", "both"])
+@pytest.mark.parametrize("case", list(LPE_CASES))
+def test_lpe_values_and_grads_vs_float64(seed, case, which):
+    c = LPE_CASES[case]
+    inp = make_inputs(seed, **c["inp"])
+    if "pad" in c:
+        inp["y"] = inp["y"] % c["pad"]
+        with torch.no_grad():
+            inp["ws"][c["pad"]:] = 50.0
+            inp["bs"][c["pad"]:] = 100.0
+    N = inp["hs"].shape[0]
+    w = {"logprobs": {"logprobs": rand_w(seed, N)}, "entropy": {"entropy": rand_w(seed, N)},
+         "both": {"logprobs": rand_w(seed, N), "entropy": -0.3 * rand_w(seed + 1, N)}}[which]
+    out, g = compare_lpe(seed, inp, w, c["kw"], fused_kw=c["fused"])
+    assert out.logprobs.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    m = inp["mask"]
+    assert (out.logprobs[~m] == 0).all() and (out.entropy[~m] == 0).all(), f"seed={seed}"
+    assert (out.logprobs[m] <= 0).all() and (out.entropy[m] >= -1e-6).all(), f"seed={seed}"
+    assert (g[0][~m] == 0).all(), f"masked rows of dH must be 0 (seed={seed})"
+    if m.any():
+        assert g[0].abs().sum() > 0 and g[1].abs().sum() > 0, f"zero gradient (seed={seed})"
+    if "pad" in c:
+        assert g[1][c["pad"]:].abs().max() == 0, f"padded rows of dW must be 0 (seed={seed})"
+        assert g[2][c["pad"]:].abs().max() == 0, f"padded bias grad must be 0 (seed={seed})"
+
+
+def test_lpe_float64_tight(seed):
+    inp = as64(make_inputs(seed, N=31, V=203))
+    inp["y"] = inp["y"] % 190
+    w = {"logprobs": rand_w(seed, 31).double(), "entropy": rand_w(seed + 1, 31).double()}
+    out, g = compare_lpe(seed, inp, w, dict(temperature=0.8, vocab_size=190),
+                         val_tol=(1e-11, 1e-10), grad_tol=(1e-11, 1e-9),
+                         fused_kw=dict(chunk_size=50, token_chunk_size=9))
+    assert out.logprobs.dtype == torch.float64 and out.entropy.dtype == torch.float64
+    assert g[1].dtype == torch.float64
+
+
+def test_lpe_bf16(seed):
+    inp = make_inputs(seed, N=32, dtype=torch.bfloat16)
+    w = {"logprobs": rand_w(seed, 32), "entropy": rand_w(seed + 1, 32)}
+    out, g = compare_lpe(seed, inp, w, dict(temperature=1.2), grad_tol=(1e-2, 1e-2))
+    assert out.logprobs.dtype == torch.float32 and g[1].dtype == torch.bfloat16
+
+
+def test_lpe_all_masked_and_ignore_index(seed):
+    inp = make_inputs(seed)
+    N = inp["hs"].shape[0]
+    w = {"logprobs": rand_w(seed, N), "entropy": rand_w(seed + 1, N)}
+    for mask in (torch.zeros(N, dtype=torch.bool), None):
+        y = inp["y"] if mask is not None else torch.full_like(inp["y"], -100)
+        out, g = run_lpe(fused_linear_logprob_entropy, dict(inp, mask=mask, y=y), w)
+        for t in (out.logprobs, out.entropy, *g):
+            assert torch.isfinite(t).all() and t.abs().max() == 0, f"seed={seed}"
+    # ignore_index masks exactly like mask=
+    drop = torch.rand(N, generator=torch.Generator().manual_seed(seed)) < 0.4
+    y_ign = torch.where(drop, torch.full_like(inp["y"], -100), inp["y"])
+    a = fused_linear_logprob_entropy(inp["hs"], inp["ws"], y_ign, bias=inp["bs"])
+    b = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=~drop)
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy), f"seed={seed}"
+
+
+def test_lpe_equals_reverse_kl_student_outputs(seed):
+    """Same student, same code path: identical log-probs, entropies and their gradients."""
+    inp = make_inputs(seed, N=45, V=333, teacher_bias=True)
+    inp["y"] = inp["y"] % 320
+    w = {"logprobs": rand_w(seed, 45), "entropy": rand_w(seed + 1, 45)}
+    kw = dict(temperature=1.7, vocab_size=320, chunk_size=64, token_chunk_size=16)
+    a, ga = run_lpe(fused_linear_logprob_entropy, inp, w, **kw)
+    b, gb = run(fused_linear_reverse_kl, inp, w, **kw)
+    for name in ("logprobs", "entropy"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), f"{name} (seed={seed})"
+    for x, y_ in zip(ga, gb):
+        assert torch.equal(x, y_), f"grads differ (seed={seed})"
+
+
+class _CountMatmuls(_SeesInsideOurOps):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def record(self, func, out):
+        # (below autograd, composite ops such as matmul reach the mode undecomposed)
+        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                          torch.ops.aten.matmul)
+
+
+def test_lpe_skips_the_teacher_matmuls(seed):
+    inp = make_inputs(seed, N=40, V=300, Hs=24, Ht=24)
+    with torch.no_grad(), _CountMatmuls() as lpe:
+        run_lpe(fused_linear_logprob_entropy, inp, chunk_size=64)
+    with torch.no_grad(), _CountMatmuls() as kl:
+        run(fused_linear_reverse_kl, inp, grads=False, chunk_size=64)
+    assert lpe.n == 5 and kl.n == 10, (lpe.n, kl.n)  # ceil(300 / 64) vocabulary chunks
+
+
+def test_lpe_no_grad_saves_nothing_and_matches(seed):
+    inp = make_inputs(seed, N=50, V=400)
+    out, _ = run_lpe(fused_linear_logprob_entropy, inp, {"logprobs": rand_w(seed, 50)})
+    with torch.no_grad():
+        ng = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"],
+                                          mask=inp["mask"])
+    assert ng.logprobs.grad_fn is None and not ng.entropy.requires_grad
+    assert torch.equal(ng.logprobs, out.logprobs) and torch.equal(ng.entropy, out.entropy)
+    # nothing saved: the outputs of a no-grad call do not keep the weight alive (with grad
+    # enabled they do, through the tensors saved for the backward)
+    for grad_mode, kept_alive in ((False, False), (True, True)):
+        w = inp["ws"].detach().clone().requires_grad_()
+        w_ref = weakref.ref(w)
+        with torch.set_grad_enabled(grad_mode):
+            res = fused_linear_logprob_entropy(inp["hs"], w, inp["y"], mask=inp["mask"])
+        del w
+        gc.collect()
+        assert (w_ref() is not None) == kept_alive, (grad_mode, seed)
+        del res
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_lpe_never_materialises_tokens_by_vocab(seed, grad):
+    N, H, V = 256, 16, 4096
+    inp = make_inputs(seed, N=N, Hs=H, V=V, mask_p=0.1)
+    w = {"logprobs": rand_w(seed, N), "entropy": rand_w(seed + 1, N)}
+    with torch.set_grad_enabled(grad), _LargestTensor() as mode:
+        run_lpe(fused_linear_logprob_entropy, inp, w if grad else None, chunk_size=256,
+                token_chunk_size=64)
+    assert mode.inner_ops > 100  # the probe sees the chunks inside the custom ops
+    if grad:  # the [V, H] weight gradient and [64, 256] chunks
+        assert mode.largest <= max(V * H, 64 * 256), (mode.largest, mode.op)
+    else:  # scoring: [64, 256] chunks (and [256, 16] weight-chunk views) only
+        assert mode.largest <= 64 * 256, (mode.largest, mode.op)
+    with torch.set_grad_enabled(grad), _LargestTensor() as ref_mode:
+        run_lpe(reference_linear_logprob_entropy, inp, w if grad else None)
+    assert ref_mode.largest >= N * V  # sanity: the probe sees the naive [N, V] logits
+
+
+def test_lpe_torch_compile_matches_eager(seed):
+    torch._dynamo.reset()
+    inp = make_inputs(seed, N=24, V=130)
+    old_lp = rand_w(seed, 24) * 0.1 - 2.0
+    adv = rand_w(seed + 1, 24)
+
+    def ppo_loss(h, w, b, y, mask):
+        out = fused_linear_logprob_entropy(h, w, y, bias=b, mask=mask, temperature=1.1)
+        ratio = torch.exp(out.logprobs - old_lp)
+        pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+        return (pg - 0.01 * out.entropy).sum(), out.logprobs
+
+    args = (inp["hs"], inp["ws"], inp["bs"], inp["y"], inp["mask"])
+    eager, lp_e = ppo_loss(*args)
+    ge = torch.autograd.grad(eager, [inp["hs"], inp["ws"], inp["bs"]])
+    compiled = torch.compile(ppo_loss, fullgraph=True)
+    comp, lp_c = compiled(*args)
+    gc = torch.autograd.grad(comp, [inp["hs"], inp["ws"], inp["bs"]])
+    assert_close(comp, eager, 1e-6, 1e-6, "compiled loss", seed)
+    assert_close(lp_c, lp_e, 1e-7, 1e-6, "compiled logprobs", seed)
+    for a, b in zip(gc, ge):
+        assert_close(a, b, 1e-6, 1e-5, "compiled grad", seed)
+    with torch.no_grad():  # compiled rollout scoring
+        _, lp_s = compiled(*args)
+    assert_close(lp_s, lp_e, 1e-7, 1e-6, "compiled no-grad logprobs", seed)
+
+
+def _lpe_bad_cases():
+    N, H, V = 6, 8, 20
+    ok = dict(h=torch.randn(N, H), w=torch.randn(V, H), y=torch.randint(0, V, (N,)))
+    cases = {
+        "3d hidden": (dict(h=torch.randn(1, N, H)), {}, ValueError, "hidden must be 2-D"),
+        "1d weight": (dict(w=torch.randn(V)), {}, ValueError, "weight must be 2-D"),
+        "hidden size": (dict(w=torch.randn(V, H + 1)), {}, ValueError, "weight must be"),
+        "2d targets": (dict(y=torch.zeros(N, 1, dtype=torch.long)), {}, ValueError, "1-D"),
+        "targets count": (dict(y=torch.zeros(N + 1, dtype=torch.long)), {}, ValueError, "targets"),
+        "mask count": ({}, dict(mask=torch.ones(N + 2, dtype=torch.bool)), ValueError, "mask"),
+        "float mask": ({}, dict(mask=torch.ones(N)), TypeError, "mask"),
+        "target too big": (dict(y=torch.full((N,), V)), {}, ValueError, "out of range"),
+        "target negative": (dict(y=torch.full((N,), -3)), {}, ValueError, "out of range"),
+        "target beyond vocab_size": (dict(y=torch.full((N,), V - 1)), dict(vocab_size=V - 2),
+                                     ValueError, "out of range"),
+        "vocab_size > V": ({}, dict(vocab_size=V + 1), ValueError, "vocab_size"),
+        "vocab_size 0": ({}, dict(vocab_size=0), ValueError, "vocab_size"),
+        "dtype weight": (dict(w=torch.randn(V, H, dtype=torch.float64)), {}, TypeError, "dtype mismatch"),
+        "dtype bias": ({}, dict(bias=torch.zeros(V, dtype=torch.bfloat16)), TypeError, "dtype mismatch"),
+        "bias size": ({}, dict(bias=torch.zeros(V - 1)), ValueError, "bias must have"),
+        "2d bias": ({}, dict(bias=torch.zeros(V, 1)), ValueError, "bias must be 1-D"),
+        "float targets": (dict(y=torch.zeros(N)), {}, TypeError, "integer"),
+        "int hidden": (dict(h=torch.zeros(N, H, dtype=torch.long)), {}, TypeError, "floating"),
+        "temperature 0": ({}, dict(temperature=0.0), ValueError, "temperature"),
+        "temperature inf": ({}, dict(temperature=float("inf")), ValueError, "temperature"),
+        "temperature tensor": ({}, dict(temperature=torch.tensor(1.0)), TypeError, "temperature"),
+        "backend": ({}, dict(backend="cuda"), ValueError, "backend"),
+        "two devices": ({}, dict(mask=torch.ones(N, dtype=torch.bool, device="meta")), ValueError,
+                        "one device"),
+        "not a tensor": (dict(h=[[0.0] * H] * N), {}, TypeError, "torch.Tensor"),
+    }
+    return ok, cases
+
+
+@pytest.mark.parametrize("case", list(_lpe_bad_cases()[1]))
+def test_lpe_bad_inputs_raise(case):
+    ok, cases = _lpe_bad_cases()
+    over, kw, exc, match = cases[case]
+    a = dict(ok, **over)
+    with pytest.raises(exc, match=match):
+        fused_linear_logprob_entropy(a["h"], a["w"], a["y"], **kw)
+    if "target" not in case and case != "backend":  # the reference validates the same way
+        with pytest.raises(exc, match=match):
+            reference_linear_logprob_entropy(a["h"], a["w"], a["y"], **kw)

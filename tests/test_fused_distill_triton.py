@@ -1,4 +1,5 @@
-"""Fused linear distillation: the Triton kernels, run by the Triton interpreter on CPU.
+"""Fused linear distillation (and its teacher-less log-prob + entropy mode): the Triton
+kernels, run by the Triton interpreter on CPU.
 
 `TRITON_INTERPRET=1` has to be set before Triton itself is imported (Triton decorates
 its own `tl.*` helpers at import time, in one mode or the other), so this file sets it
@@ -43,7 +44,12 @@ if IN_PROCESS:
     else:
         import memopd.kernels.fused_distill as kern
 
-from memopd.ops import fused_linear_distill, reference_linear_distill  # noqa: E402
+from memopd.ops import (  # noqa: E402
+    fused_linear_distill,
+    fused_linear_logprob_entropy,
+    reference_linear_distill,
+    reference_linear_logprob_entropy,
+)
 
 DIVS = ["reverse_kl", "forward_kl", "jsd"]
 inproc = pytest.mark.skipif(not IN_PROCESS, reason="interpreted Triton runs in a subprocess here "
@@ -242,18 +248,27 @@ gemm = dict(g_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", order_ptr="*i32", count
             dh_ptr="*bf16", dw_ptr="*fp32", V="i32", H="i32", c0="i32", n_rows="i32",
             stride_g="i32", stride_w="i32", stride_dh="i32", stride_h="i32", stride_dw="i32")
 done = []
-for kind, fn, div in (("fwd", k._distill_fwd_kernel, k.REVERSE_KL),
-                      ("jsd", k._jsd_pass_kernel, k.JSD),
-                      ("dlogits", k._distill_dlogits_kernel, k.JSD)):
-    cfg = k._configs(kind, div, False)[0]
-    consts = dict(HAS_BS=True, HAS_BT=True, UPCAST=False, IEEE_S=False, IEEE_T=False,
+# (name, kernel, divergence, with teacher?, config index); the teacher-less variants
+# (fused_linear_logprob_entropy) compile with HAS_TEACHER=False / HAS_GDIV=False, the
+# forward at its largest (128x128) tile
+for name, fn, div, teacher, ci in (("fwd", k._distill_fwd_kernel, k.REVERSE_KL, True, 0),
+                                   ("jsd", k._jsd_pass_kernel, k.JSD, True, 0),
+                                   ("dlogits", k._distill_dlogits_kernel, k.JSD, True, 0),
+                                   ("fwd-no-teacher", k._distill_fwd_kernel, k.REVERSE_KL, False, -1),
+                                   ("dlogits-no-teacher", k._distill_dlogits_kernel, k.REVERSE_KL,
+                                    False, 0)):
+    kind = name.split("-")[0]
+    cfg = k._configs(kind, div, False, teacher)[ci]
+    consts = dict(HAS_BS=True, HAS_BT=teacher, UPCAST=False, IEEE_S=False, IEEE_T=False,
                   **cfg.kwargs)
     if kind != "jsd":
         consts["DIV"] = div
+    if kind == "fwd":
+        consts["HAS_TEACHER"] = teacher
     if kind == "dlogits":
-        consts.update(HAS_GDIV=True, HAS_GLP=True, HAS_GENT=True)
+        consts.update(HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True)
     compile_kernel(fn, loss, consts, cfg.num_warps, cfg.num_stages)
-    done.append(kind)
+    done.append(name)
 g = dict(k._GEMM_GPU)
 nw, ns = g.pop("num_warps"), g.pop("num_stages")
 for fn in (k._dh_kernel, k._dw_kernel):
@@ -276,4 +291,96 @@ def test_kernels_compile_for_sm90():
     if res.returncode != 0 and ("ASTSource" in res.stderr and "TypeError" in res.stderr):
         pytest.skip(f"this Triton's AOT API differs: {res.stderr[-500:]}")
     assert res.returncode == 0, f"sm_90 compilation failed:\n{res.stderr[-4000:]}"
-    assert "_dw_kernel" in res.stdout
+    assert "_dw_kernel" in res.stdout and "fwd-no-teacher" in res.stdout
+
+
+# ----------------------------------------------------------------------------------
+# teacher-less mode: fused_linear_logprob_entropy (HAS_TEACHER=False forward kernel)
+# ----------------------------------------------------------------------------------
+def run_lpe(fn, inp, weights=None, **kw):
+    out = fn(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
+    if weights is None:
+        return out, None
+    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
+    total = sum((getattr(out, k) * w.to(getattr(out, k).dtype)).sum() for k, w in weights.items())
+    g = torch.autograd.grad(total, params, allow_unused=True)
+    return out, [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
+
+
+def check_lpe(seed, inp, weights, kw, val_tol=(3e-5, 3e-5), grad_tol=(3e-5, 2e-4), **triton_kw):
+    out, g = run_lpe(fused_linear_logprob_entropy, inp, weights, backend="triton", **kw, **triton_kw)
+    ref, gr = run_lpe(reference_linear_logprob_entropy, as64(inp), weights, **kw)
+    for name in ("logprobs", "entropy"):
+        assert getattr(out, name).dtype == torch.float32
+        assert_close(getattr(out, name), getattr(ref, name), *val_tol, name, seed)
+    for name, a, b in zip(("d_hidden", "d_weight", "d_bias"), g, gr):
+        assert_close(a, b, grad_tol[0] * (b.abs().max().item() + 1e-12), grad_tol[1], name, seed)
+    return out, g
+
+
+@inproc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lpe_values_and_grads_vs_float64(seed, dtype):
+    # 3 vocabulary splits (merged on the device), 28 padded lm_head rows with huge logits,
+    # masked rows, temperature, bias, and a backward in several token chunks
+    inp = make_inputs(seed, N=45, Hs=32, V=300, dtype=dtype)
+    inp["y"] = inp["y"] % 272
+    with torch.no_grad():
+        inp["ws"][272:] = 30.0
+        inp["bs"][272:] = 60.0
+    half = dtype != torch.float32
+    out, g = check_lpe(seed, inp, weights_for(seed, 45, ("logprobs", "entropy")),
+                       dict(temperature=1.4, vocab_size=272),
+                       grad_tol=(1.5e-2, 1.5e-2) if half else (3e-5, 2e-4), token_chunk_size=16)
+    m = inp["mask"]
+    assert (out.logprobs[~m] == 0).all() and (out.entropy[~m] == 0).all(), f"seed={seed}"
+    assert g[1][272:].abs().max() == 0 and g[2][272:].abs().max() == 0, f"seed={seed}"
+    assert (g[0][~m] == 0).all() and g[1].dtype == dtype, f"seed={seed}"
+
+
+@inproc
+@pytest.mark.parametrize("which", ["logprobs", "entropy"])
+def test_lpe_each_output_alone_one_split(seed, which):
+    inp = make_inputs(seed, N=33, V=120, bias=False)  # V <= 128: one split, no merge
+    inp["mask"][:10] = False  # kept rows behind masked ones: device-side compaction
+    check_lpe(seed, inp, weights_for(seed, 33, (which,)), dict(temperature=0.8))
+
+
+@inproc
+def test_lpe_matches_reverse_kl_and_torch_path(seed):
+    inp = make_inputs(seed, N=40, V=260, teacher_bias=True)
+    w = weights_for(seed, 40, ("logprobs", "entropy"))
+    a, ga = run_lpe(fused_linear_logprob_entropy, inp, w, backend="triton", temperature=1.2)
+    b, gb = run(fused_linear_distill, inp, w, backend="triton", temperature=1.2)
+    c, gc = run_lpe(fused_linear_logprob_entropy, inp, w, backend="torch", temperature=1.2)
+    for name in ("logprobs", "entropy"):
+        # same student tiles, same merge: the teacher-less kernel gives the same numbers
+        assert_close(getattr(a, name), getattr(b, name), 1e-6, 1e-6, name, seed)
+        assert_close(getattr(a, name), getattr(c, name), 2e-6, 1e-5, name + " vs torch", seed)
+    for x, y_, z in zip(ga, gb, gc):
+        assert_close(x, y_, 1e-6 * y_.abs().max().item(), 1e-5, "grad vs reverse_kl", seed)
+        assert_close(x, z, 2e-6 * z.abs().max().item(), 1e-4, "grad vs torch", seed)
+
+
+@inproc
+def test_lpe_all_masked_and_no_grad(seed):
+    inp = make_inputs(seed, N=40, V=150)
+    inp["mask"] = torch.zeros(40, dtype=torch.bool)
+    out, g = run_lpe(fused_linear_logprob_entropy, inp, weights_for(seed, 40, ("logprobs", "entropy")),
+                     backend="triton")
+    for t in (out.logprobs, out.entropy, *g):
+        assert torch.isfinite(t).all() and t.abs().max() == 0, f"seed={seed}"
+    inp = make_inputs(seed, N=40, V=150)
+    with torch.no_grad():
+        ng, _ = run_lpe(fused_linear_logprob_entropy, inp, backend="triton")
+    ref, _ = run_lpe(reference_linear_logprob_entropy, as64(inp))
+    assert ng.logprobs.grad_fn is None
+    assert_close(ng.logprobs, ref.logprobs, 3e-5, 3e-5, "no-grad logprobs", seed)
+    assert_close(ng.entropy, ref.entropy, 3e-5, 3e-5, "no-grad entropy", seed)
+
+
+@inproc
+def test_lpe_float64_refused_on_triton():
+    h, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        fused_linear_logprob_entropy(h, w, torch.zeros(4, dtype=torch.long), backend="triton")

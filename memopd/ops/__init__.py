@@ -1,4 +1,5 @@
-"""Public tensor ops: packed attention, the fused linear distillation losses, references.
+"""Public tensor ops: packed attention, the fused linear distillation losses and their
+teacher-less log-prob + entropy mode, references.
 
 Plain tensors in, plain tensors out. Each op dispatches by device: Triton kernels on
 CUDA, exact PyTorch on CPU. Names are resolved lazily so that importing `memopd.ops`
@@ -17,6 +18,9 @@ _EXPORTS = {
     "reference_linear_reverse_kl": "memopd.ops.fused_distill",
     "reference_linear_distill": "memopd.ops.fused_distill",
     "DistillOutput": "memopd.ops.fused_distill",
+    "fused_linear_logprob_entropy": "memopd.ops.fused_distill",
+    "reference_linear_logprob_entropy": "memopd.ops.fused_distill",
+    "LogProbEntropy": "memopd.ops.fused_distill",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,5 @@
-"""Fused linear distillation: reverse KL (or forward KL / JSD) + log-prob + entropy.
+"""Fused linear distillation: reverse KL (or forward KL / JSD) + log-prob + entropy,
+and its teacher-less mode: log-prob + entropy of the student alone.
 
 From the last hidden states and lm_head weights of a student and a frozen teacher,
 for every kept token i:
@@ -27,6 +28,17 @@ Public API (re-exported by `memopd.ops`)
 - `DistillOutput(loss, kl, logprobs, entropy)`: a NamedTuple. `kl` holds the selected
   divergence per token. Per-token fields are fp32 (float64 for float64 inputs on the
   PyTorch path), zero at masked-out tokens.
+- `fused_linear_logprob_entropy(hidden, weight, targets, *, bias=None, mask=None,
+  temperature=1.0, vocab_size=None, chunk_size=None, ignore_index=-100, backend=None,
+  token_chunk_size=None, check_targets=None) -> LogProbEntropy`: the teacher-less mode
+  (PPO/GRPO actor losses, rollout scoring; cf. verl's fused linear-for-PPO): the same
+  forward/backward with every teacher matmul and statistic removed (a `None` teacher
+  on the PyTorch path, the HAS_TEACHER=False constexpr in the Triton forward). Under
+  `torch.no_grad()` it saves nothing and peaks at O(rows × chunk), not [N, V].
+- `reference_linear_logprob_entropy`: its naive, float64-capable reference.
+- `LogProbEntropy(logprobs, entropy)`: a NamedTuple of per-token fp32 tensors (float64
+  for float64 inputs on the PyTorch path), zero at masked-out tokens; gradients reach
+  hidden, weight and bias from both.
 
 Conventions
 -----------
@@ -74,7 +86,10 @@ Backward: the tiles are recomputed and, with δ_v = log p_v - log q_v,
                          (1-β) p_v ((log p_v - log M_v) - KL(p‖M))   JSD }
 
 and dL/dlogit = dL/ds / T. The teacher logits are recomputed only when the
-divergence receives a gradient. dH = dlogits @ W, dW = dlogits^T @ H, db = Σ dlogits,
+divergence receives a gradient. The teacher-less op is the case g_kl = 0 with no
+teacher at all: its forward keeps only the student sums (max, sum-exp, entropy sum,
+target logit), so it costs one lm_head-sized matmul in the forward and three in the
+backward (recompute, dH, dW). dH = dlogits @ W, dW = dlogits^T @ H, db = Σ dlogits,
 all accumulated in fp32 (dW in an fp32 buffer when the weight is bf16/fp16).
 
 Back ends
@@ -107,8 +122,9 @@ Back ends
 torch.compile
 -------------
 Forward and backward are registered as `torch.library.custom_op`s
-(`memopd::fused_distill_fwd` / `memopd::fused_distill_bwd`) with fake (meta)
-implementations and `register_autograd`, so `torch.compile` treats the op as one
+(`memopd::fused_distill_fwd` / `memopd::fused_distill_bwd`; the teacher-less op calls
+the same two with `None` teacher tensors) with fake (meta) implementations and
+`register_autograd`, so `torch.compile` treats the op as one
 opaque node: no graph break, no tracing into the data-dependent chunk loops. The
 validation in the Python wrapper only reads metadata (shapes, dtypes, devices).
 
@@ -153,9 +169,12 @@ from torch import Tensor
 
 __all__ = [
     "DistillOutput",
+    "LogProbEntropy",
     "fused_linear_distill",
+    "fused_linear_logprob_entropy",
     "fused_linear_reverse_kl",
     "reference_linear_distill",
+    "reference_linear_logprob_entropy",
     "reference_linear_reverse_kl",
 ]
 
@@ -178,6 +197,13 @@ class DistillOutput(NamedTuple):
     entropy: Tensor
 
 
+class LogProbEntropy(NamedTuple):
+    """Result of the teacher-less op: per-token fp32 tensors [N] (0 where masked)."""
+
+    logprobs: Tensor
+    entropy: Tensor
+
+
 # ----------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------
@@ -188,63 +214,81 @@ def _check_tensor(x, name, ndim):
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
 
 
+def _validate_head(h, w, b, names):
+    """One lm_head: hidden [N, H], weight [V, H], optional bias [V], one floating dtype."""
+    hname, wname, bname = names
+    _check_tensor(h, hname, 2)
+    _check_tensor(w, wname, 2)
+    if w.shape[1] != h.shape[1]:
+        raise ValueError(f"{wname} must be [V, {h.shape[1]}] to match {hname} "
+                         f"{tuple(h.shape)}, got {tuple(w.shape)}")
+    for name, x in ((hname, h), (wname, w)):
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+    if h.dtype != w.dtype:
+        raise TypeError(f"dtype mismatch: {hname} is {h.dtype}, {wname} is {w.dtype}")
+    if b is not None:
+        _check_tensor(b, bname, 1)
+        if b.shape[0] != w.shape[0]:
+            raise ValueError(f"{bname} must have {w.shape[0]} entries, got {b.shape[0]}")
+        if b.dtype != w.dtype:
+            raise TypeError(f"dtype mismatch: {bname} is {b.dtype}, its weight is {w.dtype}")
+
+
+def _validate_tokens(N, targets, mask):
+    _check_tensor(targets, "targets", 1)
+    if mask is not None:
+        _check_tensor(mask, "mask", 1)
+    if targets.shape[0] != N:
+        raise ValueError(f"targets has {targets.shape[0]} entries, expected N={N}")
+    if mask is not None and mask.shape[0] != N:
+        raise ValueError(f"mask has {mask.shape[0]} entries, expected N={N}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
+        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+    if mask is not None and (mask.is_floating_point() or mask.is_complex()):
+        raise TypeError(f"mask must be bool (or integer 0/1), got {mask.dtype}")
+
+
+def _validate_one_device(tensors):
+    devices = {x.device for x in tensors if x is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _validate_temperature(temperature) -> float:
+    if isinstance(temperature, Tensor):
+        raise TypeError("temperature must be a Python float, not a tensor")
+    temperature = float(temperature)
+    if not (temperature > 0.0) or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return temperature
+
+
+_STUDENT_NAMES = ("student_hidden", "student_weight", "student_bias")
+_TEACHER_NAMES = ("teacher_hidden", "teacher_weight", "teacher_bias")
+_HEAD_NAMES = ("hidden", "weight", "bias")  # fused_linear_logprob_entropy's arguments
+
+
 def _validate(hs, ws, ht, wt, targets, mask, bs, bt, temperature, vocab_size, reduction,
               divergence, beta):
     _check_tensor(hs, "student_hidden", 2)
     _check_tensor(ws, "student_weight", 2)
     _check_tensor(ht, "teacher_hidden", 2)
     _check_tensor(wt, "teacher_weight", 2)
-    _check_tensor(targets, "targets", 1)
-    if mask is not None:
-        _check_tensor(mask, "mask", 1)
-    N, Hs = hs.shape
+    _validate_head(hs, ws, bs, _STUDENT_NAMES)
+    _validate_head(ht, wt, bt, _TEACHER_NAMES)
+    N = hs.shape[0]
     V = ws.shape[0]
-    Vt, Ht = wt.shape
-    if ws.shape[1] != Hs:
-        raise ValueError(f"student_weight must be [V, {Hs}] to match student_hidden "
-                         f"[N, {Hs}], got {tuple(ws.shape)}")
-    if ht.shape[1] != Ht:
-        raise ValueError(f"teacher_weight must be [Vt, {ht.shape[1]}] to match teacher_hidden "
-                         f"{tuple(ht.shape)}, got {tuple(wt.shape)}")
+    Vt = wt.shape[0]
     if ht.shape[0] != N:
         raise ValueError(f"teacher_hidden has {ht.shape[0]} tokens, student_hidden has {N}")
-    if targets.shape[0] != N:
-        raise ValueError(f"targets has {targets.shape[0]} entries, expected N={N}")
-    if mask is not None and mask.shape[0] != N:
-        raise ValueError(f"mask has {mask.shape[0]} entries, expected N={N}")
-    for name, x in (("student_hidden", hs), ("student_weight", ws),
-                    ("teacher_hidden", ht), ("teacher_weight", wt)):
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
-    if hs.dtype != ws.dtype:
-        raise TypeError(f"dtype mismatch: student_hidden is {hs.dtype}, student_weight is {ws.dtype}")
-    if ht.dtype != wt.dtype:
-        raise TypeError(f"dtype mismatch: teacher_hidden is {ht.dtype}, teacher_weight is {wt.dtype}")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
-        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
-    if mask is not None and (mask.is_floating_point() or mask.is_complex()):
-        raise TypeError(f"mask must be bool (or integer 0/1), got {mask.dtype}")
-    for name, b, w, rows in (("student_bias", bs, ws, V), ("teacher_bias", bt, wt, Vt)):
-        if b is None:
-            continue
-        _check_tensor(b, name, 1)
-        if b.shape[0] != rows:
-            raise ValueError(f"{name} must have {rows} entries, got {b.shape[0]}")
-        if b.dtype != w.dtype:
-            raise TypeError(f"dtype mismatch: {name} is {b.dtype}, its weight is {w.dtype}")
-    tensors = [hs, ws, ht, wt, targets] + [x for x in (mask, bs, bt) if x is not None]
-    devices = {x.device for x in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    for name, x in (("teacher_hidden", ht), ("teacher_weight", wt), ("teacher_bias", bt)):
+    _validate_tokens(N, targets, mask)
+    _validate_one_device([hs, ws, ht, wt, targets, mask, bs, bt])
+    for name, x in zip(_TEACHER_NAMES, (ht, wt, bt)):
         if x is not None and x.requires_grad:
             raise ValueError(f"the teacher is frozen but {name} requires grad: pass it "
                              f"detached (x.detach()) or compute it under torch.no_grad()")
-    if isinstance(temperature, Tensor):
-        raise TypeError("temperature must be a Python float, not a tensor")
-    temperature = float(temperature)
-    if not (temperature > 0.0) or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    temperature = _validate_temperature(temperature)
     if vocab_size is None:
         if V != Vt:
             raise ValueError(f"student vocabulary ({V} rows) and teacher vocabulary ({Vt} rows) "
@@ -265,6 +309,21 @@ def _validate(hs, ws, ht, wt, targets, mask, bs, bt, temperature, vocab_size, re
     if not (0.0 <= beta <= 1.0):
         raise ValueError(f"beta must lie in [0, 1], got {beta}")
     return temperature, vocab_size, beta
+
+
+def _validate_student_only(h, w, b, targets, mask, temperature, vocab_size):
+    """Validation of the teacher-less op (same rules and messages as `_validate`)."""
+    _validate_head(h, w, b, _HEAD_NAMES)
+    _validate_tokens(h.shape[0], targets, mask)
+    _validate_one_device([h, w, targets, mask, b])
+    temperature = _validate_temperature(temperature)
+    V = w.shape[0]
+    vocab_size = V if vocab_size is None else int(vocab_size)
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if vocab_size > V:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the lm_head rows (V={V})")
+    return temperature, vocab_size
 
 
 def _resolve_divergence(divergence: str, beta: float) -> int:
@@ -315,7 +374,8 @@ def _check_target_range(targets: Tensor, keep: Tensor, vocab_size: int) -> None:
 # ----------------------------------------------------------------------------------
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     # fp32 statistics for fp32/bf16/fp16 inputs; float64 inputs keep float64 (PyTorch path).
-    return torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+    return (torch.float64 if any(x is not None and x.dtype == torch.float64 for x in tensors)
+            else torch.float32)
 
 
 def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], v0: int, v1: int, inv_t: float) -> Tensor:
@@ -351,8 +411,14 @@ _SQRT_E = math.exp(0.5)
 
 
 def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk):
-    """Online statistics of one token block (hidden rows already multiplied by 1/T)."""
+    """Online statistics of one token block (hidden rows already multiplied by 1/T).
+
+    `ht_t is None` is the teacher-less mode: only the student sums (max, sum-exp,
+    entropy sum, target logit) are kept, no teacher logits are ever computed, and
+    the divergence and the teacher rows of the stats are zero.
+    """
     n = hs_t.shape[0]
+    has_teacher = ht_t is not None
     f = dict(device=hs_t.device, dtype=hs_t.dtype)
     m_s = torch.full((n,), _NEG, **f)
     z_s = torch.zeros(n, **f)
@@ -367,12 +433,20 @@ def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta,
     for v0 in range(0, V, vchunk):
         v1 = min(V, v0 + vchunk)
         s = _logits(hs_t, ws, bs, v0, v1, inv_t)
-        t = _logits(ht_t, wt, bt, v0, v1, inv_t)
         in_c = (y >= v0) & (y < v1)
         s_y += torch.where(in_c, s.gather(1, (y - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
         m_s_new = torch.maximum(m_s, s.amax(1))
-        m_t_new = torch.maximum(m_t, t.amax(1))
         alpha_s = torch.exp(m_s - m_s_new)
+        if not has_teacher:
+            s.sub_(m_s_new[:, None])
+            es = torch.exp(s)
+            a_s = alpha_s * (a_s + (m_s - m_s_new) * z_s) + _rowdot(es, s)
+            z_s = alpha_s * z_s + es.sum(1)
+            m_s = m_s_new
+            del s, es
+            continue
+        t = _logits(ht_t, wt, bt, v0, v1, inv_t)
+        m_t_new = torch.maximum(m_t, t.amax(1))
         alpha_t = torch.exp(m_t - m_t_new)
         d = s - t
         s.sub_(m_s_new[:, None])                   # s <- s - m_s  (<= 0)
@@ -405,6 +479,10 @@ def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta,
         dz_j = r_j * dz_j + c_t * small + c_s * big
         m_s, m_t, m_j = m_s_new, m_t_new, m_j_new
         del t, d, es, et
+    if not has_teacher:
+        lse_s, ent, lp = _finalize_student(m_s, z_s, a_s, s_y)
+        zero = torch.zeros(n, **f)
+        return zero, lp, ent, torch.stack([lse_s, zero, zero, zero, ent])
     lse_s, lse_t, dlse, ent, lp = _finalize(m_s, z_s, a_s, m_t, z_t, m_j, zt_j, dz_j, s_y)
     if div_code == 0:
         aux = e_d / z_s - dlse
@@ -433,15 +511,21 @@ def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta,
     return div, lp, ent, stats
 
 
+def _finalize_student(m_s, z_s, a_s, s_y):
+    """Per-token lse_s, entropy and log-prob from the student's online sums."""
+    lse_s = m_s + torch.log(z_s)
+    ent = torch.log(z_s) - a_s / z_s
+    lp = s_y - lse_s
+    return lse_s, ent, lp
+
+
 def _finalize(m_s, z_s, a_s, m_t, z_t, m_j, zt_j, dz_j, s_y):
     """Per-token lse_s, lse_t, precise lse_s - lse_t, entropy and log-prob from the sums."""
-    lse_s = m_s + torch.log(z_s)
+    lse_s, ent, lp = _finalize_student(m_s, z_s, a_s, s_y)
     lse_t = m_t + torch.log(z_t)
     ratio = dz_j / zt_j
     near = ratio.abs() < 0.5  # False for NaN/inf (teacher mass underflowed at the joint max)
     dlse = torch.where(near, torch.log1p(torch.where(near, ratio, 0.0)), lse_s - lse_t)
-    ent = torch.log(z_s) - a_s / z_s
-    lp = s_y - lse_s
     return lse_s, lse_t, dlse, ent, lp
 
 
@@ -450,6 +534,13 @@ def _triton_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, V, div_c
     k = _kernels()
     st = k.distill_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, V, div_code)
     m_s, z_s, a_s, m_t, z_t, e_d, m_j, zt_j, dz_j, s_y = st.unbind(0)
+    zero = torch.zeros((), device=hs.device, dtype=torch.float32)
+    if ht is None:
+        # teacher-less kernel: the teacher rows of `st` were never written
+        lse_s, ent, lp = _finalize_student(m_s, z_s, a_s, s_y)
+        zeros = torch.zeros_like(lse_s)
+        stats = torch.where(keep, torch.stack([lse_s, zeros, zeros, zeros, ent]), zero)
+        return zeros, torch.where(keep, lp, zero), torch.where(keep, ent, zero), stats
     lse_s, lse_t, dlse, ent, lp = _finalize(m_s, z_s, a_s, m_t, z_t, m_j, zt_j, dz_j, s_y)
     if div_code == 0:
         aux = e_d / z_s - dlse
@@ -462,7 +553,6 @@ def _triton_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, V, div_c
                                torch.stack([lse_s, lse_t, dlse]).contiguous(), temperature, V, beta)
         aux = kl[0]
         div = (beta * kl[1] + (1.0 - beta) * kl[0]).clamp_min(0.0)
-    zero = torch.zeros((), device=hs.device, dtype=torch.float32)
     # masked rows hold untouched sums (log 0 = -inf there): zero them, outputs and stats alike
     stats = torch.where(keep, torch.stack([lse_s, lse_t, dlse, aux, ent]), zero)
     return (torch.where(keep, div, zero), torch.where(keep, lp, zero), torch.where(keep, ent, zero),
@@ -494,7 +584,7 @@ def _torch_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, V, div_co
     for r0 in range(0, n_kept, tchunk):
         rows = kept[r0:r0 + tchunk]
         hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
-        ht_t = ht.index_select(0, rows).to(cdt).mul_(inv_t)
+        ht_t = None if ht is None else ht.index_select(0, rows).to(cdt).mul_(inv_t)
         y = targets.index_select(0, rows).long()
         vchunk = _default_vchunk(rows.numel(), V, chunk_size)
         d_, l_, e_, st_ = _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code,
@@ -613,10 +703,11 @@ def _torch_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, s
 # custom ops + autograd
 # ----------------------------------------------------------------------------------
 @torch.library.custom_op("memopd::fused_distill_fwd", mutates_args=())
-def _fwd_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor,
-            bt: Optional[Tensor], targets: Tensor, keep: Tensor, temperature: float,
-            vocab_size: int, divergence: int, beta: float, chunk_size: int, token_chunk: int,
-            backend: str, check_targets: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fwd_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Optional[Tensor],
+            wt: Optional[Tensor], bt: Optional[Tensor], targets: Tensor, keep: Tensor,
+            temperature: float, vocab_size: int, divergence: int, beta: float,
+            chunk_size: int, token_chunk: int, backend: str,
+            check_targets: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if check_targets:
         _check_target_range(targets, keep, vocab_size)
     if backend == "triton":
@@ -637,12 +728,16 @@ def _fwd_fake(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_size, di
 
 @torch.library.custom_op("memopd::fused_distill_bwd", mutates_args=())
 def _bwd_op(g_div: Optional[Tensor], g_lp: Optional[Tensor], g_ent: Optional[Tensor],
-            hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor,
-            bt: Optional[Tensor], targets: Tensor, keep: Tensor, stats: Tensor,
-            temperature: float, vocab_size: int, divergence: int, beta: float,
+            hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Optional[Tensor],
+            wt: Optional[Tensor], bt: Optional[Tensor], targets: Tensor, keep: Tensor,
+            stats: Tensor, temperature: float, vocab_size: int, divergence: int, beta: float,
             need_dh: bool, need_dw: bool, need_db: bool, chunk_size: int, token_chunk: int,
             backend: str) -> tuple[Tensor, Tensor, Tensor]:
     cdt = stats.dtype
+    if ht is None:
+        # teacher-less: the wrapper drops the (zero) divergence output, but under
+        # torch.compile its gradient may still arrive materialised as zeros: ignore it
+        g_div = None
     g_div = None if g_div is None else g_div.to(cdt).contiguous()
     g_lp = None if g_lp is None else g_lp.to(cdt).contiguous()
     g_ent = None if g_ent is None else g_ent.to(cdt).contiguous()
@@ -687,6 +782,8 @@ def _backward(ctx, g_div, g_lp, g_ent, _g_stats):
     hs, ws, bs, ht, wt, bt, targets, keep, stats = ctx.saved_tensors
     temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend = ctx.scalars
     for name, w, h in (("student", ws, hs), ("teacher", wt, ht)):
+        if w is None:  # teacher-less op
+            continue
         if w.dim() != 2 or w.shape[0] < vocab_size or w.shape[1] != h.shape[1]:
             raise RuntimeError(
                 f"the {name} lm_head weight changed shape between forward and backward "
@@ -722,6 +819,18 @@ def _keep_mask(targets: Tensor, mask: Optional[Tensor], ignore_index: Optional[i
     if ignore_index is not None:
         keep = keep & (targets != ignore_index)
     return keep
+
+
+def _dispatch(backend: Optional[str], device: torch.device, check_targets: Optional[bool],
+              *dtypes: torch.dtype) -> tuple[str, bool]:
+    """Back end (validated) and whether to check the target range, for one call."""
+    be = _resolve_backend(backend, device)
+    if be == "triton" and torch.float64 in dtypes:
+        raise TypeError("the Triton path supports float32/bfloat16/float16 inputs; use "
+                        "backend='torch' for float64")
+    if check_targets is None:
+        check_targets = device.type == "cpu" or os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
+    return be, bool(check_targets)
 
 
 def fused_linear_distill(
@@ -775,13 +884,8 @@ def fused_linear_distill(
         student_hidden, student_weight, teacher_hidden, teacher_weight, targets, mask,
         student_bias, teacher_bias, temperature, vocab_size, reduction, divergence, beta)
     div_code = _resolve_divergence(divergence, beta)
-    device = student_hidden.device
-    be = _resolve_backend(backend, device)
-    if be == "triton" and torch.float64 in (student_hidden.dtype, teacher_hidden.dtype):
-        raise TypeError("the Triton path supports float32/bfloat16/float16 inputs; use "
-                        "backend='torch' for float64")
-    if check_targets is None:
-        check_targets = device.type == "cpu" or os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
+    be, check_targets = _dispatch(backend, student_hidden.device, check_targets,
+                                  student_hidden.dtype, teacher_hidden.dtype)
     keep = _keep_mask(targets, mask, ignore_index)
     hs = student_hidden.contiguous()
     ws = student_weight.contiguous()
@@ -826,6 +930,60 @@ def fused_linear_reverse_kl(
         backend=backend, check_targets=check_targets)
 
 
+def fused_linear_logprob_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    ignore_index: Optional[int] = -100,
+    backend: Optional[str] = None,
+    token_chunk_size: Optional[int] = None,
+    check_targets: Optional[bool] = None,
+) -> LogProbEntropy:
+    """Fused lm_head + log-prob of the target + entropy, no teacher, no [N, V] logits.
+
+    The teacher-less mode of `fused_linear_distill` (the same forward / backward with
+    every teacher matmul and statistic removed), for PPO/GRPO actor losses and for
+    scoring rollouts: with s = (hidden @ weight[:vocab_size]^T + bias) / T and
+    p = softmax(s), per kept token i
+
+        logprobs[i] = log p_{targets[i]},   entropy[i] = -Σ_v p_v log p_v.
+
+    Args:
+        hidden: [N, H] last hidden states. weight: [V, H] lm_head weight, same dtype
+            (fp32 / bf16 / fp16; float64 on the PyTorch path). bias: optional [V].
+        targets: [N] integer ids of the sampled tokens (ignored where masked).
+        mask: optional [N] bool, True = token is computed. Targets equal to
+            `ignore_index` (default -100) are masked too; None disables that.
+        temperature: > 0, divides the logits (the sampler's temperature).
+        vocab_size: true vocabulary <= V (padded lm_head rows are excluded and get
+            zero gradient); default V.
+        chunk_size, token_chunk_size, backend, check_targets: as in `fused_linear_distill`.
+
+    Returns:
+        LogProbEntropy(logprobs, entropy): fp32 [N] (float64 for float64 inputs on the
+        PyTorch path), 0 at masked tokens. Gradients reach hidden, weight and bias from
+        both outputs (masked tokens get none). Under `torch.no_grad()` (or with no input
+        requiring grad) nothing is saved for a backward: memory is the inputs plus
+        O(rows × chunk) working tiles.
+    """
+    temperature, vocab_size = _validate_student_only(hidden, weight, bias, targets, mask,
+                                                     temperature, vocab_size)
+    be, check_targets = _dispatch(backend, hidden.device, check_targets, hidden.dtype)
+    keep = _keep_mask(targets, mask, ignore_index)
+    b = None if bias is None else bias.contiguous()
+    _div, lp, ent, _stats = _fwd_op(
+        hidden.contiguous(), weight.contiguous(), b, None, None, None, targets.contiguous(),
+        keep.contiguous(), temperature, vocab_size, DIVERGENCES["reverse_kl"], 0.5,
+        int(chunk_size or 0), int(token_chunk_size or 0), be, check_targets)
+    return LogProbEntropy(lp, ent)
+
+
 # ----------------------------------------------------------------------------------
 # naive references (materialise [N, V]; tests and benchmarks only)
 # ----------------------------------------------------------------------------------
@@ -867,14 +1025,8 @@ def reference_linear_distill(
         compute_dtype = torch.float64 if any64 else torch.float32
     cd = compute_dtype
     V = vocab_size
-    s = student_hidden.to(cd) @ student_weight[:V].to(cd).t()
-    if student_bias is not None:
-        s = s + student_bias[:V].to(cd)
-    t = teacher_hidden.to(cd) @ teacher_weight[:V].to(cd).t()
-    if teacher_bias is not None:
-        t = t + teacher_bias[:V].to(cd)
-    ls = torch.log_softmax(s / temperature, dim=-1)
-    lt = torch.log_softmax(t / temperature, dim=-1)
+    ls = _reference_log_softmax(student_hidden, student_weight, student_bias, V, temperature, cd)
+    lt = _reference_log_softmax(teacher_hidden, teacher_weight, teacher_bias, V, temperature, cd)
     p = ls.exp()
     code = _resolve_divergence(divergence, beta)
     if code == 0:
@@ -887,14 +1039,58 @@ def reference_linear_distill(
         kl_t = torch.nn.functional.kl_div(lm, lt, reduction="none", log_target=True).sum(-1)
         kl_s = torch.nn.functional.kl_div(lm, ls, reduction="none", log_target=True).sum(-1)
         div = beta * kl_t + (1.0 - beta) * kl_s
-    ent = -(p * ls).sum(-1)
     keep = _keep_mask(targets, mask, ignore_index)
-    lp = ls.gather(1, targets.long().clamp(0, V - 1)[:, None])[:, 0]
-    zero = torch.zeros((), dtype=cd, device=ls.device)
-    div = torch.where(keep, div, zero)
-    lp = torch.where(keep, lp, zero)
-    ent = torch.where(keep, ent, zero)
+    lp, ent = _reference_lp_ent(ls, targets, keep)
+    div = torch.where(keep, div, torch.zeros((), dtype=cd, device=ls.device))
     return DistillOutput(_reduce(div, keep, reduction), div, lp, ent)
+
+
+def _reference_log_softmax(h, w, b, V, temperature, cd):
+    """Naive [N, V] log-softmax of (h @ w[:V]^T + b[:V]) / T in dtype `cd`."""
+    s = h.to(cd) @ w[:V].to(cd).t()
+    if b is not None:
+        s = s + b[:V].to(cd)
+    return torch.log_softmax(s / temperature, dim=-1)
+
+
+def _reference_lp_ent(ls, targets, keep):
+    """Log-prob of the targets and entropy from [N, V] log-probs, zero where not kept."""
+    V = ls.shape[1]
+    ent = -(ls.exp() * ls).sum(-1)
+    lp = ls.gather(1, targets.long().clamp(0, V - 1)[:, None])[:, 0]
+    zero = torch.zeros((), dtype=ls.dtype, device=ls.device)
+    return torch.where(keep, lp, zero), torch.where(keep, ent, zero)
+
+
+def reference_linear_logprob_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    ignore_index: Optional[int] = -100,
+    backend: Optional[str] = None,
+    token_chunk_size: Optional[int] = None,
+    check_targets: Optional[bool] = None,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> LogProbEntropy:
+    """Naive reference of `fused_linear_logprob_entropy`: [N, V] log_softmax + gather.
+
+    `compute_dtype` defaults to float64 for float64 inputs, else float32; outputs are
+    in it. `chunk_size`, `token_chunk_size`, `backend` and `check_targets` are accepted
+    for signature compatibility and ignored.
+    """
+    temperature, vocab_size = _validate_student_only(hidden, weight, bias, targets, mask,
+                                                     temperature, vocab_size)
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    ls = _reference_log_softmax(hidden, weight, bias, vocab_size, temperature, compute_dtype)
+    lp, ent = _reference_lp_ent(ls, targets, _keep_mask(targets, mask, ignore_index))
+    return LogProbEntropy(lp, ent)
 
 
 def reference_linear_reverse_kl(student_hidden: Tensor, student_weight: Tensor,
