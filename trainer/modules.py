@@ -7,7 +7,8 @@ running under ZeRO-3.
 
 - `Actor(lm)(batch, teacher_hidden, teacher_weight)` -> `DistillOutput` per action token
   (student log-prob of the sampled id, student entropy, reverse KL to the teacher),
-  from one fused pass over the vocabulary. Without a teacher the KL is zero.
+  from one fused pass over the vocabulary. Without a teacher the KL is zero and the
+  teacher-less op (`fused_linear_logprob_entropy`) does only the student's matmuls.
 - `Critic(lm)(batch)` -> value per action token, read at its prediction position (the
   state in which the token was chosen).
 """
@@ -18,7 +19,7 @@ from torch import nn
 
 from memopd.hf import lm_head_of, packed_forward
 from memopd.layout import PackedBatch
-from memopd.ops import fused_linear_reverse_kl
+from memopd.ops import DistillOutput, fused_linear_logprob_entropy, fused_linear_reverse_kl
 
 __all__ = ["Actor", "Critic", "register_zero3_external_params"]
 
@@ -38,11 +39,11 @@ class Actor(nn.Module):
         head = lm_head_of(self.lm)
         w = head.weight
         b = getattr(head, "bias", None)
-        if teacher_hidden is None:
-            # no teacher: score against a detached copy of itself, so KL = 0 with zero
-            # gradient and log-probs / entropy come from the same fused pass
-            teacher_hidden, teacher_weight, teacher_bias = h.detach(), w.detach(), None if b is None else b.detach()
         targets = batch.target_ids.to(h.device)
+        if teacher_hidden is None:
+            # no teacher: the teacher-less mode of the fused op (no teacher matmuls), KL = 0
+            lp = fused_linear_logprob_entropy(h, w, targets, bias=b)
+            return DistillOutput(lp.logprobs.new_zeros(()), torch.zeros_like(lp.logprobs), lp.logprobs, lp.entropy)
         return fused_linear_reverse_kl(
             h, w, teacher_hidden.to(h.dtype), teacher_weight.to(w.dtype), targets,
             student_bias=b, teacher_bias=teacher_bias, reduction="none",

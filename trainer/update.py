@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from memopd.hf import lm_head_of, packed_forward
+from memopd.ops import fused_linear_logprob_entropy
 from memopd.packing import pack
 from memopd.records import Trajectory
 
@@ -117,8 +118,10 @@ def score(
     def logp_of(lm):
         def fn(mb):
             h = packed_forward(lm, mb, output="hidden", attention_backend=actor.attention_backend)
-            logits = lm_head_of(lm)(h).float()
-            return torch.log_softmax(logits, -1).gather(1, mb.target_ids.to(h.device)[:, None])[:, 0]
+            head = lm_head_of(lm)
+            # fused: no [actions x vocab] logits even for scoring
+            return fused_linear_logprob_entropy(h, head.weight, mb.target_ids.to(h.device),
+                                                bias=getattr(head, "bias", None)).logprobs
         return fn
 
     logp_old = _per_action(logp_of(actor.lm), batch, max_tokens)
