@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _dist_worker_backend as W  # noqa: E402
+from _launch import run_worker  # noqa: E402
 
 from memopd.trainer.backend import (  # noqa: E402
     DistInfo,
@@ -105,16 +104,7 @@ def _compare(got: dict, ref: dict, init: dict, what: str) -> None:
 
 
 def _launch(args: list[str], out: Path, timeout: int = 300) -> dict:
-    env = dict(os.environ)
-    # gloo's polling threads and 2 OpenMP threads per rank thrash 2 cores (2-3x slower)
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU/gloo path on any machine (2 ranks, maybe 1 GPU)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    run_worker(args, timeout)
     return json.loads((out / "results.json").read_text())
 
 

@@ -7,32 +7,20 @@ the plain backend and DeepSpeed ZeRO-2 and ZeRO-3 (each rank holding half of the
 Weights and the logged metrics must agree.
 """
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import REPO, run_worker  # noqa: E402
+
 WORKER = REPO / "tests" / "_dist_worker_trainer.py"
 ATOL = 1e-4  # Adam's first steps amplify float-order noise in tiny gradients
 METRICS = ("train/pg_loss", "train/vf_loss", "train/entropy", "train/kl_teacher", "train/clip_frac",
            "train/actor_grad_norm", "train/critic_grad_norm", "rollout/reward_mean", "rollout/action_tokens",
            "rollout/episodes", "train/kl_penalty_mean")
-
-
-def _run(args, timeout=600):
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +29,8 @@ def runs(tmp_path_factory):
     names = ["plain"]
     if importlib.util.find_spec("deepspeed") is not None:
         names += ["zero2", "zero3"]
-    _run([sys.executable, str(WORKER), str(out / "one"), "exact", "plain"])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    run_worker([sys.executable, str(WORKER), str(out / "one"), "exact", "plain"])
+    run_worker([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
           str(WORKER), str(out / "two"), "exact", *names])
     load = lambda p: torch.load(p, map_location="cpu", weights_only=False)  # noqa: E731
     return load(out / "one" / "plain_exact.pt"), {n: load(out / "two" / f"{n}_exact.pt") for n in names}
