@@ -1,1 +1,30 @@
-"""PPO + on-policy distillation trainer of memopd (installed as `memopd.trainer`)."""
+"""PPO + on-policy distillation trainer of memopd (installed as `memopd.trainer`).
+
+The main names load on first use (they import transformers):
+`TrainConfig` (config.py), `Trainer` / `train` / `prepare` (loop.py), `make_backend` /
+`init_distributed` (backend.py), `Actor` / `Critic` (modules.py), `score` /
+`actor_loss` (update.py), `gae` / `policy_loss` / `value_loss` / `token_rewards` /
+`whiten` (ppo.py), `plot_run` (plot.py).
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "TrainConfig": "config", "ARMS": "config", "ConfigError": "config",
+    "Trainer": "loop", "train": "loop", "prepare": "loop",
+    "make_backend": "backend", "init_distributed": "backend", "TrainBackend": "backend",
+    "Actor": "modules", "Critic": "modules",
+    "score": "update", "actor_loss": "update", "Scored": "update",
+    "gae": "ppo", "policy_loss": "ppo", "value_loss": "ppo", "token_rewards": "ppo", "whiten": "ppo",
+    "plot_run": "plot",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
