@@ -1,12 +1,13 @@
-"""Helper for tests/test_trainer_dist.py: one trainer step (PPO + OPD) on a fixed batch.
+"""Helper for tests/test_trainer_dist.py: two trainer steps (PPO + OPD) on a fixed batch.
 
-Run as ``python tests/_dist_worker_trainer.py OUT SCENARIO...`` (one process) or under
+Run as ``python tests/_dist_worker_trainer.py OUT DOMAIN SCENARIO...`` (one process) or under
 ``torchrun --standalone --nproc_per_node 2``. Every scenario builds the same tiny
 student, critic, reference and teacher, replaces the environment rollout by a fixed
-global batch of recorded trajectories (rank r takes every world_size-th one), runs one
-`Trainer.train_step` (scoring, GAE, global advantage whitening, 2 PPO epochs of one
-minibatch: two optimiser steps on each of actor and critic) and writes the full actor
-and critic weights from rank 0. The leading underscore keeps pytest from collecting it.
+global batch of recorded trajectories (rank r takes every world_size-th one), runs two
+`Trainer.train_step`s (scoring, GAE, global advantage whitening, 2 PPO epochs of one
+minibatch: two optimiser steps each on actor and critic; the second step has a nonzero
+reference-KL penalty) and writes the full actor and critic weights and the metrics
+from rank 0. The leading underscore keeps pytest from collecting it.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def run_scenario(name: str, out: str, action_domain: str) -> None:
 
     student, teacher = make_models()
     tr = FixedBatch(cfg, student_lm=student, teacher_lm=teacher, env=None, world=None, log=lambda *_: None)
-    metrics = tr.train_step(0)
+    metrics = [tr.train_step(0), tr.train_step(1)]
     actor, critic = tr.inference_modules()  # full weights on every rank, also under ZeRO-3
     if tr.rank == 0:
         torch.save({"actor": {k: v.detach().cpu() for k, v in actor.state_dict().items()},

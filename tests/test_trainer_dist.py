@@ -1,7 +1,7 @@
 """Trainer-level data parallelism: 2 gloo ranks equal one process on the global batch.
 
-tests/_dist_worker_trainer.py runs one full `Trainer.train_step` (scoring, GAE, global
-advantage whitening, PPO + OPD, critic; two optimiser steps each) on a fixed global
+tests/_dist_worker_trainer.py runs two full `Trainer.train_step`s (scoring, GAE, global
+advantage whitening, reference-KL penalty, PPO + OPD, critic) on a fixed global
 batch of 8 trajectories: once in a single process, once under torchrun with 2 ranks for
 the plain backend and DeepSpeed ZeRO-2 and ZeRO-3 (each rank holding half of the batch).
 Weights and the logged metrics must agree.
@@ -54,5 +54,7 @@ def test_two_ranks_equal_one_process(runs, name):
         for k, ref in one[part].items():
             torch.testing.assert_close(got[part][k].float(), ref.float(), rtol=1e-4, atol=ATOL,
                                        msg=lambda m: f"{name} {part}.{k}: {m}")
-    for k in METRICS:
-        assert got["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-4, abs=1e-6), k
+    assert one["metrics"][1]["train/kl_penalty_mean"] > 0
+    for step in (0, 1):
+        for k in METRICS:
+            assert got["metrics"][step][k] == pytest.approx(one["metrics"][step][k], rel=1e-4, abs=1e-6), (step, k)

@@ -27,16 +27,17 @@ class TrainConfig:
     arm: str = "memopd"  # ppo | persistent (teacher on flatten) | memopd (teacher on aligned)
     run_dir: str = "runs/default"
     seed: int = 0
-    steps: int = 12
+    steps: int = 40
     # models: checkpoint dirs; empty = SFT'd defaults from cache_dir (built if missing)
     student: str = ""
     teacher: str = ""
     cache_dir: str = ".memopd_cache"
     # environment
     world_seed: int = 0
-    train_k: list[int] = field(default_factory=lambda: [2])  # questions per episode while training
+    # questions per episode while training, cycled step by step (Q16 stays held out)
+    train_k: list[int] = field(default_factory=lambda: [2, 8])
     eval_k: list[int] = field(default_factory=lambda: [2, 8, 16])
-    eval_tasks: int = 16  # held-out question sets per k at the end
+    eval_tasks: int = 32  # held-out question sets per k at the end
     policy: str = "summary"
     # loss domain: "exact" (the sampled action tokens) or "naive" (also re-encoded copies
     # of model output inside later contexts: the action-domain ablation)
@@ -62,7 +63,7 @@ class TrainConfig:
     opd_coef: float = 1.0  # lambda (ignored by the ppo arm)
     max_tokens: int = 4096  # token budget of one micro-batch
     # run management
-    checkpoint_every: int = 5
+    checkpoint_every: int = 10
     eval_every: int = 0  # 0: only at the end
     tensorboard: bool = False
     deepspeed: str = ""  # path to a DeepSpeed JSON config: enables ZeRO

@@ -152,8 +152,9 @@ class Trainer:
             sum(float(tr.rewards.get("em_mean", float("nan"))) for tr in trajs),
             sum(float(tr.rewards.get("f1_mean", float("nan"))) for tr in trajs),
             sum(len(tr) for tr in trajs), int(scored.is_sampled.sum()), int((~scored.is_sampled).sum()),
+            float(scored.kl_penalty.sum()),
         ], dtype=torch.float64)
-        n, r_sum, em_sum, f1_sum, calls, n_act, n_copies = self.actor.all_reduce_sum(sums).tolist()
+        n, r_sum, em_sum, f1_sum, calls, n_act, n_copies, pen_sum = self.actor.all_reduce_sum(sums).tolist()
         m = {
             "step": step + 1,
             "rollout/k": k,
@@ -166,7 +167,7 @@ class Trainer:
             "rollout/action_tokens": int(n_act),
             "train/context_copies": int(n_copies),
             "rce/max_dlogp_vs_sampling": max_over_ranks(scored.sample_dlogp, self.world_size, self.actor.device),
-            "train/kl_penalty_mean": float(scored.kl_penalty.mean()) if scored.kl_penalty.numel() else 0.0,
+            "train/kl_penalty_mean": pen_sum / max(n_act + n_copies, 1.0),
             "train/lr": self.actor.lr(),
             **{f"train/{k2}": v for k2, v in stats.items()},
             "time/rollout_s": round(t_roll, 3),
