@@ -492,7 +492,9 @@ def _cfg(bn, bv, bk, warps, stages):
 # Two [BLOCK_N, BLOCK_V] fp32 tiles (student, teacher) plus the online statistics are
 # live at once. These lists were checked by compiling every kernel variant for sm_90
 # (ptxas resource usage, with the 16-divisibility hints the launcher gives for real
-# shapes): the 16-bit KL lists do not spill at all; a 128x128 forward tile does (over
+# shapes): the 16-bit KL lists do not spill at all with the ptxas of that check (a
+# later ptxas, CUDA 13.4 for sm_90a, reports 8 bytes of spill for the 64x64 / 4-warp
+# forward: autotune weighs it on a real GPU); a 128x128 forward tile does (over
 # 1 KB of stack per thread) and is only offered to the KL dlogits kernel. The JSD
 # (three-way log/exp per entry) needs 8 warps on 64x64 tiles or narrower; fp32 inputs
 # use FMA "ieee" dots, which need small tiles (a few bytes of spill remain there).
