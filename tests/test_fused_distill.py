@@ -17,6 +17,7 @@ import weakref
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from _fused_cases import as64, make_inputs, run_lpe, weighted_grads
 
 from memopd.ops import (
     DistillOutput,
@@ -40,57 +41,11 @@ def seed(request):
     return s
 
 
-def make_inputs(seed, N=40, Hs=24, Ht=20, V=301, Vt=None, dtype=torch.float32, bias=True,
-                teacher_bias=False, mask_p=0.3, scale=0.4, teacher=None):
-    """Random student/teacher heads. teacher="close" makes the teacher the student + noise."""
-    g = torch.Generator().manual_seed(seed)
-    Vt = V if Vt is None else Vt
-    hs = torch.randn(N, Hs, generator=g)
-    ws = torch.randn(V, Hs, generator=g) * scale
-    if teacher == "close":
-        ht = hs.clone()
-        wt = ws[:Vt].clone() if Vt <= V else torch.cat([ws, torch.randn(Vt - V, Hs, generator=g)])
-        wt = wt + 1e-3 * torch.randn(wt.shape, generator=g)
-    else:
-        ht = torch.randn(N, Ht, generator=g)
-        wt = torch.randn(Vt, Ht, generator=g) * scale
-    y = torch.randint(0, min(V, Vt), (N,), generator=g)
-    mask = torch.rand(N, generator=g) > mask_p
-    bs = (torch.randn(V, generator=g) * 0.5) if bias else None
-    bt = (torch.randn(Vt, generator=g) * 0.5) if teacher_bias else None
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
-    return dict(hs=cast(hs).requires_grad_(), ws=cast(ws).requires_grad_(),
-                bs=None if bs is None else cast(bs).requires_grad_(), ht=cast(ht), wt=cast(wt),
-                bt=cast(bt), y=y, mask=mask)
-
-
 def run(fn, inp, weights=None, grads=True, **kw):
     """Call fn, build a loss from the selected outputs, return (outputs, grads)."""
     out = fn(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], mask=inp["mask"],
              student_bias=inp["bs"], teacher_bias=inp["bt"], **kw)
-    if not grads:
-        return out, None
-    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
-    total = 0.0
-    for name, w in (weights or {"loss": 1.0}).items():
-        val = getattr(out, name)
-        if isinstance(w, torch.Tensor):
-            total = total + (val * w.to(val.dtype)).sum()
-        else:
-            total = total + w * val.sum()
-    g = torch.autograd.grad(total, params, allow_unused=True)
-    return out, [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
-
-
-def as64(inp):
-    """Same values in float64 (fresh leaves) for the reference."""
-    out = {}
-    for k, v in inp.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            out[k] = v.detach().double().requires_grad_(v.requires_grad)
-        else:
-            out[k] = v
-    return out
+    return out, (weighted_grads(out, inp, weights or {"loss": 1.0}) if grads else None)
 
 
 def assert_close(a, b, atol, rtol, what, seed):
@@ -514,17 +469,6 @@ def test_repartitioned_weight_is_detected(seed):
 # ----------------------------------------------------------------------------------
 # teacher-less mode: fused_linear_logprob_entropy
 # ----------------------------------------------------------------------------------
-def run_lpe(fn, inp, weights=None, **kw):
-    """fused/reference_linear_logprob_entropy on the student of `inp`; (outputs, grads)."""
-    out = fn(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
-    if weights is None:
-        return out, None
-    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
-    total = sum((getattr(out, k) * w.to(getattr(out, k).dtype)).sum() for k, w in weights.items())
-    g = torch.autograd.grad(total, params, allow_unused=True)
-    return out, [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
-
-
 def compare_lpe(seed, inp, weights, kw, val_tol=(2e-5, 2e-5), grad_tol=(2e-5, 1e-4), fused_kw=None):
     out, g = run_lpe(fused_linear_logprob_entropy, inp, weights, **kw, **(fused_kw or {}))
     ref, gr = run_lpe(reference_linear_logprob_entropy, as64(inp), weights, **kw)

@@ -26,8 +26,10 @@ import os
 import subprocess
 import sys
 
+import _fused_cases as cases
 import pytest
 import torch
+from _fused_cases import as64, run_lpe, weighted_grads
 
 _CHILD = os.environ.get("MEMOPD_TRITON_INTERP_CHILD") == "1"
 _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -67,42 +69,14 @@ def test_interpreter_suite_in_subprocess():
     assert res.returncode == 0, f"interpreted Triton tests failed:\n{res.stdout[-5000:]}"
 
 
-def make_inputs(seed, N=48, Hs=40, Ht=24, V=300, Vt=None, dtype=torch.float32, bias=True,
-                teacher_bias=False, mask_p=0.3, scale=0.4, close=False):
-    g = torch.Generator().manual_seed(seed)
-    Vt = V if Vt is None else Vt
-    hs = torch.randn(N, Hs, generator=g)
-    ws = torch.randn(V, Hs, generator=g) * scale
-    if close:
-        ht, wt = hs.clone(), ws[:Vt].clone() + 1e-3 * torch.randn(Vt, Hs, generator=g)
-    else:
-        ht = torch.randn(N, Ht, generator=g)
-        wt = torch.randn(Vt, Ht, generator=g) * scale
-    y = torch.randint(0, min(V, Vt), (N,), generator=g)
-    mask = torch.rand(N, generator=g) > mask_p
-    bs = torch.randn(V, generator=g) * 0.5 if bias else None
-    bt = torch.randn(Vt, generator=g) * 0.5 if teacher_bias else None
-    c = lambda x: None if x is None else x.to(dtype)  # noqa: E731
-    return dict(hs=c(hs).requires_grad_(), ws=c(ws).requires_grad_(),
-                bs=None if bs is None else c(bs).requires_grad_(), ht=c(ht), wt=c(wt), bt=c(bt),
-                y=y, mask=mask)
-
-
-def as64(inp):
-    return {k: (v.detach().double().requires_grad_(v.requires_grad)
-                if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-            for k, v in inp.items()}
+def make_inputs(seed, N=48, Hs=40, Ht=24, V=300, close=False, **kw):
+    return cases.make_inputs(seed, N=N, Hs=Hs, Ht=Ht, V=V, teacher="close" if close else None, **kw)
 
 
 def run(fn, inp, weights=None, **kw):
     out = fn(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], mask=inp["mask"],
              student_bias=inp["bs"], teacher_bias=inp["bt"], **kw)
-    if weights is None:
-        return out, None
-    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
-    total = sum((getattr(out, k) * w.to(getattr(out, k).dtype)).sum() for k, w in weights.items())
-    g = torch.autograd.grad(total, params, allow_unused=True)
-    return out, [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
+    return out, None if weights is None else weighted_grads(out, inp, weights)
 
 
 def weights_for(seed, N, which=("loss", "kl", "logprobs", "entropy")):
@@ -297,16 +271,6 @@ def test_kernels_compile_for_sm90():
 # ----------------------------------------------------------------------------------
 # teacher-less mode: fused_linear_logprob_entropy (HAS_TEACHER=False forward kernel)
 # ----------------------------------------------------------------------------------
-def run_lpe(fn, inp, weights=None, **kw):
-    out = fn(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
-    if weights is None:
-        return out, None
-    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
-    total = sum((getattr(out, k) * w.to(getattr(out, k).dtype)).sum() for k, w in weights.items())
-    g = torch.autograd.grad(total, params, allow_unused=True)
-    return out, [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
-
-
 def check_lpe(seed, inp, weights, kw, val_tol=(3e-5, 3e-5), grad_tol=(3e-5, 2e-4), **triton_kw):
     out, g = run_lpe(fused_linear_logprob_entropy, inp, weights, backend="triton", **kw, **triton_kw)
     ref, gr = run_lpe(reference_linear_logprob_entropy, as64(inp), weights, **kw)

@@ -1,0 +1,53 @@
+"""Shared cases of the fused-distillation tests: random student/teacher heads, float64
+copies for the references, and gradients of a weighted sum of the outputs. Imported by
+test_fused_distill.py and test_fused_distill_triton.py (not collected itself)."""
+import torch
+
+
+def make_inputs(seed, N=40, Hs=24, Ht=20, V=301, Vt=None, dtype=torch.float32, bias=True,
+                teacher_bias=False, mask_p=0.3, scale=0.4, teacher=None):
+    """Random student/teacher heads. teacher="close" makes the teacher the student + noise."""
+    g = torch.Generator().manual_seed(seed)
+    Vt = V if Vt is None else Vt
+    hs = torch.randn(N, Hs, generator=g)
+    ws = torch.randn(V, Hs, generator=g) * scale
+    if teacher == "close":
+        ht = hs.clone()
+        wt = ws[:Vt].clone() if Vt <= V else torch.cat([ws, torch.randn(Vt - V, Hs, generator=g)])
+        wt = wt + 1e-3 * torch.randn(wt.shape, generator=g)
+    else:
+        ht = torch.randn(N, Ht, generator=g)
+        wt = torch.randn(Vt, Ht, generator=g) * scale
+    y = torch.randint(0, min(V, Vt), (N,), generator=g)
+    mask = torch.rand(N, generator=g) > mask_p
+    bs = (torch.randn(V, generator=g) * 0.5) if bias else None
+    bt = (torch.randn(Vt, generator=g) * 0.5) if teacher_bias else None
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    return dict(hs=cast(hs).requires_grad_(), ws=cast(ws).requires_grad_(),
+                bs=None if bs is None else cast(bs).requires_grad_(), ht=cast(ht), wt=cast(wt),
+                bt=cast(bt), y=y, mask=mask)
+
+
+def as64(inp):
+    """Same values in float64 (fresh leaves) for the reference."""
+    return {k: (v.detach().double().requires_grad_(v.requires_grad)
+                if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in inp.items()}
+
+
+def weighted_grads(out, inp, weights):
+    """Gradients to the student hidden / weight / bias of sum_k (weights[k] * out.k).sum();
+    a weight is a number or a per-token tensor. Unused inputs get zeros."""
+    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
+    total = 0.0
+    for name, w in weights.items():
+        val = getattr(out, name)
+        total = total + ((val * w.to(val.dtype)).sum() if isinstance(w, torch.Tensor) else w * val.sum())
+    g = torch.autograd.grad(total, params, allow_unused=True)
+    return [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
+
+
+def run_lpe(fn, inp, weights=None, **kw):
+    """fused/reference_linear_logprob_entropy on the student of `inp`; (outputs, grads or None)."""
+    out = fn(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
+    return out, None if weights is None else weighted_grads(out, inp, weights)
