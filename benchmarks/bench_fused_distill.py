@@ -300,45 +300,9 @@ def _gpu_step(impl):
     return kl_only
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU benchmark: needs a CUDA device")
-@pytest.mark.parametrize("impl", ["naive", "fused", "fused_actor", "liger"])
-@pytest.mark.parametrize("case", list(GPU_CASES))
-def test_gpu_forward_backward(benchmark, case, impl):
-    c = GPU_CASES[case]
-    step = _gpu_step(impl)
-    inputs = make_inputs(**c, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    try:
-        step(*inputs)  # warm-up: Triton autotuning / compilation
-    except torch.cuda.OutOfMemoryError:
-        pytest.skip(f"{impl} runs out of memory at {case}")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step(*inputs)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-
-    def timed():
-        step(*inputs)
-        torch.cuda.synchronize()
-
-    benchmark.group = f"gpu {case}"
-    benchmark.pedantic(timed, rounds=max(ROUNDS, 5), iterations=1, warmup_rounds=1)
-    _record(benchmark, case, impl, dict(peak_bytes=peak, how="torch.cuda.max_memory_allocated above inputs"))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU benchmark: needs a CUDA device")
-@pytest.mark.parametrize("impl", ["naive", "fused"])
-@pytest.mark.parametrize("case", list(LPE_GPU_CASES))
-def test_gpu_lpe(benchmark, case, impl):
-    c = LPE_GPU_CASES[case]
-    inputs = make_lpe_inputs(c["N"], c["H"], c["V"], device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        return lpe_step(impl, c["mode"], *inputs)
-
+def _gpu_benchmark(benchmark, case, impl, step):
+    """Warm up `step` (autotuning, compilation; skip on OOM), record its peak memory above
+    the inputs, then time it."""
     torch.cuda.synchronize()
     try:
         step()  # warm-up: Triton autotuning / compilation
@@ -360,6 +324,24 @@ def test_gpu_lpe(benchmark, case, impl):
     benchmark.group = f"gpu {case}"
     benchmark.pedantic(timed, rounds=max(ROUNDS, 5), iterations=1, warmup_rounds=1)
     _record(benchmark, case, impl, dict(peak_bytes=peak, how="torch.cuda.max_memory_allocated above inputs"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU benchmark: needs a CUDA device")
+@pytest.mark.parametrize("impl", ["naive", "fused", "fused_actor", "liger"])
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_forward_backward(benchmark, case, impl):
+    step = _gpu_step(impl)
+    inputs = make_inputs(**GPU_CASES[case], device="cuda", dtype=torch.bfloat16)
+    _gpu_benchmark(benchmark, case, impl, lambda: step(*inputs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU benchmark: needs a CUDA device")
+@pytest.mark.parametrize("impl", ["naive", "fused"])
+@pytest.mark.parametrize("case", list(LPE_GPU_CASES))
+def test_gpu_lpe(benchmark, case, impl):
+    c = LPE_GPU_CASES[case]
+    inputs = make_lpe_inputs(c["N"], c["H"], c["V"], device="cuda", dtype=torch.bfloat16)
+    _gpu_benchmark(benchmark, case, impl, lambda: lpe_step(impl, c["mode"], *inputs))
 
 
 if __name__ == "__main__" and len(sys.argv) >= 7 and sys.argv[1] == "--measure":
