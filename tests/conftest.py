@@ -1,4 +1,5 @@
-"""Shared test fixtures: fresh random seeds (printed, so a failure can be replayed)."""
+"""Shared test fixtures: fresh random seeds (printed, so a failure can be replayed), and
+one torch thread for the modules that train tiny models."""
 import os
 import random
 
@@ -11,3 +12,16 @@ def seed(request):
     s = int(os.environ.get("MEMOPD_TEST_SEED", random.SystemRandom().randrange(2**31)))
     print(f"[seed] {request.node.nodeid}: MEMOPD_TEST_SEED={s}")
     return s
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a test module, restored afterwards. Tiny models gain nothing
+    from more, and on a busy 2-core machine oversubscribed threads make them several times
+    slower. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

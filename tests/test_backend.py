@@ -42,14 +42,7 @@ def _has_deepspeed() -> bool:
         return False
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The model is tiny; on a shared 2-core box two OpenMP threads spin against other
-    # processes and make these tests several times slower. Restored afterwards.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- reference

@@ -18,16 +18,7 @@ from memopd.env.sft import ModelSpec, make_model
 from memopd.records import load_trajectories, save_trajectories
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine
-    # thread oversubscription makes them several times slower; restore afterwards.
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

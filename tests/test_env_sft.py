@@ -9,16 +9,7 @@ from memopd.env.cli import eval_main, sft_main
 from memopd.env.sft import checkpoint_exists, read_env_meta, sft_examples
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine
-    # thread oversubscription makes them several times slower; restore afterwards.
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_sft_examples_are_the_recorded_states():
