@@ -119,6 +119,7 @@ only turns it on by itself when an HfDeepSpeedConfig is alive, which we do not c
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -417,11 +418,16 @@ class TrainBackend:
         src = dict(self.unwrapped.named_parameters())
         with torch.no_grad():
             for name, p in target.named_parameters():
-                p.copy_(src[name].detach().to(p.device))
+                with self._full_parameter(src[name]):
+                    p.copy_(src[name].detach().to(p.device))
             bufs = dict(self.unwrapped.named_buffers())
             for name, b in target.named_buffers():
                 if name in bufs:
                     b.copy_(bufs[name].to(b.device))
+
+    def _full_parameter(self, param: torch.nn.Parameter):
+        """Context in which `param` holds its full value (a no-op unless partitioned)."""
+        return contextlib.nullcontext()
 
     # per-rank client state, same layout for both backends
     def _save_client_state(self, path: str, client_state: dict | None) -> None:
@@ -729,20 +735,11 @@ class DeepSpeedBackend(TrainBackend):
         self._after_step()
         return self._load_client_state(path)
 
-    def copy_weights_to(self, target: torch.nn.Module) -> None:
+    def _full_parameter(self, param: torch.nn.Parameter):
         if self.zero_stage != 3:
-            return super().copy_weights_to(target)
-        deepspeed = _import_deepspeed()
-        src = dict(self.unwrapped.named_parameters())
-        with torch.no_grad():
-            for name, p in target.named_parameters():
-                # one tensor at a time: peak memory stays at one gathered parameter
-                with deepspeed.zero.GatheredParameters([src[name]], modifier_rank=None):
-                    p.copy_(src[name].detach().to(p.device))
-            bufs = dict(self.unwrapped.named_buffers())
-            for name, b in target.named_buffers():
-                if name in bufs:
-                    b.copy_(bufs[name].to(b.device))
+            return super()._full_parameter(param)
+        # one tensor at a time: peak memory stays at one gathered parameter
+        return _import_deepspeed().zero.GatheredParameters([param], modifier_rank=None)
 
     def save_pretrained(self, path: str) -> None:
         """Collective (ZeRO-3 gathers layer by layer to rank 0); the main rank writes."""

@@ -20,6 +20,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from memopd.packing import ACTION_DOMAINS
+
 from .config import ARMS, ConfigError, TrainConfig
 
 __all__ = ["compare_main", "format_compare"]
@@ -30,7 +32,7 @@ DEFAULT_ARMS = ("ppo", "persistent", "memopd", "memopd:naive")
 def _parse_arm(spec: str) -> tuple[str, str]:
     arm, _, domain = spec.partition(":")
     domain = domain or "exact"
-    if arm not in ARMS or domain not in ("exact", "naive"):
+    if arm not in ARMS or domain not in ACTION_DOMAINS:
         raise ConfigError(f"arm {spec!r}: expected ARM or ARM:naive with ARM one of {', '.join(ARMS)}")
     return arm, domain
 

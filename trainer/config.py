@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from memopd.packing import ACTION_DOMAINS
+
 __all__ = ["TrainConfig", "ARMS", "ConfigError"]
 
 ARMS = ("ppo", "persistent", "memopd")
@@ -73,8 +75,8 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         if self.arm not in ARMS:
             raise ConfigError(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
-        if self.action_domain not in ("exact", "naive"):
-            raise ConfigError(f"action_domain must be 'exact' or 'naive', got {self.action_domain!r}")
+        if self.action_domain not in ACTION_DOMAINS:
+            raise ConfigError(f"action_domain must be one of {', '.join(ACTION_DOMAINS)}, got {self.action_domain!r}")
         for name in ("steps", "tasks_per_step", "group_size", "ppo_epochs", "minibatches", "max_tokens", "eval_tasks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -70,9 +70,8 @@ class Trainer:
         self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm != "ppo") else None
         actor = Actor(student_lm)
         critic = Critic(copy.deepcopy(student_lm))
-        self.zero3 = bool(ds) and _zero_stage(ds) == 3
         self._views = None
-        if self.zero3:
+        if ds and _zero_stage(ds) == 3:
             # plain replicas for rollouts and no-grad scoring, refreshed every step: ranks
             # make different numbers of those forwards, and ZeRO-3's per-forward gathers
             # would deadlock (see TrainBackend.copy_weights_to)

@@ -202,7 +202,7 @@ def update(
             counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
             counts = actor_backend.all_reduce_sum(counts)
             n_act, n_t = float(counts[0]), float(counts[1])
-            agg = {k: 0.0 for k in ("pg", "vf", "ent", "kl", "clip", "akl")}
+            agg = dict.fromkeys(("pg_loss", "vf_loss", "entropy", "kl_teacher", "clip_frac", "approx_kl"), 0.0)
             for j, mb in enumerate(mbs):
                 last = j == len(mbs) - 1
                 weight = 1.0 if j < n_real else 0.0
@@ -221,18 +221,17 @@ def update(
                 critic_backend.backward(vl.sum() * (world / max(n_act, 1)) * weight, last_micro_batch=last)
                 w = weight * mb.num_actions / max(n_act / world, 1)
                 with torch.no_grad():
-                    agg["pg"] += float(pg.mean()) * w if pg.numel() else 0.0
-                    agg["vf"] += float(vl.mean()) * w if vl.numel() else 0.0
-                    agg["ent"] += float(out.entropy.mean()) * w if pg.numel() else 0.0
-                    agg["kl"] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if th is not None else 0.0
-                agg["clip"] += float(st.clip_frac) * w
-                agg["akl"] += float(st.approx_kl) * w
+                    agg["pg_loss"] += float(pg.mean()) * w if pg.numel() else 0.0
+                    agg["vf_loss"] += float(vl.mean()) * w if vl.numel() else 0.0
+                    agg["entropy"] += float(out.entropy.mean()) * w if pg.numel() else 0.0
+                    agg["kl_teacher"] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if th is not None else 0.0
+                agg["clip_frac"] += float(st.clip_frac) * w
+                agg["approx_kl"] += float(st.approx_kl) * w
             stats["actor_grad_norm"] += actor_backend.step()
             stats["critic_grad_norm"] += critic_backend.step()
             # each rank's sums are token-weighted shares of the global mean: sum over ranks
-            keys = ("pg", "vf", "ent", "kl", "clip", "akl")
-            red = actor_backend.all_reduce_sum(torch.tensor([agg[k] for k in keys], dtype=torch.float64)) / world
-            for name, v in zip(("pg_loss", "vf_loss", "entropy", "kl_teacher", "clip_frac", "approx_kl"), red.tolist()):
+            red = actor_backend.all_reduce_sum(torch.tensor(list(agg.values()), dtype=torch.float64)) / world
+            for name, v in zip(agg, red.tolist()):
                 stats[name] += v
             n_updates += 1
     return {k: v / max(n_updates, 1) for k, v in stats.items()} | {"optimizer_steps": n_updates}
