@@ -135,6 +135,20 @@ else
   done
 fi
 
+# ---------------------------------------------------------------- 3b. trainer collectives
+# Two trainer steps under torchrun with NCCL need two GPUs; with fewer, the CPU emulation
+# (tests/test_real_scale.py: a default group that serves CUDA tensors only) is the test.
+TRAINER_TIMEOUT="${GPU_CHECK_TRAINER_TIMEOUT:-120}"
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 2 ]; then
+  run_step trainer-nccl "$TRAINER_TIMEOUT" env MEMOPD_TEST_DEVICE=cuda "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node 2 tests/_dist_worker_trainer.py "$OUT_DIR/trainer_nccl" exact plain
+else
+  echo
+  echo "=== [trainer-nccl] skipped: $NGPU GPU(s); a two-rank NCCL step needs 2 (CPU emulation: tests/test_real_scale.py)"
+  STATUS_LINES+=("skip  trainer-nccl (needs 2 GPUs, found $NGPU)")
+fi
+
 # ---------------------------------------------------------------- 4. benchmarks
 # = `pytest benchmarks/ --benchmark-only`, in two processes so that the packing benchmark
 # (the headline numbers) runs first and keeps its own time budget.

@@ -6,11 +6,16 @@
     memopd eval    EM/F1 of a model on held-out Q2/Q8/Q16
     memopd train   the main job: PPO / persistent / MemOPD run on the embedded default
     memopd plot    learning curves of a run directory
+
+Errors: bad input is one line on stderr and exit code 2 (3: run-directory conflict), a
+failed audit exits 1, a bug prints its traceback and exits 70; `--debug` (anywhere before
+a `--`) or MEMOPD_DEBUG=1 shows the traceback of bad input too (`memopd.errors`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -24,26 +29,44 @@ def _load_model(path: str | None, arch: str, vocab_size: int, dtype_name: str, s
 
     dtype = getattr(torch, dtype_name)
     if path:
-        from transformers import AutoModelForCausalLM
+        from .models import load_local_model
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+        return load_local_model(path, what="--model", dtype=dtype).eval()
     from .models import tiny_causal_lm
 
     # sharp random init: an untrained model whose predictions depend on the context
     return tiny_causal_lm(arch, vocab_size=vocab_size, initializer_range=0.2, seed=seed, dtype=dtype)
 
 
+def _load_nonempty(path: str, what: str, vocab_size: int | None = None):
+    from .records import RecordError, load_trajectories
+
+    trajs = load_trajectories(path, vocab_size=vocab_size)
+    if not trajs:
+        raise RecordError(f"{path}: the file holds no trajectories; nothing to {what}")
+    return trajs
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def _cmd_audit(args) -> int:
     from .memory import POLICIES, random_trajectories
     from .rce import audit, format_table
-    from .records import load_trajectories
 
     t0 = time.time()
     model = _load_model(args.model, args.arch, 256, args.dtype, args.seed)
     vocab = model.get_output_embeddings().weight.shape[0]
     sets = []
     if args.trajectories:
-        sets.append(("recorded", load_trajectories(args.trajectories, vocab_size=vocab)))
+        sets.append(("recorded", _load_nonempty(args.trajectories, "audit", vocab_size=vocab)))
     else:
         policies = POLICIES if args.policy == "all" else [args.policy]
         for p in policies:
@@ -72,10 +95,9 @@ def _cmd_audit(args) -> int:
 def _cmd_pack(args) -> int:
     from .memory import random_trajectories
     from .packing import LAYOUTS, pack
-    from .records import load_trajectories
 
     if args.trajectories:
-        trajs = load_trajectories(args.trajectories)
+        trajs = _load_nonempty(args.trajectories, "pack")
     else:
         trajs = random_trajectories(args.policy, args.num_trajectories, seed=args.seed, group_size=args.group_size,
                                     vocab_size=1000, calls=(4, 12), obs_len=(8, 40), action_len=(8, 40), prefix_len=(40, 120))
@@ -106,9 +128,9 @@ def _add_audit(sub) -> None:
     p.add_argument("--trajectories", help="a trajectories .jsonl file (default: generated per memory policy)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
     p.add_argument("--policy", default="all", choices=["all", *POLICIES])
-    p.add_argument("--num-trajectories", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=4, help="trajectories per group (share a prefix)")
-    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--num-trajectories", type=_positive_int, default=8)
+    p.add_argument("--group-size", type=_positive_int, default=4, help="trajectories per group (share a prefix)")
+    p.add_argument("--max-tokens", type=_positive_int, default=8192)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "reference"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write a machine-readable report to this path")
@@ -121,9 +143,9 @@ def _add_pack(sub) -> None:
     p = sub.add_parser("pack", help="layout statistics: tokens, padding, prefixes, naive action domain")
     p.add_argument("--trajectories", help="a trajectories .jsonl file (default: generated)")
     p.add_argument("--policy", default="summary", choices=POLICIES)
-    p.add_argument("--num-trajectories", type=int, default=16)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--num-trajectories", type=_positive_int, default=16)
+    p.add_argument("--group-size", type=_positive_int, default=4)
+    p.add_argument("--max-tokens", type=_positive_int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_pack)
@@ -134,15 +156,82 @@ def _add_external(sub, name: str, help_text: str) -> None:
     sub.add_parser(name, help=help_text, add_help=False)
 
 
+def _debug_requested(argv: list[str]) -> bool:
+    """Take the global `--debug` flag out of `argv` (before or after the subcommand; never
+    after a `--`); MEMOPD_DEBUG=1 in the environment does the same."""
+    flag = False
+    stop = argv.index("--") if "--" in argv else len(argv)
+    for i in reversed(range(stop)):
+        if argv[i] == "--debug":
+            del argv[i]
+            flag = True
+    return flag or os.environ.get("MEMOPD_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _one_line(msg: object) -> str:
+    return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip()) or type(msg).__name__
+
+
+# OS errors about a path the user named (a missing input file, an unwritable output) are
+# bad input, not bugs
+_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; return the process exit code (see `memopd.errors`).
+
+    Bad input (`UserError` and its subclasses, argparse errors, a path that cannot be
+    opened) is one line on stderr, `memopd <command>: error: <message>`, and exit code 2
+    (3 for a run-directory conflict); anything else is a bug: traceback and exit code 70.
+    `--debug` or MEMOPD_DEBUG=1 prints the traceback for bad input too.
+    """
+    import traceback
+
+    from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, UserError
+
+    from .progress import no_library_bars_in_logs
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(argv)
+    no_library_bars_in_logs()  # stderr to a file: no library progress bars either
+    prog = "memopd" + (f" {argv[0]}" if argv and not argv[0].startswith("-") else "")
+    try:
+        return _dispatch(argv)
+    except UserError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return e.exit_code
+    except _PATH_ERRORS as e:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - the last resort of the command line
+        traceback.print_exc()
+        print(f"{prog}: internal error ({type(e).__name__}): this is a bug in memopd; "
+              "please report it with the traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _dispatch(argv: list[str]) -> int:
     for name, module, func, _ in _EXTERNAL:
         if argv and argv[0] == name:
             import importlib
 
             # these subcommands own their parsers: hand them the raw arguments
             return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
-    parser = argparse.ArgumentParser(prog="memopd", description="Memory-Aligned On-Policy Distillation")
+    parser = argparse.ArgumentParser(
+        prog="memopd", description="Memory-Aligned On-Policy Distillation",
+        epilog="Exit codes: 0 success, 1 a check failed (audit), 2 bad input, 3 run-directory conflict, "
+               "70 internal error, 130 interrupted. MEMOPD_DEBUG=1 shows tracebacks for bad input.",
+    )
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_audit(sub)
     _add_pack(sub)

@@ -14,10 +14,12 @@ RoPE is applied exactly as at sampling time. No KV cache is used.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from .errors import UserError
 from .layout import AttentionMeta, PackedBatch
 
 __all__ = [
@@ -29,6 +31,9 @@ __all__ = [
     "packed_hidden_states",
     "independent_forward",
     "lm_head_of",
+    "LMHead",
+    "HeadError",
+    "head_of",
 ]
 
 ATTN_IMPLEMENTATION = "memopd"
@@ -114,6 +119,119 @@ def _base_model(model):
     return base
 
 
+class HeadError(UserError, TypeError):
+    """A model whose final logits are not `scale * (h @ W.T + b)` of its last hidden state."""
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The output head as the fused ops see it: logits = scale * (h @ weight.T + bias).
+
+    `scale` covers models that multiply or divide their logits (or the hidden state
+    that enters lm_head) by a constant: Cohere's `logit_scale`, Granite's and MiniCPM3's
+    `logits_scaling`, Falcon-H1's `lm_head_multiplier`, and any other constant factor.
+    It is measured from the model itself by `head_of`, never looked up by name.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scale: float = 1.0
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        z = h @ self.weight.T
+        if self.bias is not None:
+            z = z + self.bias
+        return z * self.scale if self.scale != 1.0 else z
+
+
+def head_of(model) -> LMHead:
+    """The model's head as an `LMHead`, its scale measured once per model (see
+    `measure_logit_scale`); raises `HeadError` for heads that are not of that form."""
+    head = lm_head_of(model)
+    scale = getattr(model, "_memopd_logit_scale", None)
+    if scale is None:
+        scale = measure_logit_scale(model)
+        model._memopd_logit_scale = scale
+    return LMHead(head.weight, getattr(head, "bias", None), scale)
+
+
+@torch.no_grad()
+def measure_logit_scale(model, probe_len: int = 8) -> float:
+    """The constant c with model(ids).logits == c * (h @ W.T + b), where h is the decoder's
+    last hidden state (what `packed_forward(output="hidden")` returns).
+
+    Checked on a short probe, in three parts, each of which must hold exactly up to
+    rounding: (1) lm_head is the linear map of its weight and bias; (2) what enters
+    lm_head is a constant multiple of h; (3) the model's final logits are a constant
+    multiple of what lm_head returns, tested by swapping lm_head's output for values
+    spread over [-100, 100], where a non-linear post-processing (e.g. Gemma-2's
+    final-logit soft-capping) cannot pass for a linear one. Anything else raises
+    `HeadError` naming the model type, before any fused op can score the wrong
+    distribution.
+    """
+    head = lm_head_of(model)
+    w, b = head.weight, getattr(head, "bias", None)
+    kind = f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
+    device = w.device
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    ids = torch.randint(0, vocab, (1, probe_len), generator=gen).to(device)
+    seen: dict[str, torch.Tensor] = {}
+    synthetic = (torch.rand(1, probe_len, w.shape[0], generator=gen, dtype=torch.float64) * 200 - 100)
+
+    def pre(_m, args, kwargs):
+        seen["x"] = (args[0] if args else kwargs.get("input")).detach()
+
+    def post(_m, _args, out):
+        seen["y"] = out.detach()
+        return synthetic.to(device=out.device, dtype=out.dtype).expand_as(out).clone()
+
+    h = _base_model(model)(input_ids=ids, use_cache=False).last_hidden_state.double()
+    handles = [head.register_forward_pre_hook(pre, with_kwargs=True), head.register_forward_hook(post)]
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits.double()
+    finally:
+        for hd in handles:
+            hd.remove()
+        model.train(was_training)
+    tol = 1e-5 if w.dtype in (torch.float32, torch.float64) else 2e-2
+
+    def proportional(a: torch.Tensor, ref: torch.Tensor) -> float | None:
+        """c with a == c * ref (relative max error <= tol), else None."""
+        denom = float((ref * ref).sum())
+        if a.shape != ref.shape or denom == 0.0:
+            return None
+        c = float((a * ref).sum()) / denom
+        err = float((a - c * ref).abs().max()) / max(float(a.abs().max()), 1e-30)
+        return c if err <= tol else None
+
+    if "x" not in seen:
+        raise HeadError(f"{kind}: its forward does not call get_output_embeddings(); memopd cannot score it")
+    x, y = seen["x"].double(), seen["y"].double()
+    linear = x @ w.double().T + (b.double() if b is not None else 0.0)
+    unit = proportional(y, linear)
+    if unit is None or abs(unit - 1.0) > tol:
+        raise HeadError(f"{kind}: lm_head ({type(head).__name__}) is not the linear map of its weight and bias")
+    d = proportional(x, h)
+    if d is None:
+        raise HeadError(f"{kind}: the hidden state entering lm_head is not a constant multiple of the decoder's "
+                        "last hidden state; memopd's fused ops cannot score this model")
+    c = proportional(logits, synthetic.to(logits.device))
+    if c is None:
+        caps = {k: v for k, v in model.config.to_dict().items() if "softcap" in k and v}
+        hint = f" ({', '.join(f'{k}={v}' for k, v in caps.items())})" if caps else ""
+        raise HeadError(f"{kind}: its final logits are a non-linear function of lm_head's output{hint}; "
+                        "memopd's fused ops support only logits = scale * (h @ W.T + b). Use a model without "
+                        "logit soft-capping, or disable it in the model config if the model allows that.")
+    # rounding to float32 drops the fit's ~1e-10 noise: an exact 1, 0.25 or 1/8 stays exact
+    scale = float(torch.tensor(c * d, dtype=torch.float32))
+    if not scale > 0:
+        raise HeadError(f"{kind}: its logits scale is {scale:g}; only a positive constant scale is supported")
+    return scale
+
+
 def lm_head_of(model) -> torch.nn.Module:
     head = model.get_output_embeddings()
     if head is None:
@@ -158,7 +276,7 @@ def packed_forward(
     h = h.index_select(0, batch.pred_index.to(h.device))
     if output == "hidden":
         return h
-    return lm_head_of(model)(h)
+    return head_of(model).logits(h)
 
 
 def independent_forward(model, input_ids: list[int] | torch.Tensor, *, output: str = "logits") -> torch.Tensor:

@@ -68,7 +68,7 @@ class AttentionMeta:
         return self.seg_start.device
 
     def to(self, device) -> "AttentionMeta":
-        return replace(
+        out = replace(
             self,
             **{
                 f.name: getattr(self, f.name).to(device)
@@ -76,6 +76,82 @@ class AttentionMeta:
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },
         )
+        if getattr(self, "_checked", False):
+            out._checked = True  # same values: no second check (and no host sync) on the device
+        return out
+
+    def validate(self) -> "AttentionMeta":
+        """Raise `ValueError` naming the field if the metadata contradicts itself; return self.
+
+        Checks shapes and integer dtypes, `cu_seqlens` (starts at 0, non-decreasing, ends at
+        T), `prefix_segment` (-1 or a prefix segment), `seg_start[i]` in [0, i + 1],
+        `0 <= prefix_start[i] <= prefix_end[i] <= T`, and that max_seqlen / max_prefix_len
+        cover the longest segment / prefix interval. O(T) on the small int arrays, with one
+        host sync; done once per object (packed_attention calls it at entry; a checked
+        meta stays checked through `to()`, so metadata built on the CPU by `from_segments`
+        costs no sync on the GPU). Mutating the tensors in place afterwards is not re-checked.
+        """
+        if getattr(self, "_checked", False):
+            return self
+        names = ("cu_seqlens", "prefix_segment", "segment_kind", "seg_start", "prefix_start", "prefix_end")
+        for name in names:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"AttentionMeta.{name} must be a tensor, got {type(t).__name__}")
+            if t.ndim != 1:
+                raise ValueError(f"AttentionMeta.{name} must be 1-D, got shape {tuple(t.shape)}")
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise ValueError(f"AttentionMeta.{name} must hold integers, got {t.dtype}")
+        devices = {getattr(self, n).device for n in names}
+        if len(devices) > 1:
+            raise ValueError(f"AttentionMeta tensors are on different devices: {sorted(map(str, devices))}")
+        T, S = self.num_tokens, self.num_segments
+        for name in ("prefix_start", "prefix_end"):
+            if getattr(self, name).shape[0] != T:
+                raise ValueError(f"AttentionMeta.{name} has {getattr(self, name).shape[0]} entries, seg_start {T}")
+        if self.cu_seqlens.shape[0] != S + 1 or self.segment_kind.shape[0] != S:
+            raise ValueError(
+                f"AttentionMeta.cu_seqlens has {self.cu_seqlens.shape[0]} entries and segment_kind "
+                f"{self.segment_kind.shape[0]} for {S} segments (prefix_segment): expected {S + 1} and {S}"
+            )
+        for name in ("max_seqlen", "max_prefix_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"AttentionMeta.{name} must be an integer >= 0, got {v!r}")
+        dev = self.device
+        i = torch.arange(T, device=dev)
+        ss, ps, pe = self.seg_start.long(), self.prefix_start.long(), self.prefix_end.long()
+        cu, link = self.cu_seqlens.long(), self.prefix_segment.long()
+        seg_len = cu[1:] - cu[:-1]
+        linked = self.segment_kind[link.clamp(0, max(S - 1, 0))] if S else link
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        # (field, rule, per-entry violation mask); the masks are reduced in one sync
+        rules = [
+            ("cu_seqlens", f"must start at 0, never decrease and end at T = {T}",
+             torch.cat([(cu[:1] != 0), seg_len < 0, (cu[-1:] != T)])),
+            ("prefix_segment", f"must be -1 or the index of a prefix segment (< {S})",
+             (link < -1) | (link >= S) | ((link >= 0) & (linked != SegmentKind.PREFIX))),
+            ("seg_start", "must be in [0, i + 1] for token i (i + 1: a row that sees nothing)", (ss < 0) | (ss > i + 1)),
+            ("prefix_start", f"must be in [0, T = {T}]", (ps < 0) | (ps > T)),
+            ("prefix_end", f"must be in [prefix_start, T = {T}]", (pe < ps) | (pe > T)),
+        ]
+        longest_seg = seg_len.max() if S else zero
+        longest_pre = (pe - ps).clamp(min=0).max() if T else zero
+        flags = torch.stack([m.any() for _, _, m in rules] + [longest_seg > self.max_seqlen,
+                                                             longest_pre > self.max_prefix_len]).tolist()
+        for (name, rule, mask), bad in zip(rules, flags):
+            if bad:
+                at = int(mask.nonzero()[0, 0])
+                shown = "" if name == "cu_seqlens" else f"[{at}] = {int(getattr(self, name)[at])}"
+                raise ValueError(f"inconsistent AttentionMeta: {name}{shown}: {rule}")
+        if flags[-2]:
+            raise ValueError(f"inconsistent AttentionMeta: max_seqlen = {self.max_seqlen} is less than the longest "
+                             f"segment ({int(longest_seg)} tokens)")
+        if flags[-1]:
+            raise ValueError(f"inconsistent AttentionMeta: max_prefix_len = {self.max_prefix_len} is less than the "
+                             f"longest prefix interval ({int(longest_pre)} tokens)")
+        self._checked = True
+        return self
 
     @classmethod
     def from_segments(
@@ -124,7 +200,7 @@ class AttentionMeta:
             prefix_end=pend[seg_of_tok].to(torch.int32),
             max_seqlen=int(lens.max()) if S else 0,
             max_prefix_len=int(prefix_lens.max()) if S else 0,
-        )
+        ).validate()
 
     def visible(self) -> torch.Tensor:
         """Dense [T, T] bool mask (query, key). For references and tests only: O(T^2)."""

@@ -103,29 +103,51 @@ class SuffixRetention(MemoryPolicy):
         return ContextUpdate(full.ids[-self.max_tokens:], full.provenance[-self.max_tokens:])
 
 
-def _last_span(ids: Sequence[int], open_id: int, close_id: int) -> tuple[int, int] | None:
-    """[start, end) of the last `open ... close` span (tags included), or None."""
-    end = None
-    for i in range(len(ids) - 1, -1, -1):
-        if end is None and ids[i] == close_id:
-            end = i + 1
-        elif end is not None and ids[i] == open_id:
-            return i, end
-    return None
+def _tag_seq(tag) -> tuple[int, ...]:
+    if isinstance(tag, int) or hasattr(tag, "__index__"):
+        return (int(tag),)
+    seq = tuple(int(i) for i in tag)
+    if not seq:
+        raise ValueError("a memory tag needs at least one id")
+    return seq
+
+
+def _rfind(ids: Sequence[int], seq: tuple[int, ...], limit: int) -> int:
+    """Last i with ids[i:i+len(seq)] == seq and i + len(seq) <= limit, or -1."""
+    n = len(seq)
+    for i in range(limit - n, -1, -1):
+        if ids[i] == seq[0] and all(ids[i + j] == seq[j] for j in range(1, n)):
+            return i
+    return -1
+
+
+def _last_span(ids: Sequence[int], open_id, close_id) -> tuple[int, int] | None:
+    """[start, end) of the last `open ... close` span (tags included), or None.
+
+    A tag is one id or an id sequence: the last occurrence of the closing tag, and the
+    last occurrence of the opening tag that ends before it."""
+    o, c = _tag_seq(open_id), _tag_seq(close_id)
+    cs = _rfind(ids, c, len(ids))
+    if cs < 0:
+        return None
+    os_ = _rfind(ids, o, cs)
+    return None if os_ < 0 else (os_, cs + len(c))
 
 
 class SummaryReplacement(MemoryPolicy):
     """Replace the context with the memory span of the response plus the observation.
 
     The span is the last `mem_open … mem_close` of the action, tags included. With no
-    complete span the memory is empty (the agent forgot to write one: its loss).
+    complete span the memory is empty (the agent forgot to write one: its loss). A tag
+    is one id, or an id sequence for a tokenizer that splits the tag into several tokens.
     """
 
     name = "summary"
 
-    def __init__(self, mem_open_id: int, mem_close_id: int):
-        self.mem_open_id = int(mem_open_id)
-        self.mem_close_id = int(mem_close_id)
+    def __init__(self, mem_open_id: "int | Sequence[int]", mem_close_id: "int | Sequence[int]"):
+        o, c = _tag_seq(mem_open_id), _tag_seq(mem_close_id)
+        self.mem_open_id = o[0] if len(o) == 1 else o
+        self.mem_close_id = c[0] if len(c) == 1 else c
 
     def update(self, context_ids, action_ids, observation_ids, *, context_provenance=None, call=0):
         span = _last_span(action_ids, self.mem_open_id, self.mem_close_id)

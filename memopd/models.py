@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tiny_causal_lm", "ARCHS"]
+__all__ = ["tiny_causal_lm", "ARCHS", "model_dir_problem", "check_model_dir", "load_local_model"]
 
 ARCHS = ("qwen2", "llama")
 
@@ -54,3 +54,56 @@ def tiny_causal_lm(
     else:
         model = LlamaForCausalLM(LlamaConfig(**kw))
     return model.to(dtype).eval()
+
+
+def model_dir_problem(path) -> str | None:
+    """Why `path` is not a local Hugging Face checkpoint directory, or None if it looks like one.
+
+    Only the file system is checked (a directory holding config.json): cheap enough for
+    config validation, before anything is loaded.
+    """
+    import os
+
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        return f"model directory {p!r} does not exist"
+    if not os.path.isdir(p):
+        return f"{p!r} is a file, not a model directory (expected a Hugging Face checkpoint directory)"
+    if not os.path.isfile(os.path.join(p, "config.json")):
+        return (f"{p!r} has no config.json: not a Hugging Face checkpoint directory "
+                "(write one with model.save_pretrained(DIR) or `memopd sft --out DIR`)")
+    return None
+
+
+def check_model_dir(path, what: str = "model") -> str:
+    """`path` as a string if it is a local checkpoint directory, else `UserError` naming `what`."""
+    import os
+
+    from .errors import UserError
+
+    problem = model_dir_problem(path)
+    if problem:
+        raise UserError(f"{what}: {problem}")
+    return os.fspath(path)
+
+
+def load_local_model(path, *, what: str = "model", dtype: torch.dtype | None = None):
+    """`AutoModelForCausalLM` from a local checkpoint directory, never from the Hub.
+
+    A missing directory, a directory without config.json, or one transformers cannot load
+    (missing weights, unknown architecture) is a `UserError` naming `what` and the path,
+    instead of transformers' Hub "repo id" error.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .errors import UserError
+
+    p = check_model_dir(path, what)
+    kw = {"local_files_only": True}
+    if dtype is not None:
+        kw["dtype"] = dtype
+    try:
+        return AutoModelForCausalLM.from_pretrained(p, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{what}: cannot load the model in {p!r}: {first}") from e

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from .errors import UserError
 from .layout import AttentionMeta, PackedBatch, SegmentKind
 from .planner import plan_rows, rows_from_assignment
 from .records import Source, Trajectory, validate_trajectories
@@ -45,7 +46,7 @@ ACTION_DOMAINS = ("exact", "naive")
 _ALIASES = {"aligned_shared": "aligned", "packed": "aligned", "unshared": "aligned_unshared"}
 
 
-class PackError(ValueError):
+class PackError(UserError, ValueError):
     """The trajectories cannot be packed as asked (e.g. an item over the budget)."""
 
 

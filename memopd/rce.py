@@ -23,7 +23,7 @@ import torch
 from .hf import independent_forward, lm_head_of, packed_forward
 from .layout import AttentionMeta, PackedBatch, SegmentKind
 from .packing import pack
-from .records import Trajectory
+from .records import RecordError, Trajectory
 
 __all__ = ["RCEResult", "audit", "default_tolerance", "VARIANTS", "format_table"]
 
@@ -138,6 +138,8 @@ def audit(
     if unknown:
         raise ValueError(f"unknown audit variants {unknown}; choose from {', '.join(VARIANTS)}")
     trajectories = list(trajectories)
+    if not trajectories:
+        raise RecordError("no trajectories to audit")
     vocab = lm_head_of(model).weight.shape[0]
     for tr in trajectories:
         tr.validate(vocab_size=vocab)

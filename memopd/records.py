@@ -14,9 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
+
+from .errors import UserError
 
 __all__ = [
     "Source",
@@ -31,7 +34,7 @@ FORMAT_NAME = "memopd.trajectories"
 FORMAT_VERSION = 1
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record (or a file of records) breaks the contract of design section 2."""
 
 
@@ -57,18 +60,60 @@ def _as_int_list(name: str, values: Any) -> list[int]:
         raise RecordError(f"{name} is missing")
     if hasattr(values, "tolist"):
         values = values.tolist()
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise RecordError(f"{name} must be a list of integer token ids, got {type(values).__name__}")
     out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int):
-            try:
-                iv = int(v)
-            except (TypeError, ValueError):
-                raise RecordError(f"{name}[{i}] = {v!r} is not an integer token id") from None
-            if iv != v:
+        if not isinstance(v, int) or _is_bool(v):
+            iv = None
+            if not _is_bool(v):  # bool is an int subclass: JSON `true` is not token id 1
+                try:
+                    iv = operator.index(v)  # numpy / torch integers
+                except TypeError:
+                    if isinstance(v, float) and v.is_integer():
+                        iv = int(v)
+            if iv is None:
                 raise RecordError(f"{name}[{i}] = {v!r} is not an integer token id")
             v = iv
         out.append(v)
     return out
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool) or type(v).__name__ == "bool_"
+
+
+def _to_float(v: Any) -> float | None:
+    """float(v) for a real number (numpy and 0-d tensors too); None for anything else."""
+    if _is_bool(v) or isinstance(v, (str, bytes)) or v is None:
+        return None
+    if hasattr(v, "ndim") and getattr(v, "dtype", None) is not None and "bool" in str(v.dtype):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _as_float_list(name: str, values: Any) -> list[float]:
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise RecordError(f"{name} must be a list of numbers, got {type(values).__name__}")
+    out = []
+    for i, v in enumerate(values):
+        f = _to_float(v)
+        if f is None:
+            raise RecordError(f"{name}[{i}] = {v!r} is not a number")
+        out.append(f)
+    return out
+
+
+def _as_number(name: str, v: Any) -> float:
+    f = _to_float(v)
+    if f is None:
+        raise RecordError(f"{name} = {v!r} is not a number")
+    return f
 
 
 @dataclass
@@ -94,12 +139,12 @@ class Invocation:
         if self.observation_ids is not None:
             self.observation_ids = _as_int_list("observation_ids", self.observation_ids)
         if self.sample_logprobs is not None:
-            lp = self.sample_logprobs
-            if hasattr(lp, "tolist"):
-                lp = lp.tolist()
-            self.sample_logprobs = [float(x) for x in lp]
+            self.sample_logprobs = _as_float_list("sample_logprobs", self.sample_logprobs)
         if self.provenance is not None:
-            self.provenance = [tuple(int(v) for v in p) for p in self.provenance]
+            prov = self.provenance.tolist() if hasattr(self.provenance, "tolist") else self.provenance
+            if isinstance(prov, (str, bytes, dict)) or not hasattr(prov, "__iter__"):
+                raise RecordError(f"provenance must be a list of (source, call, offset), got {type(prov).__name__}")
+            self.provenance = [tuple(_as_int_list(f"provenance[{i}]", p)) for i, p in enumerate(prov)]
 
     @property
     def input_ids(self) -> list[int]:
@@ -163,7 +208,9 @@ class Invocation:
 
     @classmethod
     def from_json(cls, d: dict) -> "Invocation":
-        unknown = set(d) - {"prefix_ids", "context_ids", "action_ids", "sample_logprobs", "provenance", "observation_ids"}
+        if not isinstance(d, dict):
+            raise RecordError(f"an invocation must be a JSON object, got {type(d).__name__}")
+        unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise RecordError(f"invocation has unknown fields {sorted(unknown)}")
         return cls(
@@ -202,7 +249,11 @@ class Trajectory:
     def validate(self, vocab_size: int | None = None, where: str = "trajectory") -> None:
         if len(self.invocations) == 0:
             raise RecordError(f"{where}: has no invocations")
-        if not math.isfinite(float(self.reward)):
+        try:
+            reward = _as_number("reward", self.reward)
+        except RecordError as e:
+            raise RecordError(f"{where}: {e}") from None
+        if not math.isfinite(reward):
             raise RecordError(f"{where}: reward {self.reward} is not finite")
         q = self.invocations[0].prefix_ids
         for t, inv in enumerate(self.invocations):
@@ -252,9 +303,20 @@ class Trajectory:
     def from_json(cls, d: dict) -> "Trajectory":
         if not isinstance(d, dict) or "invocations" not in d:
             raise RecordError("trajectory line has no 'invocations'")
+        if not isinstance(d["invocations"], list):
+            raise RecordError(f"'invocations' must be a list, got {type(d['invocations']).__name__}")
+        for name in ("rewards", "info"):
+            if not isinstance(d.get(name, {}), dict):
+                raise RecordError(f"{name!r} must be a JSON object, got {type(d[name]).__name__}")
+        invocations = []
+        for t, x in enumerate(d["invocations"]):
+            try:
+                invocations.append(Invocation.from_json(x))
+            except RecordError as e:
+                raise RecordError(f"call {t}: {e}") from None
         return cls(
-            invocations=[Invocation.from_json(x) for x in d["invocations"]],
-            reward=float(d.get("reward", 0.0)),
+            invocations=invocations,
+            reward=_as_number("reward", d.get("reward", 0.0)),
             task_id=str(d.get("task_id", "")),
             group_id=str(d.get("group_id", "")),
             rewards=dict(d.get("rewards", {})),
@@ -287,8 +349,11 @@ def save_trajectories(path: str | os.PathLike, trajectories: Iterable[Trajectory
 def load_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None, validate: bool = True) -> list[Trajectory]:
     """Read a file written by `save_trajectories`; raise `RecordError` if it is damaged."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise RecordError(f"{path}: cannot read the trajectories file ({e.strerror or e})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -321,15 +386,21 @@ def load_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None,
         raise RecordError(f"{path}: checksum mismatch; the file is corrupted")
     if vocab_size is None:
         vocab_size = header.get("vocab_size")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise RecordError(f"{path}:1: header vocab_size {vocab_size!r} is not a positive integer")
     out = []
     for i, line in enumerate(body):
+        where = f"{path}:{i + 2}: trajectory {i}"  # line 1 is the header
         try:
             d = json.loads(line)
         except json.JSONDecodeError as e:
-            raise RecordError(f"{path}: trajectory {i} is not valid JSON ({e})") from None
-        tr = Trajectory.from_json(d)
+            raise RecordError(f"{where}: not valid JSON ({e})") from None
+        try:
+            tr = Trajectory.from_json(d)
+        except RecordError as e:
+            raise RecordError(f"{where}: {e}") from None
         if validate:
-            tr.validate(vocab_size, where=f"{path}: trajectory {i}")
+            tr.validate(vocab_size, where=where)
         out.append(tr)
     return out
 

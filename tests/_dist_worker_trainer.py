@@ -66,6 +66,8 @@ def run_scenario(name: str, out: str, action_domain: str) -> None:
             return global_batch()[self.rank::self.world_size], 2
 
     student, teacher = make_models()
+    if os.environ.get("MEMOPD_TEST_DEVICE") == "cuda":  # the NCCL run of benchmarks/gpu_check.sh
+        student.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     tr = FixedBatch(cfg, student_lm=student, teacher_lm=teacher, env=None, world=None, log=lambda *_: None)
     metrics = [tr.train_step(0), tr.train_step(1)]
     actor, critic = tr.inference_modules()  # full weights on every rank, also under ZeRO-3
@@ -80,10 +82,25 @@ def main() -> None:
     out, action_domain, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     from memopd.trainer.backend import init_distributed
 
+    pg = os.environ.get("MEMOPD_TEST_PROCESS_GROUP")
+    if pg and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # e.g. "cuda:gloo": a default group that serves CUDA tensors only, as NCCL does,
+        # so a collective on a CPU tensor fails here as it would on a GPU machine
+        import torch.distributed as dist
+
+        dist.init_process_group(backend=pg, init_method="env://")
     init_distributed()
     os.makedirs(out, exist_ok=True)
     for name in names:
         run_scenario(name, out, action_domain)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # an orderly shutdown: gloo groups left to the interpreter's exit can abort a rank
+        from memopd.trainer.backend import barrier
+
+        barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 copies for the references, and gradients of a weighted sum of the outputs. Imported by
 test_fused_distill.py and test_fused_distill_triton.py (not collected itself)."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def make_inputs(seed, N=40, Hs=24, Ht=20, V=301, Vt=None, dtype=torch.float32, bias=True,
@@ -51,3 +52,61 @@ def run_lpe(fn, inp, weights=None, **kw):
     """fused/reference_linear_logprob_entropy on the student of `inp`; (outputs, grads or None)."""
     out = fn(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
     return out, None if weights is None else weighted_grads(out, inp, weights)
+
+
+class SeesInsideOurOps(TorchDispatchMode):
+    """A dispatch mode that also sees the aten ops *inside* the memopd custom ops.
+
+    A mode handling an op is popped while the op runs, so `func(*args)` on
+    `memopd::fused_distill_fwd` would hide every chunk it allocates: run the op's
+    Python body instead, with this mode pushed again.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.inner_ops = 0  # aten ops seen inside memopd custom ops (probe sanity)
+        self._depth = 0
+
+    def record(self, func, out):
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "memopd":
+            from torch._library import custom_ops
+
+            body = custom_ops.OPDEFS[func.name()]._init_fn
+            self._depth += 1
+            try:
+                with self:
+                    out = body(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        else:
+            out = func(*args, **kwargs)
+            self.inner_ops += self._depth > 0
+        self.record(func, out)
+        return out
+
+
+class LargestTensor(SeesInsideOurOps):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.op = None
+
+    def record(self, func, out):
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.op = t.numel(), str(func)
+
+
+class CountMatmuls(SeesInsideOurOps):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def record(self, func, out):
+        # (below autograd, composite ops such as matmul reach the mode undecomposed)
+        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                          torch.ops.aten.matmul)

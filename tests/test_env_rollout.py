@@ -152,7 +152,8 @@ def test_sample_next_greedy_and_top_p():
     ids, raw, samp = sample_next(logits, 1.0, 1e-6, g)  # tiny top-p: only the argmax survives
     assert torch.equal(ids, logits.argmax(-1)) and torch.allclose(samp, torch.zeros(4), atol=1e-6)
     ids, raw, samp = sample_next(logits, 0.5, 0.8, g)
-    assert torch.allclose(raw, torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0])
+    # recorded: the tempered distribution before top-p (what a trainer at T=0.5 scores)
+    assert torch.allclose(raw, torch.log_softmax(logits / 0.5, -1).gather(-1, ids[:, None])[:, 0])
     assert (samp <= 0).all() and torch.isfinite(samp).all()
 
 

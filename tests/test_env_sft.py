@@ -5,6 +5,7 @@ import os
 import pytest
 
 from memopd.env import QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
+from memopd.cli import main as cli_main
 from memopd.env.cli import eval_main, sft_main
 from memopd.env.sft import checkpoint_exists, read_env_meta, sft_examples
 
@@ -71,7 +72,7 @@ def test_eval_user_corpus(tmp_path, capsys):
     r = json.loads(rep.read_text())
     assert r["results"]["Q2"]["episodes"] == 1 and r["results"]["Q2"]["em_sum"] == 0.0
     assert r["source"]["corpus"] == str(docs)
-    assert eval_main(["--expert", "--corpus", str(docs)]) == 1
+    assert cli_main(["eval", "--expert", "--corpus", str(docs)]) == 2  # bad input
     assert "needs both --corpus and --questions" in capsys.readouterr().err
 
 
@@ -79,7 +80,11 @@ def test_eval_expert_and_errors(tmp_path, capsys):
     assert eval_main(["--expert", "--k", "2", "--n", "3"]) == 0
     out = capsys.readouterr().out
     assert " 1.000 " in out  # the expert answers everything
-    assert eval_main(["--model", str(tmp_path / "nope")]) == 1
+    assert cli_main(["eval", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text("{}")
+    assert cli_main(["eval", "--model", str(tmp_path / "plain")]) == 2
     assert "not a memopd env checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         eval_main([])  # --model or --expert is required

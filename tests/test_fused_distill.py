@@ -16,8 +16,7 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from _fused_cases import as64, make_inputs, run_lpe, weighted_grads
+from _fused_cases import CountMatmuls, LargestTensor, as64, make_inputs, run_lpe, weighted_grads
 
 from memopd.ops import (
     DistillOutput,
@@ -311,64 +310,17 @@ def test_deterministic(seed):
 # ----------------------------------------------------------------------------------
 # memory: no [N, V] tensor is ever created
 # ----------------------------------------------------------------------------------
-class _SeesInsideOurOps(TorchDispatchMode):
-    """A dispatch mode that also sees the aten ops *inside* the memopd custom ops.
-
-    A mode handling an op is popped while the op runs, so `func(*args)` on
-    `memopd::fused_distill_fwd` would hide every chunk it allocates: run the op's
-    Python body instead, with this mode pushed again.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.inner_ops = 0  # aten ops seen inside memopd custom ops (probe sanity)
-        self._depth = 0
-
-    def record(self, func, out):
-        raise NotImplementedError
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "memopd":
-            from torch._library import custom_ops
-
-            body = custom_ops.OPDEFS[func.name()]._init_fn
-            self._depth += 1
-            try:
-                with self:
-                    out = body(*args, **kwargs)
-            finally:
-                self._depth -= 1
-        else:
-            out = func(*args, **kwargs)
-            self.inner_ops += self._depth > 0
-        self.record(func, out)
-        return out
-
-
-class _LargestTensor(_SeesInsideOurOps):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-        self.op = None
-
-    def record(self, func, out):
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
-                self.largest, self.op = t.numel(), str(func)
-
-
 def test_never_materialises_tokens_by_vocab(seed):
     N, H, V = 256, 16, 4096
     inp = make_inputs(seed, N=N, Hs=H, Ht=H, V=V, mask_p=0.1)
     w = {"loss": 1.0, "logprobs": rand_w(seed, N), "entropy": rand_w(seed + 1, N)}
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         run(fused_linear_distill, inp, w, chunk_size=256, token_chunk_size=64)
     assert mode.inner_ops > 100  # the probe sees the chunks inside the custom ops
     # the biggest legit tensors are the [V, H] weight gradient and [64, 256] chunks
     assert mode.largest <= max(V * H, 64 * 256), (mode.largest, mode.op)
     assert mode.largest < N * V // 8
-    with _LargestTensor() as ref_mode:
+    with LargestTensor() as ref_mode:
         run(reference_linear_distill, inp, w)
     assert ref_mode.largest >= N * V  # sanity: the probe does see the naive [N, V] logits
 
@@ -568,22 +520,11 @@ def test_lpe_equals_reverse_kl_student_outputs(seed):
         assert torch.equal(x, y_), f"grads differ (seed={seed})"
 
 
-class _CountMatmuls(_SeesInsideOurOps):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def record(self, func, out):
-        # (below autograd, composite ops such as matmul reach the mode undecomposed)
-        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
-                                          torch.ops.aten.matmul)
-
-
 def test_lpe_skips_the_teacher_matmuls(seed):
     inp = make_inputs(seed, N=40, V=300, Hs=24, Ht=24)
-    with torch.no_grad(), _CountMatmuls() as lpe:
+    with torch.no_grad(), CountMatmuls() as lpe:
         run_lpe(fused_linear_logprob_entropy, inp, chunk_size=64)
-    with torch.no_grad(), _CountMatmuls() as kl:
+    with torch.no_grad(), CountMatmuls() as kl:
         run(fused_linear_reverse_kl, inp, grads=False, chunk_size=64)
     assert lpe.n == 5 and kl.n == 10, (lpe.n, kl.n)  # ceil(300 / 64) vocabulary chunks
 
@@ -614,7 +555,7 @@ def test_lpe_never_materialises_tokens_by_vocab(seed, grad):
     N, H, V = 256, 16, 4096
     inp = make_inputs(seed, N=N, Hs=H, V=V, mask_p=0.1)
     w = {"logprobs": rand_w(seed, N), "entropy": rand_w(seed + 1, N)}
-    with torch.set_grad_enabled(grad), _LargestTensor() as mode:
+    with torch.set_grad_enabled(grad), LargestTensor() as mode:
         run_lpe(fused_linear_logprob_entropy, inp, w if grad else None, chunk_size=256,
                 token_chunk_size=64)
     assert mode.inner_ops > 100  # the probe sees the chunks inside the custom ops
@@ -622,7 +563,7 @@ def test_lpe_never_materialises_tokens_by_vocab(seed, grad):
         assert mode.largest <= max(V * H, 64 * 256), (mode.largest, mode.op)
     else:  # scoring: [64, 256] chunks (and [256, 16] weight-chunk views) only
         assert mode.largest <= 64 * 256, (mode.largest, mode.op)
-    with torch.set_grad_enabled(grad), _LargestTensor() as ref_mode:
+    with torch.set_grad_enabled(grad), LargestTensor() as ref_mode:
         run_lpe(reference_linear_logprob_entropy, inp, w if grad else None)
     assert ref_mode.largest >= N * V  # sanity: the probe sees the naive [N, V] logits
 

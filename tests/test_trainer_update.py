@@ -1,11 +1,14 @@
 """Trainer update pieces on a packed batch: the fused actor loss equals the naive one."""
+import pytest
 import torch
 
 from memopd import pack, random_trajectories
+from memopd.hf import head_of
 from memopd.models import tiny_causal_lm
 from memopd.ops import reference_linear_reverse_kl
-from memopd.trainer.modules import Actor, Critic
-from memopd.trainer.update import actor_loss, entry_offsets
+from memopd.trainer.modules import Actor, Critic, PPOInputs
+from memopd.trainer.ppo import policy_loss
+from memopd.trainer.update import entry_offsets
 
 
 def _setup(seed):
@@ -17,6 +20,8 @@ def _setup(seed):
 
 
 def test_actor_loss_fused_equals_reference(seed):
+    """The trainer's actor loss (one fused op) equals the naive composition: float64
+    reverse KL over materialised logits + PPO surrogate + entropy bonus."""
     student, teacher, trajs = _setup(seed)
     batch = pack(trajs, layout="aligned", share_prefix="group")
     tbatch = pack(trajs, layout="flatten")  # the persistent arm's teacher states
@@ -27,24 +32,28 @@ def test_actor_loss_fused_equals_reference(seed):
     A = batch.num_actions
     logp_old = -torch.rand(A, generator=g) * 3
     adv = torch.randn(A, generator=g)
-    tmask = (torch.rand(A, generator=g) > 0.3).float()
-    kw = dict(clip_eps=0.2, entropy_coef=0.01, opd_coef=0.7, n_act=A, n_teacher=float(tmask.sum()), world=1)
+    tmask = torch.rand(A, generator=g) > 0.3
+    alpha, lam, eps, n_act, n_t = 0.01, 0.7, 0.2, A + 5.0, float(tmask.sum()) + 2.0
+    ppo = PPOInputs(logp_old, adv, tmask, clip_eps=eps, entropy_coef=alpha, kl_coef=lam, normalizer=n_act,
+                    kl_normalizer=n_t)
 
     actor = Actor(student)
     student.zero_grad()
-    out = actor(batch, th, tw)
-    loss_f, _, _ = actor_loss(out, logp_old, adv, tmask, **kw)
-    loss_f.backward()
+    out = actor(batch, th, head_of(teacher), ppo=ppo)
+    out.loss.backward()
     grads_f = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
 
     student.zero_grad()
     h = actor.hidden(batch)
-    ref = reference_linear_reverse_kl(h, student.lm_head.weight, th, tw, batch.target_ids, reduction="none")
-    loss_r, _, _ = actor_loss(ref, logp_old, adv, tmask, **kw)
+    ref = reference_linear_reverse_kl(h.double(), student.lm_head.weight.double(), th.double(), tw.double(),
+                                      batch.target_ids, reduction="none")
+    pg, st = policy_loss(ref.logprobs, logp_old.double(), adv.double(), eps)
+    loss_r = (pg.sum() - alpha * ref.entropy.sum()) / n_act + lam * (ref.kl * tmask.double()).sum() / n_t
     loss_r.backward()
-    torch.testing.assert_close(loss_f, loss_r, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.logprobs, ref.logprobs.float(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.kl, ref.kl.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss.double(), loss_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logprobs.double(), ref.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.kl.double(), ref.kl, atol=1e-5, rtol=1e-5)
+    assert float(out.clipped.float().mean()) == pytest.approx(float(st.clip_frac))
     for n, p in student.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads_f[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)

@@ -2,8 +2,8 @@
 
 The main names load on first use (they import transformers):
 `TrainConfig` (config.py), `Trainer` / `train` / `prepare` (loop.py), `make_backend` /
-`init_distributed` (backend.py), `Actor` / `Critic` (modules.py), `score` /
-`actor_loss` (update.py), `gae` / `policy_loss` / `value_loss` / `token_rewards` /
+`init_distributed` (backend.py), `Actor` / `Critic` / `Scoring` (modules.py), `score` /
+`Scored` (update.py), `gae` / `policy_loss` / `value_loss` / `token_rewards` /
 `whiten` (ppo.py), `plot_run` (plot.py).
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ _LAZY = {
     "TrainConfig": "config", "ARMS": "config", "ConfigError": "config",
     "Trainer": "loop", "train": "loop", "prepare": "loop",
     "make_backend": "backend", "init_distributed": "backend", "TrainBackend": "backend",
-    "Actor": "modules", "Critic": "modules",
-    "score": "update", "actor_loss": "update", "Scored": "update",
+    "Actor": "modules", "Critic": "modules", "Scoring": "modules",
+    "score": "update", "Scored": "update", "PPOInputs": "modules",
     "gae": "ppo", "policy_loss": "ppo", "value_loss": "ppo", "token_rewards": "ppo", "whiten": "ppo",
     "plot_run": "plot",
 }

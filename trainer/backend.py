@@ -62,7 +62,9 @@ Launching N processes
 `init_distributed()` reads the standard env vars RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT (set by ``torchrun`` and by the ``deepspeed`` launcher),
 initialises torch.distributed with nccl on CUDA (device = ``cuda:LOCAL_RANK``) or gloo
-on CPU, and is a no-op when WORLD_SIZE is unset or 1. `make_backend` calls it, so the
+on CPU, and is a no-op when WORLD_SIZE is unset or 1. Collectives go through
+`all_reduce` / `broadcast` / `barrier` here, which route a CPU tensor through a gloo side
+group whenever the default group (NCCL) serves only CUDA tensors. `make_backend` calls it, so the
 loop need not (calling it first, e.g. to shard data by rank, is fine; it is idempotent).
 
     # plain backend, N processes (gradients all-reduced in step())
@@ -137,6 +139,10 @@ __all__ = [
     "DistInfo",
     "make_backend",
     "init_distributed",
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "group_for",
     "resolve_deepspeed_config",
     "build_optimizer",
     "build_lr_lambda",
@@ -188,6 +194,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     with `backend`). On CUDA the current device is set to LOCAL_RANK.
     """
     if dist.is_available() and dist.is_initialized():
+        if _CPU_GROUP is None and not _serves(dist.distributed_c10d._get_default_group(), "cpu"):
+            _init_cpu_group()  # a group the caller built (e.g. a launcher's): same rule
         return _current_info()
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size is None or world_size <= 1:
@@ -212,6 +220,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         backend=backend, init_method="env://", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    _init_cpu_group()
     return DistInfo(rank, world_size, local_rank, backend)
 
 
@@ -237,6 +246,7 @@ def _ensure_process_group() -> DistInfo:
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
     dist.init_process_group(backend=backend, init_method="env://", rank=0, world_size=1)
+    _init_cpu_group()
     return DistInfo(0, 1, info.local_rank, backend)
 
 
@@ -246,9 +256,67 @@ def _world_size_hint() -> int:
     return max(1, _env_int("WORLD_SIZE", 1) or 1)
 
 
+# ------------------------------------------------------------------------- collectives
+#
+# Every collective of the trainer goes through `all_reduce`, `broadcast` and `barrier`
+# below. NCCL serves only CUDA tensors, but the loop reduces small host-side statistics
+# (token counts, metric sums) on the CPU. Rather than copying those to the GPU and back
+# (a sync per statistic), a CPU tensor goes through a gloo group built next to the
+# default group whenever the default group does not serve CPU tensors; a tensor whose
+# device the default group serves uses it. One rule for every call site, and a CPU test
+# can check it by binding the default group to "cuda" only (see tests).
+
+_CPU_GROUP = None  # gloo group for CPU tensors when the default group has no CPU backend
+
+
+def _serves(group, device_type: str) -> bool:
+    types = getattr(group, "_device_types", None)
+    if types is None:  # older torch: the backend name is all we know
+        return device_type == "cpu" if dist.get_backend(group) == "gloo" else device_type != "cpu"
+    return any(d.type == device_type for d in types)
+
+
+def _init_cpu_group() -> None:
+    """Collective (every rank, right after init_process_group): the CPU side group."""
+    global _CPU_GROUP
+    default = dist.distributed_c10d._get_default_group()
+    _CPU_GROUP = None if _serves(default, "cpu") else dist.new_group(backend="gloo")
+
+
+def group_for(tensor: torch.Tensor):
+    """The process group that serves `tensor`'s device (None: the default group)."""
+    if tensor.device.type == "cpu" and _CPU_GROUP is not None:
+        return _CPU_GROUP
+    return None
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of `t` over all ranks, on the group that serves its device."""
+    if _world() > 1:
+        dist.all_reduce(t, op=op, group=group_for(t))
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """In-place broadcast of `t` from rank `src`, on the group that serves its device."""
+    if _world() > 1:
+        dist.broadcast(t, src=src, group=group_for(t))
+    return t
+
+
+def barrier() -> None:
+    """All ranks meet (through the CPU group where the default one serves only CUDA)."""
+    if _world() > 1:
+        dist.barrier(group=_CPU_GROUP)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _barrier(world_size: int) -> None:
     if world_size > 1:
-        dist.barrier()
+        barrier()
 
 
 # --------------------------------------------------------------------------- optimiser
@@ -379,12 +447,20 @@ class TrainBackend:
         if self.world_size == 1:
             return t
         out = t.detach().clone()
-        if out.is_cuda and dist.get_backend() == "gloo":
-            cpu = out.cpu()
-            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-            return cpu.to(out.device)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
+        if out.device.type != "cpu" and not _serves(dist.distributed_c10d._get_default_group(), out.device.type):
+            return all_reduce(out.cpu()).to(out.device)  # e.g. a gloo-only group on a GPU machine
+        return all_reduce(out)
+
+    def all_reduce_max(self, x: float | int) -> float | int:
+        """Max of a Python number over ranks (NaN counts as missing; all NaN gives NaN)."""
+        if self.world_size == 1:
+            return x
+        v = float(x)
+        t = torch.tensor([-math.inf if math.isnan(v) else v], dtype=torch.float64)
+        r = float(all_reduce(t, op=dist.ReduceOp.MAX))
+        if isinstance(x, int):
+            return int(r)
+        return math.nan if r == -math.inf else r
 
     def barrier(self) -> None:
         _barrier(self.world_size)
@@ -465,7 +541,7 @@ class PlainBackend(TrainBackend):
         if self.world_size > 1:
             with torch.no_grad():
                 for p in model.parameters():
-                    dist.broadcast(p.data, src=0)
+                    broadcast(p.data, src=0)
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
         self._before_backward(last_micro_batch)
@@ -484,7 +560,7 @@ class PlainBackend(TrainBackend):
                                               or g.dtype != bucket[0].dtype or g.device != bucket[0].device))
             if flush and bucket:
                 flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                all_reduce(flat)
                 flat.div_(self.world_size)
                 for b, f in zip(bucket, flat.split([b.numel() for b in bucket])):
                     b.copy_(f.view_as(b))

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from memopd.errors import UserError
 from memopd.packing import ACTION_DOMAINS
 
 __all__ = ["TrainConfig", "ARMS", "ConfigError"]
@@ -19,7 +20,7 @@ __all__ = ["TrainConfig", "ARMS", "ConfigError"]
 ARMS = ("ppo", "persistent", "memopd")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     pass
 
 
@@ -34,6 +35,14 @@ class TrainConfig:
     student: str = ""
     teacher: str = ""
     cache_dir: str = ".memopd_cache"
+    # bring your own data (any HF causal-LM student/teacher): a corpus JSONL and training
+    # question sets JSONL (memopd/env/data.py) replace the generated world; the held-out
+    # sets JSONL is evaluated at the end (grouped by their k; eval_k/eval_tasks are for
+    # the world); tokenizer: a tokenizer dir (default: the student dir)
+    corpus: str = ""
+    tasks: str = ""
+    eval_tasks_file: str = ""
+    tokenizer: str = ""
     # environment
     world_seed: int = 0
     # questions per episode while training, cycled step by step (Q16 stays held out)
@@ -47,8 +56,14 @@ class TrainConfig:
     # rollouts
     tasks_per_step: int = 4
     group_size: int = 4  # rollouts per task (share the prefix when packed)
+    # sampling: every log-prob the trainer computes (old, new, reference, teacher) is at
+    # this temperature; top_p < 1 is refused (the truncated distribution PPO would need
+    # is not the one the fused ops score)
     temperature: float = 1.0
     top_p: float = 1.0
+    # ids the models sample and are scored on: 0 = the tokenizer's size; lm_head rows
+    # past it (padding) are masked out of sampling and of every log-prob and KL
+    vocab_size: int = 0
     # optimisation
     ppo_epochs: int = 2
     minibatches: int = 2
@@ -73,6 +88,8 @@ class TrainConfig:
     cpu_threads: int = 1  # torch threads on CPU: tiny models run fastest on one (0 = torch default)
 
     def validate(self) -> "TrainConfig":
+        _check_fields(self)  # the type (and choices) of every field, before any range check
+        _check_model_dirs(self)
         if self.arm not in ARMS:
             raise ConfigError(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
         if self.action_domain not in ACTION_DOMAINS:
@@ -88,6 +105,15 @@ class TrainConfig:
         for name in ("actor_lr", "critic_lr"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ConfigError(f"temperature must be > 0 for training (greedy decoding has no log-probs to train "
+                              f"on), got {self.temperature}")
+        if self.top_p != 1.0:
+            raise ConfigError(f"top_p={self.top_p}: training needs top_p=1. With top_p < 1 the sampler draws from a "
+                              "truncated distribution whose log-probs the fused ops do not compute, so every PPO "
+                              "ratio and KL would be of another policy; lower the temperature instead")
+        if self.vocab_size < 0:
+            raise ConfigError(f"vocab_size must be >= 0 (0: the tokenizer's size), got {self.vocab_size}")
         if not 0 < self.clip_eps < 1:
             raise ConfigError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
@@ -102,44 +128,174 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any], *, source: str | None = None) -> "TrainConfig":
+        """A checked config from a mapping of field values (e.g. a parsed YAML file);
+        `source` (a file name) is named in the errors."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source or 'config'}: must be a mapping of keys to values, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; known: {', '.join(sorted(names))}")
+            where = f"{source}: " if source else ""
+            raise ConfigError(f"{where}unknown config keys {unknown}; known: {', '.join(sorted(names))}")
+        hints = _field_hints(cls)
+        d = {k: _coerce(k, v, hints[k], where=source) for k, v in d.items()}
         return cls(**d).validate()
 
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] | None = None) -> "TrainConfig":
+        """Read an optional YAML file, then apply `key=value` overrides (values parsed as YAML
+        scalars); every value is type-checked where it comes from (file or override), then
+        the whole config is validated. Nothing is loaded or built here."""
+        hints = _field_hints(cls)
         d: dict[str, Any] = {}
         if path:
-            with open(path) as f:
-                loaded = yaml.safe_load(f) or {}
+            try:
+                with open(path) as f:
+                    loaded = yaml.safe_load(f)
+            except OSError as e:
+                raise ConfigError(f"--config {path}: cannot read the config file ({e.strerror or e})") from None
+            except yaml.YAMLError as e:
+                raise ConfigError(f"--config {path}: not valid YAML ({_one_line(e)})") from None
+            loaded = {} if loaded is None else loaded
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: a config file must hold a mapping of keys to values")
-            d.update(loaded)
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
+            unknown = sorted(set(loaded) - set(hints))
+            if unknown:
+                raise ConfigError(f"{path}: unknown config keys {unknown}; known: {', '.join(sorted(hints))}")
+            d.update({k: _coerce(k, v, hints[k], where=path) for k, v in loaded.items()})
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value")
             key, raw = item.split("=", 1)
             key = key.strip().replace("-", "_")
-            if key not in types:
-                raise ConfigError(f"unknown config key {key!r} in override {item!r}")
-            value = yaml.safe_load(raw) if raw != "" else ""
-            if "list" in str(types[key]) and isinstance(value, int):
-                value = [value]
-            if str(types[key]) == "str" and value is not None and not isinstance(value, str):
-                value = str(raw)
-            if str(types[key]) == "float" and not isinstance(value, bool):
-                try:  # YAML 1.1 reads "1e-4" as a string
-                    value = float(value)
-                except (TypeError, ValueError):
-                    raise ConfigError(f"{key} must be a number, got {raw!r}") from None
-            if str(types[key]) == "int" and isinstance(value, str):
-                try:
-                    value = int(value)
-                except ValueError:
-                    raise ConfigError(f"{key} must be an integer, got {raw!r}") from None
-            d[key] = value
+            if key not in hints:
+                raise ConfigError(f"unknown config key {key!r} in override {item!r}; known: {', '.join(sorted(hints))}")
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw  # e.g. an unbalanced bracket: keep the text, the type check decides
+            d[key] = _coerce(key, value, hints[key], where=f"override {item!r}", raw=raw)
         return cls.from_dict(d)
+
+
+# --------------------------------------------------------------------------------------
+# type and choice checks, driven by the dataclass field types (so new fields are covered)
+# --------------------------------------------------------------------------------------
+def _choices() -> dict[str, tuple[str, ...]]:
+    from memopd.memory import POLICIES
+
+    return {"arm": ARMS, "action_domain": tuple(ACTION_DOMAINS), "policy": tuple(POLICIES)}
+
+
+def _field_hints(cls) -> dict[str, Any]:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split())
+
+
+def _type_name(tp: Any) -> str:
+    import typing
+
+    if typing.get_origin(tp) is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(arg, "values")
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(name: str, value: Any, tp: Any, *, where: str | None = None, raw: str | None = None) -> Any:
+    """`value` as field `name` of type `tp` wants it, or `ConfigError` naming the field (and
+    `where` it came from: a file or an override). Strict: an int field refuses 2.5 and
+    true, a bool field only takes true/false, a float field takes ints (and YAML 1.1's
+    unparsed "1e-4"), a str field takes the override's text as given, list[int] takes one
+    int or "2,8" too. Then the value must be one of the field's choices, if it has any."""
+    import math
+    import types
+    import typing
+
+    def bad(expected: str) -> ConfigError:
+        shown = raw if raw is not None else value
+        prefix = f"{where}: " if where else ""
+        return ConfigError(f"{prefix}{name} must be {expected}, got {shown!r}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(tp)):
+            return None
+        if len(args) == 1:
+            return _coerce(name, value, args[0], where=where, raw=raw)
+        return value  # a union of several types: not checked here
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+    elif tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad("a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        value = float(value)
+        if math.isnan(value):
+            raise bad("a number (not NaN)")
+    elif tp is str:
+        if value is None:
+            value = ""  # `key:` with no value in YAML
+        elif not isinstance(value, str):
+            if raw is None or isinstance(value, (list, dict)):
+                raise bad("a string (quote it in YAML)")
+            value = raw  # an override's text as typed (run_dir=2024 is the string "2024")
+    elif origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str) and arg is int:
+            parts = value.replace(",", " ").split()
+            try:
+                value = [int(p) for p in parts]
+            except ValueError:
+                raise bad(_type_name(tp)) from None
+        elif isinstance(value, int) and not isinstance(value, bool) and arg is int:
+            value = [value]
+        if not isinstance(value, list):
+            raise bad(_type_name(tp))
+        if arg is not Any:
+            try:
+                value = [_coerce(f"{name}[{i}]", v, arg) for i, v in enumerate(value)]
+            except ConfigError:
+                raise bad(_type_name(tp)) from None
+    elif origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+    choices = _choices().get(name)
+    if choices is not None and value not in choices:
+        prefix = f"{where}: " if where else ""
+        raise ConfigError(f"{prefix}{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _check_fields(cfg: "TrainConfig") -> None:
+    """Check (and normalise: "1e-4" -> 1e-4, 3 -> 3.0 for floats) every field of `cfg` in place."""
+    for name, tp in _field_hints(type(cfg)).items():
+        object.__setattr__(cfg, name, _coerce(name, getattr(cfg, name), tp))
+
+
+def _check_model_dirs(cfg: "TrainConfig") -> None:
+    """Given checkpoint directories must exist and hold config.json: found here, before the
+    (long) SFT or model loading of a run, not after."""
+    from memopd.models import model_dir_problem
+
+    for name in ("student", "teacher"):
+        path = getattr(cfg, name)
+        if path:
+            problem = model_dir_problem(path)
+            if problem:
+                raise ConfigError(f"{name}: {problem}")

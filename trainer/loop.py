@@ -9,13 +9,15 @@ history: the matched control), `memopd` (teacher scores the restored aligned cal
 Everything random is a pure function of (seed, step, rank): task sampling, the
 sampler's seeds and the minibatch shuffles. So a resumed run only needs the weights,
 optimiser and scheduler state, and continues with exactly the next steps of an
-uninterrupted run. Checkpoints: RUN_DIR/checkpoints/step_N/{actor,critic}/ (+ "latest").
-Metrics: RUN_DIR/metrics.jsonl (one line per step; eval lines carry "eval/..." keys),
+uninterrupted run. Checkpoints: RUN_DIR/checkpoints/step_N/{actor,critic}/, complete once
+their manifest is written (+ "latest"); the lock, checks and resume rules of a run
+directory are in rundir.py. Metrics: RUN_DIR/metrics.jsonl (one line per step; eval lines carry "eval/..." keys),
 and with `tensorboard=true` the same scalars as TensorBoard events under RUN_DIR/tb.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -23,12 +25,13 @@ import time
 from typing import Callable
 
 import torch
-import yaml
 
-from .backend import init_distributed, make_backend
-from .config import TrainConfig
-from .modules import Actor, Critic, register_zero3_external_params
-from .update import max_over_ranks, score, update
+from memopd.hf import head_of
+
+from .backend import barrier, init_distributed, make_backend
+from .config import ConfigError, TrainConfig
+from .modules import Actor, Critic, Scoring, register_zero3_external_params
+from .update import score, update
 
 __all__ = ["Trainer", "train"]
 
@@ -66,9 +69,15 @@ class Trainer:
         self.rank = self.info.rank
         self.world_size = self.info.world_size
         ds = cfg.deepspeed or None
-        self.ref_lm = copy.deepcopy(student_lm).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm != "ppo") else None
-        actor = Actor(student_lm)
+        # measured before any copy or wrapper: every copy inherits the measured scale, and
+        # no probe forward ever runs inside a ZeRO-3 engine
+        if self.teacher_lm is not None:
+            head_of(self.teacher_lm)
+        head_of(student_lm)
+        self.scoring = Scoring(cfg.temperature, resolve_vocab_size(cfg, env, student_lm, self.teacher_lm))
+        self.ref_lm = copy.deepcopy(student_lm).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        actor = Actor(student_lm, scoring=self.scoring)
         critic = Critic(copy.deepcopy(student_lm))
         self._views = None
         if ds and _zero_stage(ds) == 3:
@@ -88,6 +97,11 @@ class Trainer:
                 m.to(dev)
         self.step = 0
         self._tb = None  # TensorBoard writer, opened on first use (rank 0)
+
+    @property
+    def teacher_head(self):
+        """The teacher's head (weight, bias, measured logit scale), or None without a teacher."""
+        return head_of(self.teacher_lm) if self.teacher_lm is not None else None
 
     def inference_modules(self):
         """(actor, critic) holding the current weights, for no-grad forwards that ranks
@@ -117,7 +131,7 @@ class Trainer:
         tasks = self.world.sample_tasks(k, cfg.tasks_per_step, split="train", seed=_mix(cfg.seed, step, self.rank))
         lm = actor.lm
         lm.eval()
-        engine = HFEngine(lm, pad_id=self.env.tokens.pad)
+        engine = HFEngine(lm, pad_id=self.env.tokens.pad, vocab_size=self.scoring.vocab_size)
         with torch.no_grad():
             trajs = rollout(self.env, engine, tasks, group_size=cfg.group_size, temperature=cfg.temperature,
                             top_p=cfg.top_p, seed=_mix(cfg.seed, step, self.rank, 1), group_prefix=f"s{step}r{self.rank}-")
@@ -138,10 +152,7 @@ class Trainer:
         self.actor.train()
         self.critic.train()
         gen = torch.Generator().manual_seed(_mix(cfg.seed, step, self.rank, 2))
-        tw = None
-        if self.teacher_lm is not None:
-            tw = self.teacher_lm.get_output_embeddings().weight.detach()
-        stats = update(self.actor, self.critic, trajs, scored, teacher_weight=tw, ppo_epochs=cfg.ppo_epochs,
+        stats = update(self.actor, self.critic, trajs, scored, teacher_head=self.teacher_head, ppo_epochs=cfg.ppo_epochs,
                        minibatches=cfg.minibatches, max_tokens=cfg.max_tokens, clip_eps=cfg.clip_eps,
                        value_clip=cfg.value_clip, entropy_coef=cfg.entropy_coef, opd_coef=cfg.opd_coef,
                        generator=gen, action_domain=cfg.action_domain)
@@ -162,10 +173,10 @@ class Trainer:
             "rollout/em_mean": em_sum / n,
             "rollout/f1_mean": f1_sum / n,
             "rollout/calls_mean": calls / n,
-            "rollout/peak_context": max_over_ranks(_peak_context(trajs), self.world_size, self.actor.device),
+            "rollout/peak_context": self.actor.all_reduce_max(_peak_context(trajs)),
             "rollout/action_tokens": int(n_act),
             "train/context_copies": int(n_copies),
-            "rce/max_dlogp_vs_sampling": max_over_ranks(scored.sample_dlogp, self.world_size, self.actor.device),
+            "rce/max_dlogp_vs_sampling": self.actor.all_reduce_max(scored.sample_dlogp),
             "train/kl_penalty_mean": pen_sum / max(n_act + n_copies, 1.0),
             "train/lr": self.actor.lr(),
             **{f"train/{k2}": v for k2, v in stats.items()},
@@ -176,48 +187,78 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self, step: int) -> str:
+        """Collective: checkpoints/step_N/{actor,critic}; once every rank's files are down
+        (barrier), rank 0 writes the manifest that makes it complete, then `latest`."""
+        from .rundir import atomic_write_text, clear_checkpoint_dir, write_manifest
+
         path = os.path.join(self.ckpt_root, f"step_{step}")
+        if self.rank == 0:
+            clear_checkpoint_dir(path)  # an unfinished or damaged copy from an earlier attempt
+        self.actor.barrier()
         client = {"step": step, "config": self.cfg.to_dict()}
         self.actor.save_checkpoint(os.path.join(path, "actor"), client_state=client)
         self.critic.save_checkpoint(os.path.join(path, "critic"), client_state=client)
         self.actor.barrier()
         if self.rank == 0:
-            with open(os.path.join(self.ckpt_root, "latest"), "w") as f:
-                f.write(f"step_{step}\n")
+            write_manifest(path, step=step, config=self.cfg.to_dict())
+            atomic_write_text(os.path.join(self.ckpt_root, "latest"), f"step_{step}\n")
         self.actor.barrier()
         return path
 
     def latest_checkpoint(self) -> str | None:
-        p = os.path.join(self.ckpt_root, "latest")
-        if not os.path.exists(p):
-            return None
-        with open(p) as f:
-            name = f.read().strip()
-        path = os.path.join(self.ckpt_root, name)
-        return path if os.path.isdir(path) else None
+        """The newest complete checkpoint (its manifest verifies), or None."""
+        from .rundir import newest_complete_checkpoint
+
+        found, _ = newest_complete_checkpoint(self.ckpt_root)
+        return found[1] if found else None
 
     def resume(self) -> int:
-        path = self.latest_checkpoint()
-        if path is None:
-            self.log(f"no checkpoint under {self.ckpt_root}: starting from step 0")
+        """Load the newest complete checkpoint and cut metrics.jsonl back to its step.
+
+        Newer checkpoints that are unfinished or fail their manifest are skipped (the log
+        says which and why). Without a usable checkpoint the run starts at step 0 with a
+        fresh metrics.jsonl. Rank 0 chooses; every rank loads the same checkpoint."""
+        from memopd.errors import RunDirError
+
+        from .rundir import atomic_write_text, newest_complete_checkpoint, rank0_decides, truncate_metrics
+
+        def choose() -> int:
+            found, skipped = newest_complete_checkpoint(self.ckpt_root)
+            for name, why in skipped:
+                self.log(f"resume: skipping checkpoint {name}: {why}")
+            if found is None:
+                self.log(f"resume: no complete checkpoint under {self.ckpt_root}: starting from step 0 "
+                         f"with a fresh {self.metrics_path}")
+                if os.path.exists(self.metrics_path):
+                    os.remove(self.metrics_path)
+                return 0
+            if found[0] > self.cfg.steps:
+                raise RunDirError(f"--resume: the newest complete checkpoint {found[1]} is past steps="
+                                  f"{self.cfg.steps}; resume with steps>={found[0]}, or pass --overwrite to start over")
+            return found[0]
+
+        step = rank0_decides(choose, self.rank, self.world_size)
+        if step == 0:
             return 0
+        path = os.path.join(self.ckpt_root, f"step_{step}")
         client = self.actor.load_checkpoint(os.path.join(path, "actor")) or {}
         self.critic.load_checkpoint(os.path.join(path, "critic"))
-        step = int(client.get("step", 0))
-        if self.rank == 0 and os.path.exists(self.metrics_path):
+        if int(client.get("step", step)) != step:
+            raise RuntimeError(f"{path}: its client state is of step {client.get('step')}")
+        if self.rank == 0:
             # drop lines written after the checkpoint, so the file matches an uninterrupted run
-            with open(self.metrics_path) as f:
-                lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
-            with open(self.metrics_path, "w") as f:
-                f.writelines(lines)
+            truncate_metrics(self.metrics_path, step, self.log)
+            atomic_write_text(os.path.join(self.ckpt_root, "latest"), f"step_{step}\n")
         self.log(f"resumed from {path} (step {step})")
         return step
 
     def write_metrics(self, m: dict) -> None:
         if self.rank != 0:
             return
-        with open(self.metrics_path, "a") as f:
+        with open(self.metrics_path, "a") as f:  # one line per append; resume drops a partial last one
             f.write(json.dumps(m) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # durable before the checkpoint of this step is
         if self.cfg.tensorboard:
             tb = self._tb_writer()
             for key, v in m.items():
@@ -238,24 +279,37 @@ class Trainer:
 
     # ---- the run -------------------------------------------------------------------
     def fit(self, *, resume: bool = False, evaluate: Callable[[int], dict] | None = None,
-            stop_after: int | None = None) -> list[dict]:
+            stop_after: int | None = None, overwrite: bool = False, run=None) -> list[dict]:
+        """Train steps [start, cfg.steps): start is 0, or the resumed checkpoint's step.
+
+        `run`: the `rundir.RunDir` that `train` opened (locked, checked, config.yaml
+        written). Without it, fit opens the run directory itself (same checks: a used
+        directory needs `resume` or `overwrite`) and releases it when it returns."""
+        from .rundir import RunDir
+
         cfg = self.cfg
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        if self.rank == 0:
-            with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        owned = run is None
+        if owned:
+            run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=self.rank,
+                              world_size=self.world_size, defaults=TrainConfig().to_dict(), log=self.log)
+        try:
+            return self._fit_steps(resume, evaluate, stop_after)
+        finally:
+            if owned:
+                run.close()
+
+    def _fit_steps(self, resume: bool, evaluate, stop_after) -> list[dict]:
+        cfg = self.cfg
         start = self.resume() if resume else 0
         self.step = start
         if cfg.tensorboard and self.rank == 0:
             self._tb_writer()  # fail early if tensorboard is missing, before any step
-        if not resume and self.rank == 0 and os.path.exists(self.metrics_path):
-            os.remove(self.metrics_path)
         history = []
         bar = None
         if cfg.progress and self.rank == 0:
-            from tqdm.auto import tqdm
+            from memopd.progress import progress_bar
 
-            bar = tqdm(total=cfg.steps, initial=start, desc=f"train[{cfg.arm}]", unit="step")
+            bar = progress_bar(cfg.steps, f"train[{cfg.arm}]", unit="step", initial=start)
         for step in range(start, cfg.steps):
             if stop_after is not None and step >= stop_after:
                 break
@@ -281,6 +335,23 @@ class Trainer:
             self._tb = None
 
 
+def resolve_vocab_size(cfg: TrainConfig, env, student_lm, teacher_lm=None) -> int:
+    """The ids sampled and scored: `cfg.vocab_size`, else the environment tokenizer's
+    size, else the student head's rows; every head present must have that many rows."""
+    rows = {"student": int(student_lm.get_output_embeddings().weight.shape[0])}
+    if teacher_lm is not None:
+        rows["teacher"] = int(teacher_lm.get_output_embeddings().weight.shape[0])
+    tok = getattr(env, "tokenizer", None)
+    v = cfg.vocab_size or (len(tok) if tok is not None else rows["student"])
+    short = {k: r for k, r in rows.items() if r < v}
+    if short:
+        raise ConfigError(
+            f"vocab_size={v} ({'set in the config' if cfg.vocab_size else 'the tokenizer size'}) exceeds the "
+            + ", ".join(f"{k} lm_head's {r} rows" for k, r in short.items())
+            + ": every id the tokenizer can produce needs a row in both heads")
+    return v
+
+
 def _zero_stage(ds) -> int:
     if isinstance(ds, str):
         with open(ds) as f:
@@ -289,17 +360,111 @@ def _zero_stage(ds) -> int:
 
 
 def _load_lm(path: str):
-    from transformers import AutoModelForCausalLM
+    from memopd.models import load_local_model
 
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return load_local_model(path, what="model", dtype=torch.float32)
+
+
+def _user_data(cfg: TrainConfig) -> bool:
+    """Bring-your-own data: a corpus / question sets replace the generated world."""
+    return bool(cfg.corpus or cfg.tasks or cfg.eval_tasks_file)
+
+
+def _prepare_user(cfg: TrainConfig, log: Callable[[str], None]):
+    """`prepare` for user data: any local HF causal-LM student/teacher, their tokenizer
+    (tags as id sequences when it splits them), the corpus, and a `UserTasks` sampler."""
+    from memopd.env.data import load_corpus_jsonl, load_tasks_jsonl
+    from memopd.env.protocol import ProtocolError
+    from memopd.env.qa import EnvConfig, QAEnv
+    from memopd.env.tasks import UserTasks
+    from memopd.env.tokenizer import load_tokenizer
+    from memopd.errors import UserError
+    from memopd.models import check_model_dir
+
+    missing = [k for k in ("corpus", "tasks") if not getattr(cfg, k)]
+    if missing:
+        raise UserError(f"bring-your-own data needs both corpus=DOCS.jsonl and tasks=SETS.jsonl "
+                        f"(missing: {', '.join(missing)}); see memopd/env/data.py for the formats")
+    if not cfg.student:
+        raise UserError("corpus=/tasks= need student=DIR (a local HF causal-LM checkpoint): the built-in SFT'd "
+                        "models only know the generated world")
+    if cfg.arm != "ppo" and not cfg.teacher:
+        raise UserError(f"arm={cfg.arm} distils from a teacher: give teacher=DIR (a local HF causal-LM "
+                        "checkpoint), or use arm=ppo")
+    for key in ("corpus", "tasks", "eval_tasks_file"):
+        path = getattr(cfg, key)
+        if path and not os.path.isfile(path):
+            raise UserError(f"{key}={path!r}: no such file")
+    student_dir = check_model_dir(cfg.student, "student")
+    teacher_dir = check_model_dir(cfg.teacher, "teacher") if cfg.arm != "ppo" else cfg.teacher
+    tok_dir = cfg.tokenizer or student_dir
+    try:
+        tokenizer = load_tokenizer(tok_dir)
+    except ProtocolError as e:
+        raise UserError(f"tokenizer {tok_dir!r}{'' if cfg.tokenizer else ' (the student dir)'}: {e}") from None
+    docs = load_corpus_jsonl(cfg.corpus)
+    tasks = UserTasks(load_tasks_jsonl(cfg.tasks),
+                      load_tasks_jsonl(cfg.eval_tasks_file) if cfg.eval_tasks_file else None,
+                      sources={"train": cfg.tasks, "eval": cfg.eval_tasks_file})
+    modes = {}
+    for k in cfg.train_k:
+        try:
+            modes[k] = tasks.check_k(k, "train")
+        except UserError as e:
+            raise UserError(f"train_k={cfg.train_k}: {e}; lower train_k or add questions") from None
+    env = QAEnv(docs, tokenizer, EnvConfig(policy=cfg.policy))
+    student = _load_lm(student_dir)
+    teacher = _load_lm(teacher_dir) if cfg.arm != "ppo" else None
+    for what, d, lm in (("student", student_dir, student), ("teacher", teacher_dir, teacher)):
+        if lm is None:
+            continue
+        rows = int(lm.get_input_embeddings().weight.shape[0])
+        if rows < len(tokenizer):
+            raise UserError(f"{what} {d!r}: its input embeddings have {rows} rows, fewer than the {len(tokenizer)} "
+                            f"ids of the tokenizer {tok_dir!r}: the models must share this tokenizer's vocabulary")
+    tk = env.tokens
+    tags = ("one token each" if tk.single_token_tags else
+            "id sequences (" + ", ".join(f"{t}={len(tk.tag_ids(n))}" for n, t in
+                                         (("mem_open", "<mem>"), ("search_close", "</search>"))) + " ids, ...)")
+    log(f"user data: {len(docs)} documents ({cfg.corpus}); {tasks.num_questions('train')} training questions in "
+        f"sets of k={list(tasks.sizes('train'))} ({cfg.tasks}); train_k "
+        + ", ".join(f"{k}: {m}" for k, m in modes.items())
+        + (f"; held-out: {cfg.eval_tasks_file}" if cfg.eval_tasks_file else "; no held-out file (no final evaluation)")
+        + f"; tokenizer {tok_dir} ({len(tokenizer)} ids), protocol tags {tags}")
+    return student, teacher, env, tasks, tokenizer, student_dir, teacher_dir
 
 
 def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
-    """Models and environment of a run: SFT'd defaults from the cache unless given."""
+    """Models and environment of a run.
+
+    Generated world: SFT'd defaults from the cache unless student/teacher are given (memopd
+    checkpoints, with memopd_env.json). Bring-your-own (corpus=/tasks=): any local HF
+    causal LMs with their tokenizer on the user's corpus and question sets; `world` is then
+    a `memopd.env.tasks.UserTasks` (the same `sample_tasks` interface)."""
     from memopd.env.qa import EnvConfig, QAEnv
-    from memopd.env.sft import read_env_meta, run_sft
+    from memopd.env.sft import ENV_META_FILE, read_env_meta, run_sft
     from memopd.env.tokenizer import load_tokenizer
     from memopd.env.world import World, WorldConfig
+    from memopd.errors import UserError
+
+    if _user_data(cfg):
+        return _prepare_user(cfg, log)
+    if cfg.tokenizer:
+        raise UserError(f"tokenizer={cfg.tokenizer!r} is only used with your own data (corpus=, tasks=); the "
+                        "generated world uses the tokenizer of its memopd checkpoints")
+    if cfg.student:
+        from memopd.models import check_model_dir
+
+        check_model_dir(cfg.student, "student")
+        meta_path = os.path.join(cfg.student, ENV_META_FILE)
+        if not os.path.exists(meta_path):
+            raise UserError(f"student={cfg.student!r} is not a memopd checkpoint of the generated world (no "
+                            f"{ENV_META_FILE}): to train any HF causal LM, give your data too: corpus=DOCS.jsonl "
+                            "tasks=SETS.jsonl [eval_tasks_file=HELD_OUT.jsonl] (see the README, 'Bring your own "
+                            "models and data')")
+        with open(meta_path) as f:
+            if "world" not in json.load(f):
+                raise UserError(f"student={cfg.student!r} was trained on user data: give corpus=, tasks= again")
 
     info = init_distributed()
     sft_dir = os.path.join(cfg.cache_dir, "sft")
@@ -309,10 +474,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
     if need:
         if info.rank == 0:
             run_sft(sft_dir, roles=need, world_config=WorldConfig(seed=cfg.world_seed), progress=cfg.progress, log=log)
-        if info.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        barrier()
     student_dir = cfg.student or os.path.join(sft_dir, "student")
     teacher_dir = cfg.teacher or os.path.join(sft_dir, "teacher")
     meta = read_env_meta(student_dir)
@@ -336,52 +498,115 @@ def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -
     lm = actor.lm
     lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    with open(os.path.join(student_dir, ENV_META_FILE)) as f:
-        meta = json.load(f)
-    meta["env"]["policy"] = trainer.cfg.policy
-    meta["role"] = f"student+{trainer.cfg.arm}"
+    cfg = trainer.cfg
+    if _user_data(cfg):
+        # no world to regenerate: the data files and the environment settings instead
+        # (`memopd eval --model DIR --corpus C --questions Q` evaluates it)
+        _check_saved_tokenizer(tokenizer, out_dir, trainer.env, trainer.log)
+        meta = {
+            "data": {"corpus": os.path.abspath(cfg.corpus), "tasks": os.path.abspath(cfg.tasks),
+                     "eval_tasks": os.path.abspath(cfg.eval_tasks_file) if cfg.eval_tasks_file else None,
+                     "tokenizer": os.path.abspath(cfg.tokenizer or student_dir)},
+            "env": dataclasses.asdict(trainer.env.config),
+            "student": os.path.abspath(student_dir),
+        }
+    else:
+        with open(os.path.join(student_dir, ENV_META_FILE)) as f:
+            meta = json.load(f)
+    meta["env"]["policy"] = cfg.policy
+    meta["role"] = f"student+{cfg.arm}"
     with open(os.path.join(out_dir, ENV_META_FILE), "w") as f:
         json.dump(meta, f, indent=2)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
-    """The whole job: prepare, fit, evaluate on held-out Q-k sets, save the final model."""
+def _check_saved_tokenizer(tokenizer, out_dir: str, env, log: Callable[[str], None]) -> None:
+    """Warn if the tokenizer reloaded from a saved agent dir (AutoTokenizer may rebuild it
+    by the model config's type) encodes differently from the one the run used."""
+    from memopd.env.protocol import SPECIAL_TOKENS, prefix_text
+    from memopd.env.tokenizer import load_tokenizer
+
+    probe = [prefix_text(["what is it ?", "who said so"]), " ".join(SPECIAL_TOKENS[4:])]
+    probe += [" " + d.display for d in env.documents[:8]]
+    try:
+        again = load_tokenizer(out_dir)
+        same = all(again.encode(t, add_special_tokens=False) == tokenizer.encode(t, add_special_tokens=False)
+                   for t in probe)
+    except Exception as e:  # a warning, not a failure at the end of a run
+        same, why = False, f" ({type(e).__name__}: {e})"
+    else:
+        why = ""
+    if not same:
+        log(f"warning: the tokenizer saved in {out_dir} does not reload to the same encoding{why}: "
+            "`memopd eval` of that dir will not see what training saw; pass tokenizer= a dir whose "
+            "tokenizer_config.json names its class explicitly")
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
+          log: Callable[[str], None] = print) -> dict:
+    """The whole job: prepare, fit, evaluate on held-out Q-k sets, save the final model.
+
+    Before any model is loaded or trained, the run directory is opened (see
+    trainer/rundir.py): every output location must be a writable directory, the
+    directory is locked for this run, and a used one needs `resume` (same config up to
+    the safe keys) or `overwrite` (its earlier outputs are deleted)."""
     from memopd.env.evaluate import evaluate as evaluate_dir
     from memopd.env.evaluate import format_table
 
+    from .rundir import RunDir, atomic_write_json
+
     t0 = time.time()
     cpu0 = time.process_time()
-    _set_seed(cfg.seed)
-    student, teacher, env, world, tokenizer, student_dir, teacher_dir = prepare(cfg, log)
-    trainer = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=log)
+    info = init_distributed()
+    # the SFT cache is written only when a default model is needed (as in `prepare`)
+    sft_needed = not cfg.student or (not cfg.teacher and cfg.arm != "ppo")
+    extra = ((os.path.join(cfg.cache_dir, "sft"), "SFT cache directory"),) if sft_needed else ()
+    run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=info.rank, world_size=info.world_size,
+                      extra_dirs=extra, defaults=TrainConfig().to_dict(), log=log)
+    try:
+        _set_seed(cfg.seed)
+        student, teacher, env, world, tokenizer, student_dir, teacher_dir = prepare(cfg, log)
+        trainer = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=log)
 
-    def evaluate(step: int) -> dict:
-        d = os.path.join(cfg.run_dir, "eval_model")
-        _save_agent(trainer, tokenizer, student_dir, d)
-        res = evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks) if trainer.rank == 0 else {"results": {}}
-        return {f"eval/{k}": v for k, v in _flatten_eval(res["results"]).items()}
+        user = _user_data(cfg)
+        can_eval = not user or bool(cfg.eval_tasks_file)
 
-    history = trainer.fit(resume=resume, evaluate=evaluate)
-    report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
-                    "teacher": teacher_dir if cfg.arm != "ppo" else None}
-    final_dir = os.path.join(cfg.run_dir, "final")
-    _save_agent(trainer, tokenizer, student_dir, final_dir)
-    report["final_model"] = final_dir
-    if trainer.rank == 0:
-        final = evaluate_dir(final_dir, ks=cfg.eval_k, n=cfg.eval_tasks)
-        trainer.write_metrics({"step": cfg.steps, **{f"eval/{k}": v for k, v in _flatten_eval(final["results"]).items()}})
-        report["eval"] = final["results"]
-        log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
-        log(format_table(final))
-    trainer.close()
-    report["wall_s"] = round(time.time() - t0, 1)
-    report["cpu_s"] = round(time.process_time() - cpu0, 1)
-    report["last_step"] = history[-1] if history else None
-    if trainer.rank == 0:
-        with open(os.path.join(cfg.run_dir, "report.json"), "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")
-    return report
+        def evaluate_saved(d: str) -> dict:
+            if user:  # the held-out file's sets as they are, grouped by k (as `memopd eval --questions`)
+                return evaluate_dir(d, corpus=cfg.corpus, questions=cfg.eval_tasks_file)
+            return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks)
+
+        def evaluate(step: int) -> dict:
+            d = os.path.join(cfg.run_dir, "eval_model")
+            _save_agent(trainer, tokenizer, student_dir, d)
+            res = evaluate_saved(d) if trainer.rank == 0 else {"results": {}}
+            return {f"eval/{k}": v for k, v in _flatten_eval(res["results"]).items()}
+
+        history = trainer.fit(resume=resume, evaluate=evaluate if can_eval else None, run=run)
+        report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
+                        "teacher": teacher_dir if cfg.arm != "ppo" else None}
+        final_dir = os.path.join(cfg.run_dir, "final")
+        _save_agent(trainer, tokenizer, student_dir, final_dir)
+        report["final_model"] = final_dir
+        if trainer.rank == 0 and not can_eval:
+            report["eval"] = None
+            log("no eval_tasks_file: the final model is not evaluated (give eval_tasks_file=HELD_OUT.jsonl)")
+        elif trainer.rank == 0:
+            final = evaluate_saved(final_dir)
+            trainer.write_metrics({"step": cfg.steps,
+                                   **{f"eval/{k}": v for k, v in _flatten_eval(final["results"]).items()}})
+            report["eval"] = final["results"]
+            log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
+            log(format_table(final))
+        trainer.close()
+        report["wall_s"] = round(time.time() - t0, 1)
+        report["cpu_s"] = round(time.process_time() - cpu0, 1)
+        report["last_step"] = history[-1] if history else None
+        if trainer.rank == 0:
+            atomic_write_json(os.path.join(cfg.run_dir, "report.json"), report)
+            log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")
+        return report
+    finally:
+        run.close()
 
 
 def _flatten_eval(res: dict) -> dict:

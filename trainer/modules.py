@@ -5,51 +5,147 @@ module's parameters around its forward, and the fused op reads `lm_head.weight`
 directly, so the actor registers that weight as an external parameter of itself when
 running under ZeRO-3.
 
-- `Actor(lm)(batch, teacher_hidden, teacher_weight)` -> `DistillOutput` per action token
-  (student log-prob of the sampled id, student entropy, reverse KL to the teacher),
-  from one fused pass over the vocabulary. Without a teacher the KL is zero and the
-  teacher-less op (`fused_linear_logprob_entropy`) does only the student's matmuls.
+- `Actor(lm, scoring=Scoring(temperature, vocab_size))(batch, teacher_hidden,
+  teacher_head)` -> `DistillOutput` per action token (student log-prob of the sampled
+  id, student entropy, reverse KL to the teacher), from one fused pass over the
+  vocabulary. Without a teacher the KL is zero and the teacher-less op
+  (`fused_linear_logprob_entropy`) does only the student's matmuls.
+- `token_logprobs(lm, hidden, targets, scoring)`: the same log-probs without gradients
+  (old and reference log-probs).
 - `Critic(lm)(batch)` -> value per action token, read at its prediction position (the
   state in which the token was chosen).
+
+Every distribution here is the one the sampler drew from (`Scoring`): the logits at
+the sampling temperature, over the first `vocab_size` rows of the head (the ids the
+tokenizer can emit: rows past it, e.g. the padding of Qwen2.5's 151,936-row lm_head
+over a 151,665-id tokenizer, are masked out of sampling and of every log-prob). The
+teacher is scored on the same rows at the same temperature: the reverse KL between the
+two tempered distributions is zero exactly when the untempered ones agree, so the
+temperature changes the weighting of the signal, not its optimum. A head's constant
+logit scale (`memopd.hf.head_of`) is folded into the temperature.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from memopd.hf import lm_head_of, packed_forward
+from memopd.hf import LMHead, head_of, lm_head_of, packed_forward
 from memopd.layout import PackedBatch
-from memopd.ops import DistillOutput, fused_linear_logprob_entropy, fused_linear_reverse_kl
+from memopd.ops import DistillOutput, fused_linear_actor_loss, fused_linear_logprob_entropy, fused_linear_reverse_kl
 
-__all__ = ["Actor", "Critic", "register_zero3_external_params"]
+__all__ = ["Actor", "Critic", "PPOInputs", "Scoring", "token_logprobs", "register_zero3_external_params"]
+
+
+@dataclass(frozen=True)
+class PPOInputs:
+    """Per-entry inputs of the actor loss for one micro-batch, and its coefficients.
+
+    `normalizer` and `kl_normalizer` are the global counts (all micro-batches, all ranks)
+    divided by the world size, so that summing micro-batches and averaging ranks gives
+    the gradient of one batch (see `memopd.trainer.backend`)."""
+
+    logp_old: torch.Tensor
+    advantages: torch.Tensor
+    kl_mask: torch.Tensor
+    clip_eps: float
+    entropy_coef: float
+    kl_coef: float
+    normalizer: float
+    kl_normalizer: float
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """The sampling distribution every log-prob is computed under."""
+
+    temperature: float = 1.0
+    vocab_size: int | None = None  # head rows scored; None: all rows of the student's head
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
+
+def _rows(scoring: Scoring, *heads: LMHead) -> int:
+    rows = min(int(h.weight.shape[0]) for h in heads)
+    v = scoring.vocab_size or int(heads[0].weight.shape[0])
+    if v > rows:
+        raise ValueError(f"vocab_size={v} exceeds an lm_head's rows ({rows}): every scored id needs a row")
+    return v
+
+
+def token_logprobs(lm: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, scoring: Scoring) -> torch.Tensor:
+    """Log-probs [A] of `targets` under `lm`'s sampling distribution, from its last
+    hidden states at the prediction positions (fused: no [A x vocab] logits)."""
+    head = head_of(lm)
+    return fused_linear_logprob_entropy(
+        hidden, head.weight, targets.to(hidden.device), bias=head.bias,
+        temperature=scoring.temperature / head.scale, vocab_size=_rows(scoring, head),
+    ).logprobs
 
 
 class Actor(nn.Module):
-    def __init__(self, lm: nn.Module, attention_backend: str = "auto"):
+    def __init__(self, lm: nn.Module, attention_backend: str = "auto", scoring: Scoring | None = None):
         super().__init__()
         self.lm = lm
         self.attention_backend = attention_backend
+        self.scoring = scoring or Scoring()
 
     def hidden(self, batch: PackedBatch) -> torch.Tensor:
         return packed_forward(self.lm, batch, output="hidden", attention_backend=self.attention_backend)
 
     def forward(self, batch: PackedBatch, teacher_hidden: torch.Tensor | None = None,
-                teacher_weight: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None):
+                teacher_head: LMHead | None = None, ppo: PPOInputs | None = None):
+        """`DistillOutput` per entry; with `ppo`, the whole actor loss from one fused op
+        (`ActorLossOutput`: PPO surrogate + entropy bonus + teacher KL, gradients computed
+        in its forward)."""
         h = self.hidden(batch)
-        head = lm_head_of(self.lm)
-        w = head.weight
-        b = getattr(head, "bias", None)
+        head = head_of(self.lm)
         targets = batch.target_ids.to(h.device)
+        # logits / T = (scale * z) / T: the head's scale folds into the op's temperature
+        temperature = self.scoring.temperature / head.scale
+        if ppo is not None:
+            th = tw = tb = None
+            if teacher_hidden is not None:
+                th, tw, tb = self._teacher_operands(head, teacher_hidden, teacher_head, h.dtype)
+            return fused_linear_actor_loss(
+                h, head.weight, targets, ppo.advantages, ppo.logp_old, teacher_hidden=th, teacher_weight=tw,
+                student_bias=head.bias, teacher_bias=tb, kl_mask=ppo.kl_mask, clip_eps=ppo.clip_eps,
+                entropy_coef=ppo.entropy_coef, kl_coef=ppo.kl_coef if th is not None else 0.0,
+                temperature=temperature, normalizer=ppo.normalizer, kl_normalizer=ppo.kl_normalizer,
+                vocab_size=_rows(self.scoring, head, *(() if th is None else (teacher_head,))),
+            )
         if teacher_hidden is None:
             # no teacher: the teacher-less mode of the fused op (no teacher matmuls), KL = 0
-            lp = fused_linear_logprob_entropy(h, w, targets, bias=b)
+            lp = fused_linear_logprob_entropy(h, head.weight, targets, bias=head.bias, temperature=temperature,
+                                              vocab_size=_rows(self.scoring, head))
             return DistillOutput(lp.logprobs.new_zeros(()), torch.zeros_like(lp.logprobs), lp.logprobs, lp.entropy)
+        th, tw, tb = self._teacher_operands(head, teacher_hidden, teacher_head, h.dtype)
         return fused_linear_reverse_kl(
-            h, w, teacher_hidden.to(h.dtype), teacher_weight.to(w.dtype), targets,
-            student_bias=b, teacher_bias=teacher_bias, reduction="none",
-            # one padded lm_head: score only the vocabulary both heads have
-            vocab_size=min(w.shape[0], teacher_weight.shape[0]),
+            h, head.weight, th, tw, targets, student_bias=head.bias, teacher_bias=tb, reduction="none",
+            temperature=temperature, vocab_size=_rows(self.scoring, head, teacher_head),
         )
+
+    @staticmethod
+    def _teacher_operands(head: LMHead, teacher_hidden, teacher_head: LMHead | None, dtype):
+        """The frozen teacher's (hidden, weight, bias) for a fused op that applies one
+        temperature to both models: the teacher's logit scale relative to the student's
+        goes into its hidden states and bias."""
+        if teacher_head is None:
+            raise ValueError("teacher_hidden given without teacher_head")
+        rel = teacher_head.scale / head.scale
+        th = teacher_hidden.detach().to(dtype)
+        tb = teacher_head.bias.detach() if teacher_head.bias is not None else None
+        if rel != 1.0:
+            th = th * rel
+            tb = tb * rel if tb is not None else None
+        return th, teacher_head.weight.detach().to(head.weight.dtype), tb
 
 
 class Critic(nn.Module):

@@ -9,6 +9,8 @@ import argparse
 import json
 import os
 
+from memopd.errors import UserError
+
 __all__ = ["read_metrics", "plot_run", "plot_main"]
 
 PANELS = [
@@ -24,8 +26,10 @@ PANELS = [
 
 def read_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isdir(run_dir):
+        raise UserError(f"run directory {run_dir!r} does not exist")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: is {run_dir!r} a memopd run directory?")
+        raise UserError(f"{path} not found: is {run_dir!r} a memopd run directory (written by `memopd train`)?")
     rows = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -35,7 +39,7 @@ def read_metrics(run_dir: str) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+                raise UserError(f"{path}:{i}: not JSON ({e})") from None
     return rows
 
 
@@ -49,9 +53,19 @@ def _series(rows, pattern):
             yield k, pts
 
 
-def plot_run(run_dir: str, out: str | None = None) -> str:
-    import matplotlib
+def _matplotlib():
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        raise UserError("plotting needs matplotlib, which is not installed: pip install 'memopd[plot]' "
+                        "(or pip install matplotlib)") from None
+    return matplotlib
 
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    matplotlib = _matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -60,7 +74,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     panels = [(t, [s for p in pats for s in _series(rows, p)], y) for t, pats, y in PANELS]
     panels = [p for p in panels if p[1]]
     if not panels:
-        raise ValueError(f"no plottable metrics in {run_dir}/metrics.jsonl")
+        raise UserError(f"no plottable metrics in {run_dir}/metrics.jsonl (has the run logged a step yet?)")
     cols = 3
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.0 * nrows), squeeze=False)

@@ -16,8 +16,9 @@ under the token budget:
 The entries are the action tokens (`action_domain="exact"`), or for the ablation the
 naive domain that adds re-encoded copies of model output inside later contexts
 (`"naive"`, see `memopd.packing`): every loss, value and advantage then covers them.
-Student log-probs, entropy and reverse KL come from one fused pass over the vocabulary
-(`memopd.ops.fused_linear_reverse_kl`). Means are over the whole minibatch (all
+The actor loss of each micro-batch is one fused op over the vocabulary
+(`memopd.ops.fused_linear_actor_loss`: surrogate, entropy bonus and reverse KL, with the
+gradients computed in its forward). Means are over the whole minibatch (all
 micro-batches, all ranks): each micro-batch contributes sum / global count * world.
 """
 from __future__ import annotations
@@ -28,15 +29,15 @@ from typing import Sequence
 
 import torch
 
-from memopd.hf import lm_head_of, packed_forward
-from memopd.ops import fused_linear_logprob_entropy
+from memopd.errors import UserError
+from memopd.hf import LMHead, packed_forward
 from memopd.packing import pack
 from memopd.records import Trajectory
 
-from .modules import Actor, Critic
+from .modules import Actor, Critic, PPOInputs, token_logprobs
 from .ppo import gae, policy_loss, token_rewards, value_loss, whiten
 
-__all__ = ["Scored", "score", "update", "entry_offsets", "actor_loss", "max_over_ranks"]
+__all__ = ["Scored", "score", "update", "entry_offsets", "check_token_ids", "check_sampling"]
 
 
 @dataclass
@@ -67,18 +68,39 @@ def entry_offsets(batch, trajs: Sequence[Trajectory]) -> torch.Tensor:
     return out
 
 
-def max_over_ranks(x, world: int, device=None):
-    """Max of an int or float over ranks (NaN counts as missing; all NaN gives NaN)."""
-    if world == 1:
-        return x
-    import torch.distributed as dist
+def check_token_ids(trajs: Sequence[Trajectory], vocab_size: int, embedding_rows: int) -> None:
+    """Every sampled id must be a row both heads score (< vocab_size) and every input id
+    a row of every embedding; checked on the host before any kernel runs, on any device
+    (an out-of-range id inside a CUDA kernel is a device assert or a silent wrong row)."""
+    for b, tr in enumerate(trajs):
+        for t, inv in enumerate(tr.invocations):
+            bad = [x for x in inv.action_ids if not 0 <= x < vocab_size]
+            if bad:
+                raise UserError(
+                    f"trajectory {b} (task {tr.task_id!r}), call {t}: sampled id(s) {bad[:5]} outside the scored "
+                    f"vocabulary [0, {vocab_size}) (the tokenizer's ids; rows past it are lm_head padding that "
+                    "the sampler never emits); were these trajectories sampled from another model or tokenizer?")
+            ids = (*inv.prefix_ids, *inv.context_ids)
+            if ids and not (0 <= min(ids) and max(ids) < embedding_rows):
+                bad = [x for x in ids if not 0 <= x < embedding_rows]
+                raise UserError(f"trajectory {b} (task {tr.task_id!r}), call {t}: input id(s) {bad[:5]} outside "
+                                f"the models' embeddings [0, {embedding_rows})")
 
-    is_int = isinstance(x, int)
-    v = float(x)
-    t = torch.tensor([-math.inf if math.isnan(v) else v], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    r = float(t)
-    return int(r) if is_int else (math.nan if r == -math.inf else r)
+
+def check_sampling(trajs: Sequence[Trajectory], temperature: float) -> None:
+    """Trajectories that record their sampling settings must have been drawn at the
+    temperature the trainer scores at, untruncated (top_p = 1)."""
+    for b, tr in enumerate(trajs):
+        rec = tr.info.get("sampling")
+        if not isinstance(rec, dict):
+            continue
+        t, p = rec.get("temperature"), rec.get("top_p", 1.0)
+        if t is not None and not math.isclose(float(t), temperature, rel_tol=1e-9):
+            raise UserError(f"trajectory {b} (task {tr.task_id!r}) was sampled at temperature {t}, but the trainer "
+                            f"scores at temperature={temperature}: set temperature={t}")
+        if p is not None and float(p) < 1.0:
+            raise UserError(f"trajectory {b} (task {tr.task_id!r}) was sampled with top_p={p}: its recorded log-probs "
+                            "are of a truncated distribution that PPO cannot train on; sample with top_p=1")
 
 
 def _pack(trajs, max_tokens, action_domain="exact", layout="aligned"):
@@ -113,15 +135,18 @@ def score(
     lam: float,
     action_domain: str = "exact",
 ) -> Scored:
+    """No-grad passes over a rollout batch. Log-probs are under `actor.scoring` (the
+    sampling temperature and vocabulary), for the student and the reference alike."""
+    models = [m for m in (actor.lm, ref_lm, teacher_lm if teacher_layout else None) if m is not None]
+    check_token_ids(trajs, actor.scoring.vocab_size or int(actor.lm.get_output_embeddings().weight.shape[0]),
+                    min(int(m.get_input_embeddings().weight.shape[0]) for m in models))
+    check_sampling(trajs, actor.scoring.temperature)
     batch = _pack(trajs, max_tokens, action_domain)
 
     def logp_of(lm):
         def fn(mb):
             h = packed_forward(lm, mb, output="hidden", attention_backend=actor.attention_backend)
-            head = lm_head_of(lm)
-            # fused: no [actions x vocab] logits even for scoring
-            return fused_linear_logprob_entropy(h, head.weight, mb.target_ids.to(h.device),
-                                                bias=getattr(head, "bias", None)).logprobs
+            return token_logprobs(lm, h, mb.target_ids, actor.scoring)
         return fn
 
     logp_old = _per_action(logp_of(actor.lm), batch, max_tokens)
@@ -146,23 +171,13 @@ def score(
                   sample_dlogp, batch.is_sampled.clone())
 
 
-def actor_loss(out, logp_old, adv, teacher_mask, *, clip_eps, entropy_coef, opd_coef, n_act, n_teacher, world):
-    """Sum-form actor loss of one micro-batch, scaled to a global token mean."""
-    pg, st = policy_loss(out.logprobs, logp_old, adv, clip_eps)
-    kl = out.kl * teacher_mask
-    loss = (pg.sum() - entropy_coef * out.entropy.sum()) * (world / max(n_act, 1))
-    if opd_coef:
-        loss = loss + opd_coef * kl.sum() * (world / max(n_teacher, 1))
-    return loss, pg, st
-
-
 def update(
     actor_backend,
     critic_backend,
     trajs: Sequence[Trajectory],
     scored: Scored,
     *,
-    teacher_weight: torch.Tensor | None,
+    teacher_head: LMHead | None,
     ppo_epochs: int,
     minibatches: int,
     max_tokens: int,
@@ -180,6 +195,9 @@ def update(
     device = scored.logp_old.device
     stats = {"pg_loss": 0.0, "vf_loss": 0.0, "entropy": 0.0, "kl_teacher": 0.0, "clip_frac": 0.0,
              "approx_kl": 0.0, "actor_grad_norm": 0.0, "critic_grad_norm": 0.0}
+    # max |ratio - 1| on the first minibatch, before any optimiser step: 0 up to rounding
+    # when training scores exactly the distribution the sampler drew from
+    first_dev = 0.0
     n_updates = 0
     B = len(trajs)
     world = actor_backend.world_size
@@ -198,7 +216,7 @@ def update(
             # of backward calls; a rank with fewer micro-batches repeats its last one at
             # zero weight
             n_real = len(mbs)
-            mbs = mbs + [mbs[-1]] * (max_over_ranks(n_real, world, actor_backend.device) - n_real)
+            mbs = mbs + [mbs[-1]] * (actor_backend.all_reduce_max(n_real) - n_real)
             counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
             counts = actor_backend.all_reduce_sum(counts)
             n_act, n_t = float(counts[0]), float(counts[1])
@@ -209,13 +227,16 @@ def update(
                 gid = scored.offsets[gmap[mb.traj_index], mb.call_index] + mb.token_index
                 gid = gid.to(device)
                 th = scored.teacher_hidden.index_select(0, gid) if scored.teacher_hidden is not None else None
-                out = actor_backend.module(mb, th, teacher_weight)
-                tm = mb.teacher_mask.to(device).float()
-                loss, pg, st = actor_loss(
-                    out, scored.logp_old[gid], adv_all[gid], tm, clip_eps=clip_eps, entropy_coef=entropy_coef,
-                    opd_coef=opd_coef if th is not None else 0.0, n_act=n_act, n_teacher=n_t, world=world,
-                )
-                actor_backend.backward(loss * weight, last_micro_batch=last)
+                tm = mb.teacher_mask.to(device)
+                ppo = PPOInputs(scored.logp_old[gid], adv_all[gid], tm, clip_eps=clip_eps, entropy_coef=entropy_coef,
+                                kl_coef=opd_coef if th is not None else 0.0, normalizer=max(n_act, 1.0) / world,
+                                kl_normalizer=max(n_t, 1.0) / world)
+                # one fused op: PPO surrogate + entropy bonus + teacher KL, gradients in its forward
+                out = actor_backend.module(mb, th, teacher_head, ppo=ppo)
+                actor_backend.backward(out.loss * weight, last_micro_batch=last)
+                with torch.no_grad():  # per-token statistics from the op's detached outputs
+                    pg, st = policy_loss(out.logprobs, ppo.logp_old, ppo.advantages, clip_eps)
+                tm = tm.float()
                 v = critic_backend.module(mb)
                 vl = value_loss(v, scored.values[gid], scored.returns[gid], value_clip)
                 critic_backend.backward(vl.sum() * (world / max(n_act, 1)) * weight, last_micro_batch=last)
@@ -227,6 +248,9 @@ def update(
                     agg["kl_teacher"] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if th is not None else 0.0
                 agg["clip_frac"] += float(st.clip_frac) * w
                 agg["approx_kl"] += float(st.approx_kl) * w
+                if n_updates == 0 and weight and out.logprobs.numel():
+                    ratio = torch.exp(out.logprobs.detach().float() - scored.logp_old[gid].float())
+                    first_dev = max(first_dev, float((ratio - 1).abs().max()))
             stats["actor_grad_norm"] += actor_backend.step()
             stats["critic_grad_norm"] += critic_backend.step()
             # each rank's sums are token-weighted shares of the global mean: sum over ranks
@@ -234,4 +258,5 @@ def update(
             for name, v in zip(agg, red.tolist()):
                 stats[name] += v
             n_updates += 1
-    return {k: v / max(n_updates, 1) for k, v in stats.items()} | {"optimizer_steps": n_updates}
+    return ({k: v / max(n_updates, 1) for k, v in stats.items()}
+            | {"optimizer_steps": n_updates, "first_ratio_maxdev": actor_backend.all_reduce_max(first_dev)})

@@ -4,6 +4,7 @@ Modules:
 - `world`: the generated default world (entities, attributes, relations), its corpus
   and single/two-hop question sets, deterministic from a seed;
 - `data`: `Document` / `Task` records and the user JSONL loaders;
+- `tasks`: `UserTasks`, user question sets behind the `World.sample_tasks` interface;
 - `retriever`: BM25 search (`bm25s`) over a corpus;
 - `protocol`: tags, task prefix, action parsing, answer splitting;
 - `tokenizer`: the local HF tokenizer (Qwen2-compatible byte-level BPE: one token per
@@ -24,6 +25,7 @@ from .protocol import ParsedAction, ProtocolError, ProtocolTokens, parse_action,
 from .qa import EnvConfig, Episode, QAEnv, StepResult
 from .retriever import BM25Retriever
 from .rollout import Engine, HFEngine, Sample, default_max_new_tokens, rollout, sample_next
+from .tasks import UserTasks
 from .tokenizer import SPECIAL_TOKENS, build_tokenizer, load_tokenizer
 from .world import World, WorldConfig
 
@@ -35,6 +37,7 @@ __all__ = [
     "EnvConfig", "Episode", "QAEnv", "StepResult",
     "BM25Retriever",
     "Engine", "HFEngine", "Sample", "default_max_new_tokens", "rollout", "sample_next",
+    "UserTasks",
     "SPECIAL_TOKENS", "build_tokenizer", "load_tokenizer",
     "World", "WorldConfig",
 ]

@@ -2,8 +2,9 @@
 
 `sft_main(argv)` trains (or reuses) the teacher and student checkpoints;
 `eval_main(argv)` evaluates one checkpoint (or the scripted expert) and prints a table,
-optionally writing JSON. Both return a process exit code; the `memopd` console script
-dispatches to them.
+optionally writing JSON. Both return 0 on success and raise `memopd.errors.UserError`
+(or a subclass) for bad input; the `memopd` console script (`memopd.cli.main`) dispatches
+to them and turns errors into one-line messages and exit codes.
 """
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def _ks(text: str) -> tuple[int, ...]:
     return ks
 
 
+def _policies() -> tuple[str, ...]:
+    from memopd.memory import POLICIES
+
+    return tuple(POLICIES)
+
+
 def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
     from .sft import SFT_PRESETS
 
@@ -40,7 +47,8 @@ def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="retrain even if a checkpoint exists")
     p.add_argument("--seed", type=int, default=0, help="world seed (the world, corpus and tasks derive from it)")
     p.add_argument("--entities", type=int, default=64, help="entities in the generated world (default 64)")
-    p.add_argument("--policy", default="summary", help="memory policy the expert episodes use (default summary)")
+    p.add_argument("--policy", default="summary", choices=_policies(),
+                   help="memory policy the expert episodes use (default summary)")
     p.add_argument("--teacher-steps", type=int, default=t.steps, help=f"teacher optimizer steps (default {t.steps})")
     p.add_argument("--student-steps", type=int, default=s.steps, help=f"student optimizer steps (default {s.steps})")
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per batch (default per preset)")
@@ -60,6 +68,8 @@ def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
 def sft_main(argv: Sequence[str] | None = None) -> int:
     from dataclasses import replace
 
+    from memopd.errors import UserError
+
     from .qa import EnvConfig
     from .sft import MODEL_PRESETS, SFT_PRESETS, run_sft
     from .world import WorldConfig
@@ -67,9 +77,8 @@ def sft_main(argv: Sequence[str] | None = None) -> int:
     args = build_sft_parser().parse_args(argv)
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
     unknown = [r for r in roles if r not in MODEL_PRESETS]
-    if unknown:
-        print(f"memopd sft: unknown role(s) {unknown}; choose from {', '.join(MODEL_PRESETS)}", file=sys.stderr)
-        return 2
+    if unknown or not roles:
+        raise UserError(f"--roles: unknown role(s) {unknown or [args.roles]}; choose from {', '.join(MODEL_PRESETS)}")
     cfgs = {}
     for r in roles:
         c = SFT_PRESETS[r]
@@ -79,14 +88,10 @@ def sft_main(argv: Sequence[str] | None = None) -> int:
             if val is not None:
                 over[name] = val
         cfgs[r] = replace(c, **over)
-    try:
-        world = WorldConfig(seed=args.seed, n_entities=args.entities)
-        env = EnvConfig(policy=args.policy)
-        summary = run_sft(args.out, roles=roles, force=args.force, world_config=world, env_config=env,
-                          sft_configs=cfgs, jobs=args.jobs, progress=not args.no_progress)
-    except (ValueError, RuntimeError) as e:
-        print(f"memopd sft: error: {e}", file=sys.stderr)
-        return 1
+    world = WorldConfig(seed=args.seed, n_entities=args.entities)
+    env = EnvConfig(policy=args.policy)
+    summary = run_sft(args.out, roles=roles, force=args.force, world_config=world, env_config=env,
+                      sft_configs=cfgs, jobs=args.jobs, progress=not args.no_progress)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -106,7 +111,8 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, nargs="+", default=[2, 8, 16], help="question-set sizes (default 2 8 16)")
     p.add_argument("--n", type=int, default=32, help="question sets per size (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out sets and of sampling")
-    p.add_argument("--policy", default=None, help="memory policy (default: the one the model was trained with)")
+    p.add_argument("--policy", default=None, choices=_policies(),
+                   help="memory policy (default: the one the model was trained with)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--batch-size", type=int, default=32, help="episodes per generation batch")
@@ -121,7 +127,6 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
-    from .data import DataError
     from .evaluate import evaluate, format_table, write_json
 
     args = build_eval_parser().parse_args(argv)
@@ -137,9 +142,6 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens, corpus=args.corpus, questions=args.questions,
             progress=args.progress,
         )
-    except (DataError, ValueError, OSError) as e:
-        print(f"memopd eval: error: {e}", file=sys.stderr)
-        return 1
     finally:
         torch.set_num_threads(old_threads)
     print(format_table(report))
@@ -150,10 +152,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # python -m memopd.env.cli sft|eval ...
-    cmd, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
-    if cmd == "sft":
-        sys.exit(sft_main(rest))
-    if cmd == "eval":
-        sys.exit(eval_main(rest))
-    print("usage: python -m memopd.env.cli {sft,eval} ...", file=sys.stderr)
-    sys.exit(2)
+    if len(sys.argv) < 2 or sys.argv[1] not in ("sft", "eval"):
+        print("usage: python -m memopd.env.cli {sft,eval} ...", file=sys.stderr)
+        sys.exit(2)
+    from memopd.cli import main
+
+    sys.exit(main(sys.argv[1:]))

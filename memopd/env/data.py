@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from ..errors import UserError
+
 __all__ = [
     "DataError",
     "Document",
@@ -30,7 +32,7 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A corpus or question-set file (or object) is malformed."""
 
 

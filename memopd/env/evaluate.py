@@ -34,15 +34,17 @@ __all__ = ["evaluate", "summarize", "format_table", "load_agent"]
 
 
 def load_agent(model_dir: str | os.PathLike, *, device: str = "cpu"):
-    """(model, tokenizer, meta) of a checkpoint written by `memopd sft`."""
-    from transformers import AutoModelForCausalLM
+    """(model, tokenizer, meta) of a checkpoint written by `memopd sft`; a missing or
+    foreign directory is a `UserError` (`memopd.models.check_model_dir`)."""
+    from memopd.models import check_model_dir, load_local_model
 
     from .sft import read_env_meta
     from .tokenizer import load_tokenizer
 
-    meta = read_env_meta(model_dir)
-    tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir)).to(device).eval()
+    path = check_model_dir(model_dir, "--model")
+    meta = read_env_meta(path)
+    tok = load_tokenizer(path)
+    model = load_local_model(path, what="--model").to(device).eval()
     return model, tok, meta
 
 
@@ -93,8 +95,12 @@ def evaluate(
     meta: dict[str, Any] = {}
     if model_dir is not None:
         model, tok, meta = load_agent(model_dir)
-        engine = HFEngine(model, pad_id=tok.pad_token_id, batch_size=batch_size)
-        wcfg = WorldConfig.from_json(meta["world"])
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # only ids the tokenizer has (lm_head rows past it are padding)
+        rows = int(model.get_output_embeddings().weight.shape[0])
+        engine = HFEngine(model, pad_id=pad, batch_size=batch_size, vocab_size=min(len(tok), rows))
+        # a checkpoint trained on user data (`memopd train corpus=... tasks=...`) has no world
+        wcfg = WorldConfig.from_json(meta["world"]) if "world" in meta else None
         env_kw = dict(meta.get("env", {}))
     else:
         wcfg = world_config or WorldConfig()
@@ -118,6 +124,11 @@ def evaluate(
         plan = sorted(by_k.items())
         source = {"corpus": os.fspath(corpus), "questions": os.fspath(questions)}
     else:
+        if wcfg is None:
+            data = meta.get("data") or {}
+            raise DataError(f"{os.fspath(model_dir)!r} was trained on user data, not the generated world: evaluate it "
+                            f"with --corpus {data.get('corpus') or 'DOCS.jsonl'} --questions "
+                            f"{data.get('eval_tasks') or 'HELD_OUT.jsonl'}")
         world = World.generate(wcfg)
         if tok is None:
             tok = build_tokenizer(world.vocabulary_texts(), kind="word")

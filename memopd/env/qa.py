@@ -35,6 +35,10 @@ from .retriever import BM25Retriever
 __all__ = ["EnvConfig", "QAEnv", "Episode", "StepResult"]
 
 
+def _one_or_seq(seq: Sequence[int]) -> int | tuple[int, ...]:
+    return int(seq[0]) if len(seq) == 1 else tuple(int(i) for i in seq)
+
+
 @dataclass
 class EnvConfig:
     """Environment knobs.
@@ -87,8 +91,9 @@ class QAEnv:
         self.retriever = retriever or BM25Retriever(self.documents, top_k=self.config.top_k)
         self.policy: MemoryPolicy = make_policy(
             self.config.policy,
-            mem_open_id=self.tokens.mem_open,
-            mem_close_id=self.tokens.mem_close,
+            # one id per tag for the project tokenizer, an id sequence for a generic one
+            mem_open_id=_one_or_seq(self.tokens.mem_open_ids),
+            mem_close_id=_one_or_seq(self.tokens.mem_close_ids),
             **self.config.policy_kwargs,
         )
         self._doc_ids_cache: dict[int, list[int]] = {}
@@ -110,10 +115,11 @@ class QAEnv:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _wrap(self, ids: list[int]) -> list[int]:
-        return [self.tokens.info_open] + ids + [self.tokens.info_close]
+        return list(self.tokens.info_open_ids) + ids + list(self.tokens.info_close_ids)
 
     def prefix_ids(self, task: Task) -> list[int]:
-        return [self.tokens.bos] + self.encode(prefix_text(task.questions))
+        bos = [] if self.tokens.bos is None else [self.tokens.bos]  # a tokenizer may declare no bos
+        return bos + self.encode(prefix_text(task.questions))
 
     def _doc_ids(self, index: int) -> list[int]:
         ids = self._doc_ids_cache.get(index)

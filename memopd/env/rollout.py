@@ -6,19 +6,24 @@
 - `HFEngine` runs a Hugging Face causal LM: left-padded batches, explicit attention mask
   and position ids (so a padded row sees the positions it would see alone), KV cache,
   and its own temperature / top-p sampling. Generation stops right after a stop id
-  (`</search>`, `</answer>`, eos), included in the sample, or at `max_new_tokens`.
+  (`</search>`, `</answer>`, eos), included in the sample, or at `max_new_tokens`. A stop
+  entry may be an id sequence (a closing tag that the tokenizer splits into several
+  tokens): generation then stops once the sampled ids end with it.
 - `rollout(env, engine, tasks, ...)` drives `QAEnv` episodes: each round it sends every
   live episode's `prompt_ids()` (q + x_t) to the engine, and hands the sampled ids, as
   they are, to `episode.step`, which records them in an `Invocation`. The action ids are
   the sampled ids (never decoded and re-encoded); observations are tokenised by the
   environment; the next context is built on ids by the memory policy, with provenance.
 
-Recorded log-probs (`Sample.logprobs` -> `Invocation.sample_logprobs`) are the model's
-raw log-softmax at the sampled id, i.e. the log-probability under the temperature-1,
-untruncated distribution, whatever temperature/top-p was used to draw the token. That
-is the quantity a trainer recomputes (PPO ratio, RCE audit). The log-probability under
-the actual sampling distribution (after temperature and top-p) is in
-`Sample.sampling_logprobs` for whoever needs importance weights for the sampler itself.
+Recorded log-probs (`Sample.logprobs` -> `Invocation.sample_logprobs`) are the
+log-probabilities of the sampled ids under the tempered, untruncated distribution
+log_softmax(logits[:vocab_size] / temperature): the policy a trainer recomputes at the
+same temperature (PPO ratio, RCE audit). Greedy decoding (temperature 0) records the
+temperature-1 log-probs. `HFEngine(vocab_size=V)` samples only ids < V (lm_head rows
+past the tokenizer's vocabulary are padding). The log-probability after top-p
+truncation is in `Sample.sampling_logprobs`. `rollout` stores the settings with every
+trajectory (`info["sampling"]`: temperature, top_p, vocab_size) so a trainer can refuse
+trajectories drawn from another distribution than the one it scores.
 """
 from __future__ import annotations
 
@@ -30,15 +35,16 @@ import torch
 
 from memopd.records import Trajectory
 
-__all__ = ["Sample", "Engine", "HFEngine", "sample_next", "rollout", "default_max_new_tokens"]
+__all__ = ["Sample", "Engine", "HFEngine", "sample_next", "rollout", "default_max_new_tokens", "split_stops"]
 
 
 @dataclass
 class Sample:
     """What an engine sampled for one prompt.
 
-    ids: the sampled ids, stop id included when one was hit. logprobs: raw model
-    log-softmax (temperature 1) at each sampled id, or None for non-model engines.
+    ids: the sampled ids, stop id included when one was hit. logprobs: the model's
+    log-softmax at the sampling temperature (1 when greedy), before top-p, at each
+    sampled id, or None for non-model engines.
     finish: "stop" (a stop id ended it) or "length" (max_new_tokens reached).
     """
 
@@ -57,7 +63,7 @@ class Engine(Protocol):
         max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float,
-        stop_ids: Sequence[int],
+        stop_ids: Sequence[int | Sequence[int]],  # ids, or id sequences (multi-token closing tags)
         seed: int | None = None,
     ) -> list[Sample]: ...
 
@@ -65,15 +71,17 @@ class Engine(Protocol):
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
     """Draw one id per row of `logits` [B, V].
 
-    Returns (ids [B], raw log-prob [B] under log_softmax(logits), log-prob [B] under the
-    distribution actually sampled from). temperature <= 0 means greedy.
+    Returns (ids [B], log-prob [B] under log_softmax(logits / temperature) (temperature
+    1 when greedy), log-prob [B] under the distribution actually sampled from, i.e.
+    after top-p). temperature <= 0 means greedy.
     """
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
     if temperature <= 0:
         ids = logits.argmax(dim=-1)
+        raw = torch.log_softmax(logits, dim=-1)
         return ids, raw.gather(-1, ids[:, None])[:, 0], torch.zeros_like(ids, dtype=torch.float32)
     logp = torch.log_softmax(logits / temperature, dim=-1)
+    raw = logp
     if top_p < 1.0:
         sorted_lp, order = logp.sort(dim=-1, descending=True)
         cum = sorted_lp.exp().cumsum(dim=-1)
@@ -88,9 +96,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 class HFEngine:
     """`Engine` over a HF causal LM (KV cache, left-padded batches, own sampling)."""
 
-    def __init__(self, model, *, pad_id: int = 0, batch_size: int = 32, device: str | torch.device | None = None):
+    def __init__(self, model, *, pad_id: int = 0, batch_size: int = 32, device: str | torch.device | None = None,
+                 vocab_size: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if vocab_size is not None:
+            rows = int(model.get_output_embeddings().weight.shape[0])
+            if not 1 <= vocab_size <= rows:
+                raise ValueError(f"vocab_size must be in [1, {rows}] (the lm_head's rows), got {vocab_size}")
+        self.vocab_size = int(vocab_size) if vocab_size is not None else None  # None: every row
         self.model = model
         self.pad_id = int(pad_id)
         self.batch_size = int(batch_size)
@@ -112,10 +126,12 @@ class HFEngine:
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
-        return out.logits[:, -1].float(), new_cache
+        # only ids the tokenizer can emit: padded lm_head rows are never sampled
+        return out.logits[:, -1, : self.vocab_size].float(), new_cache  # [:None] keeps all
 
     @torch.no_grad()
-    def _generate_batch(self, prompts, limits, temperature, top_p, stop_set, generator) -> list[Sample]:
+    def _generate_batch(self, prompts, limits, temperature, top_p, stop_set, generator,
+                        stop_seqs: tuple[tuple[int, ...], ...] = ()) -> list[Sample]:
         B = len(prompts)
         L = max(len(p) for p in prompts)
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)
@@ -142,7 +158,7 @@ class HFEngine:
                 out_ids[b].append(int(tok_l[b]))
                 out_lp[b].append(float(raw_l[b]))
                 out_slp[b].append(float(samp_l[b]))
-                if tok_l[b] in stop_set:
+                if tok_l[b] in stop_set or (stop_seqs and _ends_with_any(out_ids[b], stop_seqs)):
                     live[b], finish[b] = False, "stop"
                 elif len(out_ids[b]) >= limits[b]:
                     live[b] = False
@@ -164,6 +180,7 @@ class HFEngine:
         limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * len(prompts)
         if len(limits) != len(prompts):
             raise ValueError(f"{len(limits)} max_new_tokens values for {len(prompts)} prompts")
+        stop_set, stop_seqs = split_stops(stop_ids)
         generator = None
         if seed is not None and temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(int(seed))
@@ -176,7 +193,7 @@ class HFEngine:
             for s in range(0, len(order), self.batch_size):
                 chunk = order[s:s + self.batch_size]
                 res = self._generate_batch([prompts[i] for i in chunk], [limits[i] for i in chunk],
-                                           temperature, top_p, set(int(x) for x in stop_ids), generator)
+                                           temperature, top_p, stop_set, generator, stop_seqs)
                 for i, r in zip(chunk, res):
                     out[i] = r
         finally:
@@ -185,8 +202,37 @@ class HFEngine:
 
 
 def default_max_new_tokens(k: int) -> int:
-    """Room for the longest expert action on k questions (notes + k answers + tags)."""
+    """Room for the longest expert action on k questions (notes + k answers + tags),
+    with one id per tag (`rollout` adds what multi-token tags take beyond that)."""
     return 24 + 5 * k
+
+
+def split_stops(stop_ids) -> tuple[set[int], tuple[tuple[int, ...], ...]]:
+    """Stop entries (ids, or id sequences for multi-token closing tags) as (a set of stop
+    ids, the sequences of two or more ids)."""
+    single: set[int] = set()
+    seqs: list[tuple[int, ...]] = []
+    for x in stop_ids:
+        if isinstance(x, int) or hasattr(x, "__index__"):
+            single.add(int(x))
+            continue
+        seq = tuple(int(i) for i in x)
+        if not seq:
+            raise ValueError("an empty stop sequence")
+        if len(seq) == 1:
+            single.add(seq[0])
+        else:
+            seqs.append(seq)
+    return single, tuple(seqs)
+
+
+def _ends_with_any(ids: list[int], seqs: tuple[tuple[int, ...], ...]) -> bool:
+    n = len(ids)
+    for s in seqs:
+        m = len(s)
+        if n >= m and ids[n - 1] == s[-1] and tuple(ids[n - m:]) == s:
+            return True
+    return False
 
 
 def rollout(
@@ -222,11 +268,12 @@ def rollout(
         return []
     max_pos = getattr(engine, "max_positions", None)
     stop_ids = env.tokens.stop_ids
+    extra = getattr(env.tokens, "extra_tag_tokens", 0)  # multi-token tags take more room
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from memopd.progress import progress_bar
 
-        bar = tqdm(total=len(episodes), desc="rollout", unit="ep")
+        bar = progress_bar(len(episodes), "rollout", unit="ep")
     rnd = 0
     while True:
         live = [e for e in episodes if not e.done]
@@ -235,7 +282,7 @@ def rollout(
         prompts, limits, active = [], [], []
         for e in live:
             p = e.prompt_ids()
-            lim = max_new_tokens if max_new_tokens is not None else default_max_new_tokens(e.task.k)
+            lim = max_new_tokens if max_new_tokens is not None else default_max_new_tokens(e.task.k) + extra
             if max_pos is not None:
                 lim = min(lim, max_pos - len(p))
                 if lim < 1:
@@ -255,8 +302,7 @@ def rollout(
                     continue
                 e.step(s.ids, s.logprobs)
         if bar is not None:
-            bar.n = sum(e.done for e in episodes)
-            bar.refresh()
+            bar.update(sum(e.done for e in episodes) - bar.n)
         rnd += 1
     if bar is not None:
         bar.close()
@@ -266,5 +312,7 @@ def rollout(
             continue  # stopped before its first call (prompt longer than the model)
         tr = e.trajectory()
         tr.info["rollout_index"] = e.rollout_index
+        tr.info["sampling"] = {"temperature": float(temperature), "top_p": float(top_p),
+                               "vocab_size": getattr(engine, "vocab_size", None)}
         out.append(tr)
     return out

@@ -12,11 +12,13 @@
   `[q, x_t, a_t]` exactly as the expert saw it and acted; the loss covers only the
   action ids `a_t` (the context is given, not predicted).
 - `train_sft(model, examples, cfg)`: AdamW, warm-up + cosine, length-bucketed batches
-  under a token budget, tqdm progress bar; returns training statistics.
+  under a token budget, progress bar (`memopd.progress`); returns training statistics.
 - `run_sft(out_dir, ...)`: build the world, tokenizer and expert data, train the
   requested roles, and save each as a normal HF checkpoint directory (weights, config,
   tokenizer) plus `memopd_env.json` (world + environment settings, so `memopd eval`
-  rebuilds the same environment). An existing checkpoint is reused unless `force`.
+  rebuilds the same environment) and a manifest of every file's size and sha256. An
+  existing checkpoint is reused unless `force`, and only when its manifest verifies and
+  it was trained with the settings asked for; otherwise it is retrained.
   Roles train in parallel processes, one torch thread each.
 
 Presets (`memopd sft` defaults), measured on 2 CPU cores: teacher 128x2 (0.47M params,
@@ -266,9 +268,9 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
     batches = _batches(examples, cfg.batch_tokens, rng)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from memopd.progress import progress_bar
 
-        bar = tqdm(total=cfg.steps, desc=desc, unit="step", position=position)
+        bar = progress_bar(cfg.steps, desc, unit="step", position=position)
     model.train()
     t0, c0 = time.time(), time.process_time()
     ema_loss, ema_acc, tokens = None, None, 0
@@ -318,16 +320,22 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, meta: dict[str, Any]) -> None:
-    """HF save_pretrained of model + tokenizer, plus the environment metadata."""
+    """HF save_pretrained of model + tokenizer, plus the environment metadata, then the
+    manifest (size + sha256 of every file) that `run_sft` verifies before reusing it."""
+    from memopd.trainer.rundir import MANIFEST, write_manifest
+
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, MANIFEST)):
+        os.remove(os.path.join(out_dir, MANIFEST))  # a re-save is incomplete until its own manifest
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     tmp = os.path.join(out_dir, ENV_META_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
-    # Written last and atomically: its presence marks a complete checkpoint.
     os.replace(tmp, os.path.join(out_dir, ENV_META_FILE))
+    # Written last and atomically: its presence marks a complete checkpoint.
+    write_manifest(out_dir)
 
 
 # Bumped whenever a change of the data, tokenizer or training recipe makes older cached
@@ -456,6 +464,9 @@ def run_sft(
     world_config = world_config or WorldConfig()
     env_config = env_config or EnvConfig()
     EnvConfig(**asdict(env_config))  # validate before spawning anything
+    from memopd.trainer.rundir import check_writable_dir, verify_manifest
+
+    check_writable_dir(out_dir, "SFT output directory")  # a file or read-only place fails now, not after training
     summary: dict[str, Any] = {}
     todo = []
     jobs_by_role = {
@@ -465,7 +476,14 @@ def run_sft(
     }
     for r in roles:
         d = os.path.join(out_dir, r)
-        if checkpoint_exists(d) and not force:
+        if not force and os.path.isdir(d) and os.listdir(d):
+            # a damaged cache (missing, truncated or altered files) is retrained, never loaded
+            damaged = verify_manifest(d) or ([] if checkpoint_exists(d) else ["model files missing"])
+            if damaged:
+                shown = "; ".join(damaged[:3]) + (f"; +{len(damaged) - 3} more" if len(damaged) > 3 else "")
+                log(f"[memopd sft] {r}: cached checkpoint at {d} is damaged or incomplete ({shown}); retraining")
+                todo.append(r)
+                continue
             diff = _cache_mismatch(d, jobs_by_role[r])
             if not diff:
                 log(f"[memopd sft] {r}: checkpoint exists at {d}; skipping (use --force to retrain)")

@@ -16,7 +16,9 @@ text span as " word word ..." right after a tag, so a word always has one id.
 
 The protocol tags (`<mem>`, `</mem>`, `<search>`, `</search>`, `<answer>`, `</answer>`,
 `<info>`, `</info>`) plus `<pad>`, `<bos>`, `<eos>`, `<unk>` are special tokens with one
-id each; `ProtocolTokens` resolves them and refuses a tokenizer that splits one.
+id each here; `ProtocolTokens` resolves them. `load_tokenizer` also loads any other HF
+tokenizer (bring-your-own models): there a tag is usually several tokens, and the
+environment works on the tag's id sequence instead.
 """
 from __future__ import annotations
 
@@ -118,12 +120,22 @@ def build_tokenizer(texts: Iterable[str], *, kind: str = "word", vocab_size: int
 
 def load_tokenizer(path: str | os.PathLike):
     """Load a tokenizer saved with `save_pretrained` (via `AutoTokenizer`, as anyone
-    else would) and check it serves the protocol."""
+    else would, local files only) and check it serves the protocol.
+
+    Any HF tokenizer with an eos token works: the project's own (tags are single
+    special tokens) or a generic one (Llama/GPT-2/Qwen BPE...), whose tags are id
+    sequences (see `ProtocolTokens`)."""
     from transformers import AutoTokenizer
 
     path = os.fspath(path)
-    if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        raise TokenizerError(f"{path!r} holds no tokenizer (no tokenizer.json)")
-    tok = AutoTokenizer.from_pretrained(path)
+    if not os.path.isdir(path):
+        raise TokenizerError(f"tokenizer directory {path!r} does not exist")
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise TokenizerError(f"{path!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json); "
+                             "save one there with tokenizer.save_pretrained(DIR)")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot load the tokenizer in {path!r}: {e}") from None
     ProtocolTokens.from_tokenizer(tok)
     return tok

@@ -20,6 +20,9 @@ _EXPORTS = {
     "DistillOutput": "memopd.ops.fused_distill",
     "fused_linear_logprob_entropy": "memopd.ops.fused_distill",
     "reference_linear_logprob_entropy": "memopd.ops.fused_distill",
+    "fused_linear_actor_loss": "memopd.ops.actor_loss",
+    "reference_actor_loss": "memopd.ops.actor_loss",
+    "ActorLossOutput": "memopd.ops.actor_loss",
     "LogProbEntropy": "memopd.ops.fused_distill",
 }
 

@@ -33,6 +33,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    meta.validate()  # self-consistent metadata (checked once per object; see AttentionMeta.validate)
     if meta.num_tokens != T:
         raise ValueError(f"metadata describes {meta.num_tokens} tokens, q has {T}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -51,7 +52,9 @@ def reference_packed_attention(
     """Attention of q [T, Hq, D] over k/v [T, Hkv, D] under the packed visibility.
 
     Computed in float64 for float64 inputs and float32 otherwise; fully masked rows
-    (padding) give zeros. Differentiable.
+    (padding) give zeros. Keys and values a row cannot see take no part in its output, even
+    non-finite ones (a NaN in one trajectory's k or v never reaches another's rows).
+    Differentiable.
     """
     check_attention_inputs(q, k, v, meta)
     T, Hq, D = q.shape
@@ -69,5 +72,17 @@ def reference_packed_attention(
     # fully masked rows: softmax of all -inf is NaN; give them zeros instead
     scores = torch.where(any_vis, scores, torch.zeros_like(scores))
     probs = torch.softmax(scores, dim=-1) * any_vis
-    out = torch.einsum("hij,jhd->ihd", probs, vf)
+    finite = torch.isfinite(vf)
+    if bool(finite.all()):
+        out = torch.einsum("hij,jhd->ihd", probs, vf)
+    else:
+        # masked keys must contribute exactly nothing, but a dense product would give them
+        # 0 * NaN = NaN: multiply the finite values densely, then add the non-finite ones
+        # (few keys) only where they are visible, so a NaN reaches exactly the rows that see it
+        out = torch.einsum("hij,jhd->ihd", probs, torch.where(finite, vf, torch.zeros_like(vf)))
+        bad = (~finite).flatten(1).any(1).nonzero().squeeze(1)  # keys holding a non-finite value
+        vb = torch.where(finite[bad], torch.zeros_like(vf[bad]), vf[bad]).permute(1, 0, 2)  # [H, J, D]
+        contrib = probs[:, :, bad].unsqueeze(-1) * vb.unsqueeze(1)  # [H, T, J, D]
+        contrib = torch.where(vis[..., bad].unsqueeze(-1), contrib, torch.zeros_like(contrib))
+        out = out + contrib.sum(2).transpose(0, 1)
     return out.to(q.dtype)

@@ -1,0 +1,259 @@
+"""Triton path of the fused PPO actor loss (`memopd.ops.fused_linear_actor_loss`).
+
+The wrapper in `memopd.ops.actor_loss` validates and dispatches; this module assumes
+validated, contiguous inputs. Work per chunk of TOKEN_CHUNK tokens (kept tokens first,
+by the same device-side compaction as the distillation kernels: no host sync):
+
+1. `_scaled_logits_kernel` writes the chunk's student logits / T (and, with a teacher,
+   the teacher's) as fp32 [chunk, V] scratch: one lm_head-sized matmul each, `tl.dot`
+   with fp32 accumulation, tiles as in the distillation forward.
+2. `_actor_rows_kernel`, one program per token, sweeps its row three times: the maxima;
+   the sums (normalisers, entropy sum, E_p[a'], the joint sum that gives the precise
+   log-normaliser difference, the target logit); then, with the loss known, it writes
+   dL/dlogits into the student scratch in place and the per-token statistics and loss
+   share at the token's own index.
+3. dH = dlogits @ W and dW += dlogits^T @ H reuse the distillation backward's
+   deterministic GEMM kernels (`_dh_kernel`, `_dw_kernel`).
+
+So a training call is 4 lm_head-sized matmuls (3 without a teacher) and the backward
+only scales the stored gradients. The scratch is bounded by MEMOPD_DISTILL_SCRATCH_MB
+per buffer (default 512 MiB), never [N, V].
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_distill import (
+    _NEG,
+    _compaction,
+    _dh_kernel,
+    _dw_kernel,
+    _expm1_small,
+    _gemm_meta,
+    _ieee,
+    _log1p_small,
+    _logits_tile,
+    _upcast,
+    INTERPRET,
+    default_token_chunk,
+)
+
+PRECISE_LIMIT = 30.0  # as memopd.ops.actor_loss: a' above this uses the plain lse difference
+STAT_ROWS = 5  # logprob, entropy, kl, ratio, clipped
+
+
+@triton.jit
+def _scaled_logits_kernel(
+    h_ptr, w_ptr, b_ptr, order_ptr, count_ptr, out_ptr,
+    H, V, c0, n_rows, stride_h, stride_w, stride_out, inv_temp,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[i, v] = (h[order[c0 + i]] @ w[v] + b[v]) / T for the kept rows of the chunk."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    count = tl.load(count_ptr)
+    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_chunk = local < n_rows
+    row_ok = in_chunk & (c0 + local < count)
+    rows64 = tl.load(order_ptr + c0 + local, mask=in_chunk, other=0).to(tl.int64)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    k_end = tl.where(c0 + pid_n * BLOCK_N < count, H, 0)
+    acc = _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w, k_end,
+                       HAS_BIAS, UPCAST, IEEE, BLOCK_N, BLOCK_V, BLOCK_K)
+    out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc * inv_temp, mask=in_chunk[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _actor_rows_kernel(
+    s_ptr, t_ptr, targets_ptr, adv_ptr, old_ptr, klkeep_ptr, order_ptr, count_ptr, stats_ptr, part_ptr,
+    N, V, c0, stride_s, stride_t,
+    clip_low, clip_high, dual_clip, g_h, kl_scale, inv_norm, inv_temp, precise_limit,
+    HAS_TEACHER: tl.constexpr, DUAL: tl.constexpr, NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    r = tl.program_id(0)
+    idx = c0 + r
+    count = tl.load(count_ptr)
+    active = idx < count
+    row = tl.load(order_ptr + idx).to(tl.int64)
+    srow = s_ptr + r.to(tl.int64) * stride_s
+    trow = t_ptr + r.to(tl.int64) * stride_t
+    v_end = tl.where(active, V, 0)
+    offs = tl.arange(0, BLOCK_V)
+    # sweep 1: maxima
+    m_s = tl.full([BLOCK_V], _NEG, tl.float32)
+    m_t = tl.full([BLOCK_V], _NEG, tl.float32)
+    for v0 in range(0, v_end, BLOCK_V):
+        cols = v0 + offs
+        ok = cols < V
+        m_s = tl.maximum(m_s, tl.load(srow + cols, mask=ok, other=_NEG))
+        if HAS_TEACHER:
+            m_t = tl.maximum(m_t, tl.load(trow + cols, mask=ok, other=_NEG))
+    ms = tl.max(m_s, 0)
+    mt = tl.max(m_t, 0)
+    # sweep 2: sums with the maxima known (s' = s - max s, t' = t - max t, a' = s' - t')
+    z_s = tl.zeros([BLOCK_V], tl.float32)
+    a_s = tl.zeros([BLOCK_V], tl.float32)
+    z_t = tl.zeros([BLOCK_V], tl.float32)
+    e_pa = tl.zeros([BLOCK_V], tl.float32)
+    r_q = tl.zeros([BLOCK_V], tl.float32)
+    a_mx = tl.full([BLOCK_V], _NEG, tl.float32)
+    for v0 in range(0, v_end, BLOCK_V):
+        cols = v0 + offs
+        ok = cols < V
+        s = tl.load(srow + cols, mask=ok, other=0.0) - ms
+        es = tl.where(ok, tl.exp(s), 0.0)
+        z_s += es
+        a_s += es * s
+        if HAS_TEACHER:
+            t = tl.load(trow + cols, mask=ok, other=0.0) - mt
+            et = tl.where(ok, tl.exp(t), 0.0)
+            a = s - t
+            z_t += et
+            e_pa += es * a
+            a_c = tl.minimum(a, precise_limit)
+            # expm1 to relative precision: exp(a) - 1 loses it for the tiny a' of p ~ q
+            small = tl.abs(a_c) < 1.0
+            em1 = tl.where(small, _expm1_small(tl.where(small, a_c, 0.0)), tl.exp(a_c) - 1.0)
+            r_q += et * em1
+            a_mx = tl.maximum(a_mx, tl.where(ok, a, _NEG))
+    zs = tl.sum(z_s, 0)
+    log_zs = tl.log(tl.where(active, zs, 1.0))
+    ent = log_zs - tl.sum(a_s, 0) / tl.where(active, zs, 1.0)
+    y = tl.load(targets_ptr + row).to(tl.int64)
+    y = tl.minimum(tl.maximum(y, 0), V - 1)
+    s_y = tl.where(active, tl.load(srow + y) - ms, 0.0)  # y is clamped: always a valid address
+    lp = s_y - log_zs
+    kl = 0.0
+    dlse = 0.0
+    if HAS_TEACHER:
+        zt = tl.where(active, tl.sum(z_t, 0), 1.0)
+        ratio_q = tl.sum(r_q, 0) / zt
+        plain = log_zs - tl.log(zt)
+        # log1p(Z_s'/Z_t' - 1) with relative precision (Kahan's form holds for any x > -1)
+        use_plain = (tl.max(a_mx, 0) > precise_limit) | (ratio_q <= -1.0)
+        dlse = tl.where(use_plain, plain, _log1p_small(tl.where(use_plain, 0.0, ratio_q)))
+        kl = tl.maximum(tl.sum(e_pa, 0) / tl.where(active, zs, 1.0) - dlse, 0.0)
+    adv = tl.load(adv_ptr + row).to(tl.float32)
+    old = tl.load(old_ptr + row).to(tl.float32)
+    ratio = tl.exp(lp - old)
+    l1 = -adv * ratio
+    l2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+    pg = tl.maximum(l1, l2)
+    g_lp = tl.where(l1 >= l2, l1, 0.0)
+    clipped = l2 > l1
+    if DUAL:
+        cap = -dual_clip * adv
+        capped = (adv < 0.0) & (pg > cap)
+        pg = tl.where(capped, cap, pg)
+        g_lp = tl.where(capped, 0.0, g_lp)
+        clipped = clipped | capped
+    g_pg = g_lp * inv_norm
+    g_kl = 0.0
+    if HAS_TEACHER:
+        g_kl = tl.load(klkeep_ptr + row).to(tl.float32) * kl_scale
+    part = pg * inv_norm + g_h * ent + g_kl * kl
+    # an inactive program's row is a masked token: it gets the neutral values
+    tl.store(part_ptr + row, tl.where(active, part, 0.0))
+    tl.store(stats_ptr + row, tl.where(active, lp, 0.0))
+    tl.store(stats_ptr + N + row, tl.where(active, ent, 0.0))
+    tl.store(stats_ptr + 2 * N + row, tl.where(active, kl, 0.0))
+    tl.store(stats_ptr + 3 * N + row, tl.where(active, ratio, 1.0))
+    tl.store(stats_ptr + 4 * N + row, tl.where(active & clipped, 1.0, 0.0))
+    if NEED_GRAD:
+        # sweep 3: dL/dlogits = [p (A + B log p + g_kl a') + g_pg 1[v = y]] / T, in place;
+        # rows of masked tokens are zeroed (the GEMMs and the bias sum read them)
+        coef_a = -g_pg - g_h * ent - g_kl * (dlse + kl)
+        coef_b = -g_h
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            ok = cols < V
+            s = tl.load(srow + cols, mask=ok, other=0.0) - ms  # inactive rows: stored as 0 below
+            ls = s - log_zs
+            ds = coef_a + coef_b * ls
+            if HAS_TEACHER:
+                t = tl.load(trow + cols, mask=ok, other=0.0) - mt
+                ds += g_kl * (s - t)
+            ds = tl.exp(ls) * ds + tl.where(cols == y, g_pg, 0.0)
+            tl.store(srow + cols, tl.where(active, ds * inv_temp, 0.0), mask=ok)
+
+
+def _rows_block(V: int) -> int:
+    # one program streams one row: 2048-wide tiles over 8 warps keep ~8 fp32 values of
+    # each live vector per thread (memory-bound sweeps, no tl.dot)
+    return 64 if INTERPRET else min(2048, triton.next_power_of_2(min(V, 2048)))
+
+
+_ROWS_LAUNCH = {} if INTERPRET else dict(num_warps=8, num_stages=1)
+
+
+def _logits_meta(fp32: bool):
+    if INTERPRET:
+        return dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=32)
+    if fp32:
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _scaled_logits(h, w, b, order, count, out, c0, n_rows, V, inv_t):
+    fp32 = h.dtype == torch.float32
+    meta = _logits_meta(fp32)
+    grid = (triton.cdiv(n_rows, meta["BLOCK_N"]), triton.cdiv(V, meta["BLOCK_V"]))
+    _scaled_logits_kernel[grid](
+        h, w, b if b is not None else w, order, count, out,
+        h.shape[1], V, c0, n_rows, h.stride(0), w.stride(0), out.stride(0), inv_t,
+        HAS_BIAS=b is not None, UPCAST=_upcast(h.dtype, w.dtype), IEEE=_ieee(h.dtype), **meta,
+    )
+
+
+def actor_loss_forward(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high, dual_clip,
+                       entropy_coef, kl_coef, temperature, V, normalizer, kl_normalizer, need_grad, token_chunk):
+    """Same contract as the PyTorch path: (loss, stats [5, N], dh | None, dw32 | None, db32 | None)."""
+    N, Hs = hs.shape
+    dev = hs.device
+    need_dh, need_dw, need_db = need_grad
+    stats = torch.zeros((STAT_ROWS, N), device=dev, dtype=torch.float32)
+    stats[3] = 1.0
+    part = torch.zeros(N, device=dev, dtype=torch.float32)
+    dh = torch.empty_like(hs) if need_dh else None
+    dw32 = torch.zeros(ws.shape, device=dev, dtype=torch.float32) if need_dw else None
+    db32 = torch.zeros(ws.shape[0], device=dev, dtype=torch.float32) if need_db else None
+    if N == 0:
+        return part.sum(), stats, dh, dw32, db32
+    order, count = _compaction(keep)
+    chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, V, 4)
+    chunk = min(chunk, N)
+    s_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32)
+    t_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32) if ht is not None else s_buf
+    inv_t = 1.0 / temperature
+    any_grad = need_dh or need_dw or need_db
+    gm = _gemm_meta(_ieee(ws.dtype))
+    upcast = _upcast(hs.dtype, ws.dtype)
+    for c0 in range(0, N, chunk):
+        n_rows = min(chunk, N - c0)
+        _scaled_logits(hs, ws, bs, order, count, s_buf, c0, n_rows, V, inv_t)
+        if ht is not None:
+            _scaled_logits(ht, wt, bt, order, count, t_buf, c0, n_rows, V, inv_t)
+        _actor_rows_kernel[(n_rows,)](
+            s_buf, t_buf, targets, adv, old_lp, kl_keep, order, count, stats, part,
+            N, V, c0, s_buf.stride(0), t_buf.stride(0),
+            float(clip_low), float(clip_high), float(dual_clip or 0.0), -float(entropy_coef) / normalizer,
+            float(kl_coef) / kl_normalizer, 1.0 / normalizer, inv_t, PRECISE_LIMIT,
+            HAS_TEACHER=ht is not None, DUAL=dual_clip is not None, NEED_GRAD=any_grad, BLOCK_V=_rows_block(V),
+            **_ROWS_LAUNCH,
+        )
+        if need_dh:
+            grid_h = (triton.cdiv(n_rows, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
+            _dh_kernel[grid_h](s_buf, ws, order, count, dh, V, Hs, c0, n_rows, s_buf.stride(0), ws.stride(0),
+                               dh.stride(0), UPCAST=upcast, IEEE=_ieee(ws.dtype), **gm)
+        if need_dw:
+            grid_w = (triton.cdiv(V, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
+            _dw_kernel[grid_w](s_buf, hs, order, count, dw32, V, Hs, c0, n_rows, s_buf.stride(0), hs.stride(0),
+                               dw32.stride(0), UPCAST=upcast, IEEE=_ieee(ws.dtype), **gm)
+        if need_db:
+            db32[:V] += s_buf[:n_rows].sum(0)
+    return part.sum(), stats, dh, dw32, db32

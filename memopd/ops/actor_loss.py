@@ -1,0 +1,498 @@
+"""Fused PPO actor loss: clipped surrogate + entropy bonus + full-vocabulary reverse KL to
+a frozen teacher, from last hidden states and lm_head weights, with the gradients
+computed during the forward pass.
+
+For every kept token i (s = student logits / T, t = teacher logits / T, over the first
+`vocab_size` rows; p = softmax(s), q = softmax(t)):
+
+    logprob_i = log p(y_i)                   ratio_i = exp(logprob_i - old_logprob_i)
+    pg_i      = max(-A_i ratio_i, -A_i clip(ratio_i, 1 - eps_low, 1 + eps_high))
+                (with dual_clip = c > 1: min(pg_i, -c A_i) where A_i < 0)
+    H_i       = -Σ_v p_v log p_v             KL_i = Σ_v p_v (log p_v - log q_v)
+
+    loss = [Σ_i pg_i - entropy_coef Σ_i H_i] / normalizer
+           + kl_coef Σ_{i in kl_mask} KL_i / kl_normalizer
+
+`normalizer` defaults to the number of kept tokens and `kl_normalizer` to the number
+of kept tokens in `kl_mask`; pass the global counts (all micro-batches and ranks) to
+make gradient accumulation and data parallelism equal one big batch.
+
+Why it is fast: the loss is known in the forward, so each block of tokens is done in
+one visit. The block's student and teacher logits [rows, vocab_size] are computed
+(2 lm_head-sized matmuls in all), reduced to per-token statistics, turned into dL/ds in
+place, and multiplied out into dH and dW (2 more): 4 lm_head-sized matmuls against the
+6 of a forward + recomputing backward, and 3 without a teacher. The backward only scales
+the stored gradients by the incoming scalar. Nothing of size [N, vocab] is ever held:
+the largest temporaries are a few [rows, vocab] blocks (`token_chunk_size` rows, by
+default as many as fit ~8 Mi fp32 elements per block).
+
+With δ_v = log p_v - log q_v and g_pg = dpg/dlogprob, the gradient per token is
+
+    dL/ds_v = g_pg (1[v = y] - p_v) - g_H p_v (log p_v + H) + g_kl p_v (δ_v - KL)
+
+(g_H = -entropy_coef / normalizer, g_kl = kl_coef / kl_normalizer on kl_mask tokens),
+and dL/dh = (dL/ds) W / T, dL/dW = (dL/ds)^T h / T, dL/db = Σ dL/ds / T. KL and δ use
+a' = (s - max s) - (t - max t), where the teacher and student agree to float noise
+when p ≈ q: KL = E_p[a'] - log1p(Σ_v q_v expm1(a'_v)), accurate (and >= 0) for close
+distributions where the textbook E_p[log p] - E_p[log q] would cancel two O(10)
+numbers. The PyTorch path spends that extra pass only on rows whose plain estimate is
+below 1e-2, where the plain form would lose digits; rows whose a' exceeds 30 anywhere
+use the plain log-sum-exp difference (expm1 would overflow).
+
+Back ends: the PyTorch path (any device, float64 capable) and on CUDA a Triton row
+kernel between cuBLAS matmuls (`memopd.kernels.actor_loss`). `reference_actor_loss`
+is the naive, materialising float64-capable reference (tests, benchmarks).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .fused_distill import _check_target_range, _resolve_backend, _validate_head, _validate_temperature
+
+__all__ = ["ActorLossOutput", "fused_linear_actor_loss", "reference_actor_loss"]
+
+# Rows of one token block on the PyTorch path: ~8 Mi logits per [rows, vocab] piece (four
+# such pieces live at once), but never fewer than 64 rows, below which the logits matmuls
+# lose efficiency (a 152k vocabulary gets 64-row blocks of 39 MB pieces).
+_BLOCK_ELEMS = 1 << 23
+_MIN_BLOCK_ROWS = 64
+_PRECISE_LIMIT = 30.0  # rows with max a' above this use the plain lse difference (no overflow)
+_STAT_ROWS = 5  # logprob, entropy, kl, ratio, clipped
+
+
+class ActorLossOutput(NamedTuple):
+    """The scalar loss (differentiable) and detached per-token fp32 [N] statistics; masked
+    tokens hold 0 (ratio 1, clipped False)."""
+
+    loss: Tensor
+    logprobs: Tensor
+    entropy: Tensor
+    kl: Tensor
+    ratio: Tensor
+    clipped: Tensor  # bool: the clipped branch was taken (no policy gradient)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _validate(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_low, clip_high, dual_clip,
+              temperature, vocab_size):
+    _validate_head(hs, ws, bs, ("student_hidden", "student_weight", "student_bias"))
+    N = hs.shape[0]
+    if (ht is None) != (wt is None):
+        raise ValueError("pass teacher_hidden and teacher_weight together (or neither: no KL term)")
+    if bt is not None and ht is None:
+        raise ValueError("teacher_bias given without a teacher")
+    if ht is not None:
+        _validate_head(ht, wt, bt, ("teacher_hidden", "teacher_weight", "teacher_bias"))
+        if ht.shape[0] != N:
+            raise ValueError(f"teacher_hidden has {ht.shape[0]} tokens, student_hidden has {N}")
+        for name, x in (("teacher_hidden", ht), ("teacher_weight", wt), ("teacher_bias", bt)):
+            if x is not None and x.requires_grad:
+                raise ValueError(f"the teacher is frozen but {name} requires grad: pass it detached")
+    for name, x, kind in (("targets", targets, "int"), ("advantages", adv, "float"),
+                          ("old_logprobs", old_lp, "float"), ("mask", mask, "bool"), ("kl_mask", kl_mask, "bool")):
+        if x is None:
+            continue
+        if not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != N:
+            raise ValueError(f"{name} must be a 1-D tensor of N={N} entries, got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if kind == "int" and (x.dtype.is_floating_point or x.dtype == torch.bool):
+            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+        if kind == "float" and not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        if kind == "bool" and x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be bool (or integer 0/1), got {x.dtype}")
+    devices = {x.device for x in (hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask) if x is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if not (0.0 <= clip_low < 1.0) or not (clip_high >= 0.0):
+        raise ValueError(f"clip range must satisfy 0 <= clip_eps < 1 and clip_eps_high >= 0, got "
+                         f"{clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {dual_clip}")
+    temperature = _validate_temperature(temperature)
+    rows = min(ws.shape[0], wt.shape[0]) if wt is not None else ws.shape[0]
+    if vocab_size is None:
+        if wt is not None and wt.shape[0] != ws.shape[0]:
+            raise ValueError(f"student ({ws.shape[0]} rows) and teacher ({wt.shape[0]} rows) lm_heads differ: "
+                             "pass vocab_size=<the tokenizer's size>")
+        vocab_size = ws.shape[0]
+    vocab_size = int(vocab_size)
+    if not 1 <= vocab_size <= rows:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the lm_head rows)")
+    return temperature, vocab_size
+
+
+# --------------------------------------------------------------------------- PPO pieces
+
+
+def _policy_terms(lp, old_lp, adv, clip_low, clip_high, dual_clip):
+    """Per-token surrogate loss, ratio, clipped flag and d(loss)/d(logprob)."""
+    ratio = torch.exp(lp - old_lp)
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(l1, l2)
+    grad = torch.where(l1 >= l2, l1, torch.zeros_like(l1))  # d(-A r)/dlp = -A r; the clip branch is flat
+    clipped = l2 > l1
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        capped = (adv < 0) & (pg > cap)
+        pg = torch.where(capped, cap, pg)
+        grad = torch.where(capped, torch.zeros_like(grad), grad)
+        clipped = clipped | capped
+    return pg, ratio, clipped, grad
+
+
+# --------------------------------------------------------------------------- PyTorch path
+
+
+def _rowdot(x: Tensor, y: Tensor) -> Tensor:
+    """Σ_v x[i, v] y[i, v] per row, without a [rows, V] temporary."""
+    return torch.linalg.vecdot(x, y, dim=1)
+
+
+def _reverse_kl(es, z_s, log_zs, et, z_t, a):
+    """Per-row KL(p || q) and the log-normaliser difference dlse' = log(z_s / z_t).
+
+    KL = E_p[a'] - dlse'. Rows whose distributions are close (plain KL below 1e-2) get
+    dlse' from log1p(Σ q expm1(a')), which keeps its relative precision where
+    log z_s - log z_t would cancel; the others (and rows with a' > 30 anywhere, where
+    expm1 could overflow) keep the plain difference, exact enough there.
+    """
+    e_pa = _rowdot(es, a) / z_s
+    dlse = log_zs - torch.log(z_t)
+    close = (e_pa - dlse) < 1e-2
+    if bool(close.any()):
+        idx = close.nonzero().squeeze(1)
+        a_c = a.index_select(0, idx)
+        ok = a_c.amax(1) <= _PRECISE_LIMIT
+        em1 = torch.expm1(a_c.clamp_max_(_PRECISE_LIMIT))
+        ratio_q = _rowdot(et.index_select(0, idx), em1) / z_t.index_select(0, idx)
+        ok = ok & (ratio_q > -1.0)
+        precise = torch.log1p(torch.where(ok, ratio_q, 0.0))
+        dlse.index_copy_(0, idx, torch.where(ok, precise, dlse.index_select(0, idx)))
+    return (e_pa - dlse).clamp_min(0.0), dlse
+
+
+def _block_rows(V: int, token_chunk: int) -> int:
+    if token_chunk and token_chunk > 0:
+        return int(token_chunk)
+    return max(_MIN_BLOCK_ROWS, _BLOCK_ELEMS // max(V, 1))
+
+
+def _centred_logits(h_t: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float) -> tuple[Tensor, Tensor]:
+    """(s - max s, max s) of one block; h_t is the hidden rows times 1/T, in the compute dtype."""
+    s = h_t @ w.t() if b is None else torch.addmm(b * inv_t, h_t, w.t())
+    m = s.amax(1)
+    return s.sub_(m[:, None]), m
+
+
+def _torch_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high,
+                      dual_clip, entropy_coef, kl_coef, temperature, V, normalizer, kl_normalizer, need_grad,
+                      token_chunk):
+    N, Hs = hs.shape
+    cdt = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    f = dict(device=hs.device, dtype=cdt)
+    stats = torch.zeros(_STAT_ROWS, N, **f)
+    stats[3] = 1.0
+    total = torch.zeros((), **f)
+    dh = torch.zeros(N, Hs, device=hs.device, dtype=hs.dtype) if need_grad[0] else None
+    # the weights are read once per block: convert a half-precision head once (CPU path)
+    w = ws[:V] if ws.dtype == cdt else ws[:V].to(cdt)
+    b = None if bs is None else bs[:V].to(cdt)
+    wt_ = None if wt is None else (wt[:V] if wt.dtype == cdt else wt[:V].to(cdt))
+    bt_ = None if bt is None else bt[:V].to(cdt)
+    dw = torch.zeros(ws.shape, **f) if need_grad[1] else None
+    db = torch.zeros(ws.shape[0], **f) if need_grad[2] else None
+    kept = keep.nonzero().squeeze(1)
+    inv_t = 1.0 / temperature
+    g_h = -entropy_coef / normalizer
+    rows_per_block = _block_rows(V, token_chunk)
+    for r0 in range(0, kept.numel(), rows_per_block):
+        rows = kept[r0:r0 + rows_per_block]
+        h_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
+        y = targets.index_select(0, rows).long()
+        s, _ = _centred_logits(h_t, w, b, inv_t)  # s' = s - max s
+        es = torch.exp(s)  # p = es / z_s, never formed: 1 / z_s goes into per-row scalars
+        z_s = es.sum(1)
+        log_zs = torch.log(z_s)
+        ent = log_zs - _rowdot(es, s) / z_s
+        lp = s.gather(1, y[:, None])[:, 0] - log_zs
+        a = None
+        if wt_ is not None:
+            ht_t = ht.index_select(0, rows).to(cdt).mul_(inv_t)
+            t, _ = _centred_logits(ht_t, wt_, bt_, inv_t)  # t' = t - max t
+            del ht_t
+            a = s - t  # a' = s' - t'
+            et = t.exp_()
+            z_t = et.sum(1)
+            kl, dlse = _reverse_kl(es, z_s, log_zs, et, z_t, a)
+            del t, et
+        pg, ratio, clipped, g_lp = _policy_terms(lp, old_lp.index_select(0, rows).to(cdt),
+                                                 adv.index_select(0, rows).to(cdt), clip_low, clip_high, dual_clip)
+        g_pg = g_lp / normalizer
+        part = pg.sum() / normalizer + g_h * ent.sum()
+        g_kl = None
+        if a is not None:
+            g_kl = kl_keep.index_select(0, rows).to(cdt) * (kl_coef / kl_normalizer)
+            part = part + (g_kl * kl).sum()
+            stats[2].index_copy_(0, rows, kl)
+        total += part
+        stats[0].index_copy_(0, rows, lp)
+        stats[1].index_copy_(0, rows, ent)
+        stats[3].index_copy_(0, rows, ratio)
+        stats[4].index_copy_(0, rows, clipped.to(cdt))
+        if not any(need_grad):
+            continue
+        # dL/ds = p (A + B log p + g_kl a') + g_pg 1[v = y]   (δ - KL = a' - dlse - KL)
+        #       = es (A' + B s' + g_kl a') / z_s + g_pg 1[v = y],  A' = A - B log z_s
+        A = -g_pg - g_h * ent + g_h * log_zs
+        if g_kl is not None:
+            A = A - g_kl * (dlse + kl)
+        inv_z = 1.0 / z_s
+        ds = s.mul_((-g_h) * inv_z[:, None]).add_((A * inv_z)[:, None])
+        if g_kl is not None:
+            ds.addcmul_(a, (g_kl * inv_z)[:, None])
+            del a
+        ds.mul_(es)
+        del es
+        ds.scatter_add_(1, y[:, None], g_pg[:, None])
+        if dh is not None:
+            dh.index_copy_(0, rows, (ds @ w).mul_(inv_t).to(dh.dtype))
+        if dw is not None:
+            dw[:V].addmm_(ds.t(), h_t)  # h_t already carries the 1/T
+        if db is not None:
+            db[:V] += ds.sum(0).mul_(inv_t)
+        del ds
+    return total, stats, dh, dw, db
+
+
+# --------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("memopd::fused_actor_loss", mutates_args=())
+def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Optional[Tensor], wt: Optional[Tensor],
+                   bt: Optional[Tensor], targets: Tensor, adv: Tensor, old_lp: Tensor, keep: Tensor,
+                   kl_keep: Tensor, clip_low: float, clip_high: float, dual_clip: float, entropy_coef: float,
+                   kl_coef: float, temperature: float, vocab_size: int, normalizer: float, kl_normalizer: float,
+                   need_dh: bool, need_dw: bool, need_db: bool, token_chunk: int,
+                   backend: str, check_targets: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, stats [5, N], dh, dw, db); absent gradients are empty tensors."""
+    if check_targets:
+        _check_target_range(targets, keep, vocab_size)
+    dual = None if dual_clip <= 0 else dual_clip
+    args = (hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high, dual, entropy_coef,
+            kl_coef, temperature, vocab_size, normalizer, kl_normalizer, (need_dh, need_dw, need_db), token_chunk)
+    if backend == "triton":
+        from memopd.kernels import actor_loss as k
+
+        total, stats, dh, dw, db = k.actor_loss_forward(*args)
+    else:
+        total, stats, dh, dw, db = _torch_actor_loss(*args)
+    out_dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    return (total.to(out_dtype), stats.to(out_dtype), dh if dh is not None else hs.new_empty(0),
+            (dw.to(ws.dtype) if dw.dtype != ws.dtype else dw) if dw is not None else hs.new_empty(0),
+            (db.to(bs.dtype) if db.dtype != bs.dtype else db) if db is not None else hs.new_empty(0))
+
+
+@_actor_loss_op.register_fake
+def _actor_loss_fake(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high, dual_clip,
+                     entropy_coef, kl_coef, temperature, vocab_size, normalizer, kl_normalizer, need_dh, need_dw,
+                     need_db, token_chunk, backend, check_targets):
+    dt = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    return (hs.new_empty((), dtype=dt), hs.new_empty((_STAT_ROWS, hs.shape[0]), dtype=dt),
+            torch.empty_like(hs) if need_dh else hs.new_empty(0),
+            torch.empty_like(ws) if need_dw else hs.new_empty(0),
+            torch.empty_like(bs) if need_db else hs.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, dh, dw, db = output
+    ctx.save_for_backward(dh, dw, db)
+    ctx.flags = (inputs[20], inputs[21], inputs[22])
+
+
+def _backward(ctx, g_loss, _g_stats, _g_dh, _g_dw, _g_db):
+    dh, dw, db = ctx.saved_tensors
+    need_dh, need_dw, need_db = ctx.flags
+    # the gradients were computed in the forward: the backward only scales them; for the
+    # usual loss.backward() (incoming 1) it hands them over as they are, so no second
+    # [V, H] weight gradient is ever allocated
+    one = not torch.compiler.is_compiling() and bool((g_loss == 1).all())  # a traced graph just multiplies
+
+    def scaled(x, need):
+        if not need:
+            return None
+        return x if one else x * g_loss.to(x.dtype)
+
+    gdh, gdw, gdb = scaled(dh, need_dh), scaled(dw, need_dw), scaled(db, need_db)
+    return (gdh, gdw, gdb) + (None,) * 23
+
+
+_actor_loss_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- public op
+
+
+def fused_linear_actor_loss(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    targets: Tensor,
+    advantages: Tensor,
+    old_logprobs: Tensor,
+    *,
+    teacher_hidden: Optional[Tensor] = None,
+    teacher_weight: Optional[Tensor] = None,
+    student_bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    kl_mask: Optional[Tensor] = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    normalizer: Optional[float] = None,
+    kl_normalizer: Optional[float] = None,
+    token_chunk_size: Optional[int] = None,
+    backend: Optional[str] = None,
+    check_targets: Optional[bool] = None,
+) -> ActorLossOutput:
+    """The PPO actor loss of a batch of sampled tokens, fused over the vocabulary.
+
+    Args:
+        student_hidden [N, H], student_weight [V, H] (+ student_bias [V]): the policy's last
+            hidden states at the prediction positions and its lm_head.
+        targets [N] (int): the sampled ids. advantages [N], old_logprobs [N]: per token,
+            old_logprobs at the same temperature and vocabulary as this op computes.
+        teacher_hidden [N, Ht], teacher_weight [Vt, Ht] (+ teacher_bias): a frozen teacher
+            (detached); without it the KL term and every teacher matmul are skipped.
+        mask [N] (bool): tokens that enter the loss (default all). kl_mask [N]: tokens
+            whose KL enters (default: mask); always intersected with mask.
+        clip_eps (and clip_eps_high for an asymmetric range): ratio clipped to
+            [1 - clip_eps, 1 + clip_eps_high]. dual_clip: c > 1 caps the loss of
+            negative-advantage tokens at -c A (None: off).
+        entropy_coef, kl_coef: the coefficients of -H and of KL(student || teacher).
+        temperature: divides both models' logits (the sampling temperature).
+        vocab_size: rows of both heads that form the distributions (the tokenizer's size;
+            required when the heads differ in rows); padded rows get zero gradient.
+        normalizer, kl_normalizer: the denominators of the two means (defaults: the local
+            kept-token counts). Pass global counts for micro-batches and ranks.
+        token_chunk_size: tokens per block (default: ~8 Mi logits per block).
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere; env MEMOPD_DISTILL_BACKEND),
+            "torch" or "triton".
+
+    Returns `ActorLossOutput`: `loss` (scalar, differentiable w.r.t. the student hidden
+    states, weight and bias) and detached per-token `logprobs`, `entropy`, `kl`,
+    `ratio`, `clipped`.
+    """
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    temperature, V = _validate(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                               teacher_bias, targets, advantages, old_logprobs, mask, kl_mask, float(clip_eps),
+                               float(clip_high), dual_clip, temperature, vocab_size)
+    dev = student_hidden.device
+    keep = torch.ones(targets.shape[0], dtype=torch.bool, device=dev) if mask is None else mask.bool()
+    kl_keep = keep if kl_mask is None else (kl_mask.bool() & keep)
+    if check_targets is None:
+        check_targets = dev.type == "cpu" or os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
+    # the local counts by default (one host sync on CUDA: pass the global counts instead)
+    normalizer = max(float(keep.sum()), 1.0) if normalizer is None else float(normalizer)
+    kl_normalizer = max(float(kl_keep.sum()), 1.0) if kl_normalizer is None else float(kl_normalizer)
+    for name, x in (("normalizer", normalizer), ("kl_normalizer", kl_normalizer)):
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {x}")
+    grad_on = torch.is_grad_enabled()
+    need = (grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad,
+            grad_on and student_bias is not None and student_bias.requires_grad)
+    backend = _resolve_backend(backend, dev)
+    loss, stats, _, _, _ = _actor_loss_op(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+        targets.contiguous(), advantages.detach().contiguous(), old_logprobs.detach().contiguous(), keep.contiguous(),
+        kl_keep.contiguous(), float(clip_eps), float(clip_high), float(dual_clip or 0.0), float(entropy_coef),
+        float(kl_coef), temperature, V, normalizer, kl_normalizer, need[0], need[1], need[2],
+        int(token_chunk_size or 0), backend, bool(check_targets))
+    stats = stats.detach()
+    return ActorLossOutput(loss, stats[0], stats[1], stats[2], stats[3], stats[4] > 0.5)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_actor_loss(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    targets: Tensor,
+    advantages: Tensor,
+    old_logprobs: Tensor,
+    *,
+    teacher_hidden: Optional[Tensor] = None,
+    teacher_weight: Optional[Tensor] = None,
+    student_bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    kl_mask: Optional[Tensor] = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    normalizer: Optional[float] = None,
+    kl_normalizer: Optional[float] = None,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> ActorLossOutput:
+    """The same loss the naive way: full [N, V] logits, log_softmax, autograd (float64 with
+    float64 inputs or `compute_dtype=torch.float64`)."""
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    temperature, V = _validate(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                               teacher_bias, targets, advantages, old_logprobs, mask, kl_mask, float(clip_eps),
+                               float(clip_high), dual_clip, temperature, vocab_size)
+    cd = compute_dtype or (torch.float64 if student_hidden.dtype == torch.float64 else torch.float32)
+    N = student_hidden.shape[0]
+    keep = torch.ones(N, dtype=torch.bool, device=student_hidden.device) if mask is None else mask.bool()
+    kl_keep = keep if kl_mask is None else (kl_mask.bool() & keep)
+    norm = max(float(keep.sum()), 1.0) if normalizer is None else float(normalizer)
+    kl_norm = max(float(kl_keep.sum()), 1.0) if kl_normalizer is None else float(kl_normalizer)
+
+    def logits(h, w, b):
+        z = h.to(cd) @ w[:V].to(cd).T
+        if b is not None:
+            z = z + b[:V].to(cd)
+        return z / temperature
+
+    ls = torch.log_softmax(logits(student_hidden, student_weight, student_bias), -1)
+    p = ls.exp()
+    ent = -(p * ls).sum(-1)
+    lp = ls.gather(1, targets.long().clamp(0, V - 1)[:, None])[:, 0]
+    adv, old = advantages.to(cd), old_logprobs.to(cd)
+    ratio = torch.exp(lp - old)
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_high)
+    pg = torch.maximum(l1, l2)
+    clipped = l2 > l1
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        capped = (adv < 0) & (pg > cap)
+        pg = torch.where(capped, cap, pg)
+        clipped = clipped | capped
+    kf = keep.to(cd)
+    loss = ((pg * kf).sum() - entropy_coef * (ent * kf).sum()) / norm
+    kl = torch.zeros_like(ent)
+    if teacher_hidden is not None:
+        lt = torch.log_softmax(logits(teacher_hidden, teacher_weight, teacher_bias), -1)
+        kl = (p * (ls - lt)).sum(-1)
+        loss = loss + kl_coef * (kl * kl_keep.to(cd)).sum() / kl_norm
+    z = torch.zeros_like(ent)
+    return ActorLossOutput(loss, torch.where(keep, lp, z).detach(), torch.where(keep, ent, z).detach(),
+                           torch.where(keep, kl, z).detach(), torch.where(keep, ratio, torch.ones_like(z)).detach(),
+                           clipped & keep)

@@ -1,0 +1,160 @@
+"""The fused PPO actor loss on its Triton path, run by the Triton interpreter on CPU.
+
+Same in-process / subprocess arrangement as test_fused_distill_triton.py (the
+interpreter must be chosen before Triton is imported). Sizes stay tiny.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _fused_cases import as64, make_inputs
+
+_CHILD = os.environ.get("MEMOPD_TRITON_INTERP_CHILD") == "1"
+_TRITON_COMPILED_LOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+IN_PROCESS = _CHILD or (not _TRITON_COMPILED_LOADED and not torch.cuda.is_available())
+if IN_PROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import memopd.kernels.actor_loss  # noqa: F401
+    except ImportError:  # pragma: no cover - triton is a test dependency on Linux
+        IN_PROCESS = False
+
+from memopd.ops import fused_linear_actor_loss, reference_actor_loss  # noqa: E402
+
+inproc = pytest.mark.skipif(not IN_PROCESS, reason="interpreted Triton runs in a subprocess here")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the interpreter tests run in this process")
+def test_interpreter_suite_in_subprocess():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", MEMOPD_TRITON_INTERP_CHILD="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"interpreted Triton tests failed:\n{res.stdout[-5000:]}"
+
+
+def _run(fn, inp, adv, old, teacher=True, **kw):
+    out = fn(inp["hs"], inp["ws"], inp["y"], adv, old, student_bias=inp["bs"], mask=inp["mask"],
+             teacher_hidden=inp["ht"] if teacher else None, teacher_weight=inp["wt"] if teacher else None,
+             teacher_bias=inp["bt"] if teacher else None, **kw)
+    params = [p for p in (inp["hs"], inp["ws"], inp["bs"]) if p is not None]
+    return out, torch.autograd.grad(out.loss, params)
+
+
+def _check(seed, inp, teacher=True, tol=3e-5, gtol=2e-4, **kw):
+    g = torch.Generator().manual_seed(seed)
+    N = inp["hs"].shape[0]
+    adv, old = torch.randn(N, generator=g), -torch.rand(N, generator=g) * 4 - 0.5
+    out, gr = _run(fused_linear_actor_loss, inp, adv, old, teacher, backend="triton", **kw)
+    kw.pop("token_chunk_size", None)
+    ref, grr = _run(reference_actor_loss, as64(inp), adv.double(), old.double(), teacher, **kw)
+    assert math.isclose(float(out.loss), float(ref.loss), rel_tol=tol, abs_tol=tol), (seed, out.loss, ref.loss)
+    for name in ("logprobs", "entropy", "kl", "ratio"):
+        a, b = getattr(out, name).double(), getattr(ref, name)
+        assert (a - b).abs().max() <= tol * (1 + b.abs().max()), (name, seed)
+    assert torch.equal(out.clipped, ref.clipped)
+    for name, a, b in zip(("dh", "dw", "db"), gr, grr):
+        assert (a.double() - b).abs().max() <= gtol * (b.abs().max() + 1e-12), (name, seed)
+    return out, gr
+
+
+@inproc
+@pytest.mark.parametrize("teacher", [True, False])
+def test_values_and_grads_vs_float64(seed, teacher):
+    inp = make_inputs(seed, N=40, Hs=24, Ht=20, V=150, Vt=157, teacher_bias=True)
+    with torch.no_grad():
+        inp["wt"][150:] = 40.0  # padded teacher rows never enter
+    _check(seed, inp, teacher, vocab_size=150, temperature=1.3, entropy_coef=0.05, kl_coef=0.8, clip_eps=0.2,
+           clip_eps_high=0.3, dual_clip=2.0, token_chunk_size=16)
+
+
+@inproc
+def test_close_distributions(seed):
+    inp = make_inputs(seed, N=32, Hs=32, Ht=32, V=130, bias=False, teacher="close", scale=0.6)
+    out, _ = _check(seed, inp, kl_coef=1.0)
+    assert (out.kl >= 0).all() and out.kl.max() < 1e-4
+
+
+@inproc
+def test_bf16_inputs(seed):
+    inp = make_inputs(seed, N=24, Hs=32, Ht=32, V=100, dtype=torch.bfloat16)
+    _check(seed, inp, tol=2e-2, gtol=3e-2, kl_coef=0.5, entropy_coef=0.01)
+
+
+@inproc
+def test_all_masked(seed):
+    inp = make_inputs(seed, N=20, V=70)
+    inp["mask"] = torch.zeros(20, dtype=torch.bool)
+    adv, old = torch.randn(20), -torch.rand(20)
+    out, g = _run(fused_linear_actor_loss, inp, adv, old, backend="triton", kl_coef=1.0)
+    assert float(out.loss) == 0.0 and all(x.abs().max() == 0 for x in g) and (out.ratio == 1).all()
+
+
+@inproc
+def test_matches_torch_path(seed):
+    inp = make_inputs(seed, N=30, V=120, teacher_bias=True)
+    adv, old = torch.randn(30), -torch.rand(30) * 3
+    a, ga = _run(fused_linear_actor_loss, inp, adv, old, backend="triton", kl_coef=0.4, entropy_coef=0.02)
+    b, gb = _run(fused_linear_actor_loss, inp, adv, old, backend="torch", kl_coef=0.4, entropy_coef=0.02)
+    for name in ("loss", "logprobs", "entropy", "kl", "ratio"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6)
+    for x, y_ in zip(ga, gb):
+        torch.testing.assert_close(x, y_, rtol=1e-4, atol=1e-6)
+
+
+# The kernels must also compile for a real GPU (sm_90): ahead of time, without a GPU,
+# with Triton's bundled ptxas (the interpreter accepts things nvcc-bound Triton rejects).
+_AOT_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import memopd.kernels.actor_loss as k
+
+def compile_kernel(fn, types, consts, num_warps, num_stages):
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    div16 = [i for i, n in enumerate(fn.arg_names) if n not in consts and
+             (sig[n].startswith("*") or n.startswith("stride") or n in ("H", "V", "N"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                                 num_stages=num_stages))
+
+done = []
+meta = dict(k._logits_meta(False))
+nw, ns = meta.pop("num_warps"), meta.pop("num_stages")
+logits = dict(h_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", order_ptr="*i32", count_ptr="*i32", out_ptr="*fp32",
+              H="i32", V="i32", c0="i32", n_rows="i32", stride_h="i32", stride_w="i32", stride_out="i32",
+              inv_temp="fp32")
+compile_kernel(k._scaled_logits_kernel, logits, dict(HAS_BIAS=True, UPCAST=False, IEEE=False, **meta), nw, ns)
+done.append("logits")
+rows = dict(s_ptr="*fp32", t_ptr="*fp32", targets_ptr="*i64", adv_ptr="*fp32", old_ptr="*fp32", klkeep_ptr="*i1",
+            order_ptr="*i32", count_ptr="*i32", stats_ptr="*fp32", part_ptr="*fp32", N="i32", V="i32", c0="i32",
+            stride_s="i32", stride_t="i32", clip_low="fp32", clip_high="fp32", dual_clip="fp32", g_h="fp32",
+            kl_scale="fp32", inv_norm="fp32", inv_temp="fp32", precise_limit="fp32")
+for teacher in (True, False):
+    compile_kernel(k._actor_rows_kernel, rows, dict(HAS_TEACHER=teacher, DUAL=True, NEED_GRAD=True,
+                                                     BLOCK_V=k._rows_block(151936)), 8, 1)
+    done.append(f"rows-teacher={teacher}")
+print(json.dumps(done))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.nvidia import compiler as _nv  # noqa: F401
+    except Exception as e:  # pragma: no cover - Triton built without the NVIDIA backend
+        pytest.skip(f"no NVIDIA backend in this Triton: {e}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0 and ("ASTSource" in res.stderr and "TypeError" in res.stderr):
+        pytest.skip(f"this Triton's AOT API differs: {res.stderr[-500:]}")
+    assert res.returncode == 0, f"sm_90 compilation failed:\n{res.stderr[-4000:]}"
+    assert "rows-teacher=False" in res.stdout

@@ -1,0 +1,578 @@
+"""Run-directory integrity for `memopd train`: runs never lose or mix data.
+
+A run directory is owned by one process at a time and every record in it is either
+complete or absent:
+
+- `RunDirLock`: an exclusive `fcntl.flock` on RUN_DIR/.lock (pid, host, start time and
+  command inside), taken by rank 0 for the whole run. The kernel drops it when its
+  holder dies, so a killed run never blocks the next one.
+- `atomic_write_text` / `atomic_write_json`: temp file in the same directory, fsync,
+  `os.replace`, fsync of the directory. Used for every pointer and record (config.yaml,
+  checkpoints/latest, report.json, checkpoint manifests, the rewritten metrics.jsonl).
+- `write_manifest` / `verify_manifest`: MANIFEST (size + sha256 of every file of a
+  directory), written last and atomically; a checkpoint (or SFT cache entry) is complete
+  only when its manifest exists and every file still matches it.
+- `newest_complete_checkpoint`: what `--resume` continues from (damaged or incomplete
+  newer checkpoints are skipped, with the reason); `truncate_metrics` cuts
+  metrics.jsonl back to that step.
+- `check_resume_config`: a resumed run must have the stored config, except for the keys
+  in `SAFE_RESUME_KEYS`.
+- `check_writable_dir` / `RunDir.open`: every output location is a writable directory,
+  checked before any model is loaded or trained; a used run directory needs `--resume`
+  or `--overwrite`.
+- `rank0_decides`: with several ranks, rank 0 alone decides (and writes); every rank
+  gets its answer, or its error, so all of them load the same checkpoint or stop.
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from typing import Any, Callable
+
+from memopd.errors import RunDirError, UserError
+
+__all__ = [
+    "MANIFEST",
+    "LOCK_FILE",
+    "RUN_OUTPUTS",
+    "SAFE_RESUME_KEYS",
+    "atomic_write_text",
+    "atomic_write_json",
+    "write_manifest",
+    "read_manifest",
+    "verify_manifest",
+    "checkpoint_dirs",
+    "clear_checkpoint_dir",
+    "newest_complete_checkpoint",
+    "config_differences",
+    "check_resume_config",
+    "check_writable_dir",
+    "previous_outputs",
+    "clear_outputs",
+    "truncate_metrics",
+    "RunDirLock",
+    "RunDir",
+    "rank0_decides",
+]
+
+MANIFEST = "memopd_manifest.json"
+LOCK_FILE = ".lock"
+# what `memopd train` (and `memopd plot`) write into a run directory: a directory holding
+# any of these is a used run directory, and --overwrite deletes exactly these (other files,
+# e.g. a log the caller writes next to them, are left alone)
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "report.json", "checkpoints", "final", "eval_model", "tb",
+               "curves.png")
+# Config keys a resumed run may change and still be the exact continuation of the stored
+# run: how long it runs (`steps`: the LR schedule is constant after warm-up, so the total
+# it is given changes nothing; not safe with a decaying schedule, see `_safe_keys`), when
+# it checkpoints and evaluates (evaluation draws from no training stream), and how it
+# reports or threads (`cpu_threads` may change float rounding, never the recipe).
+# `run_dir` is the directory itself and never compared.
+SAFE_RESUME_KEYS = frozenset({"steps", "checkpoint_every", "eval_every", "progress", "tensorboard", "cpu_threads"})
+_IGNORED_KEYS = frozenset({"run_dir"})
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_CHUNK = 1 << 20
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace `path` by `text` all at once: readers (and a resumed run after a kill) see
+    the old content or the new one, never a part."""
+    path = os.fspath(path)
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(d)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def _digest(path: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                break
+            h.update(b)
+            size += len(b)
+    return size, h.hexdigest()
+
+
+def _files_under(root: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if rel != MANIFEST:
+                out.append(rel)
+    return out
+
+
+def write_manifest(root: str | os.PathLike, **extra: Any) -> dict:
+    """Record size + sha256 of every file under `root` in root/MANIFEST (atomic, last).
+
+    Call it once everything under `root` is written (after the barrier that follows all
+    ranks' saves): its presence is what makes the directory complete."""
+    root = os.fspath(root)
+    files = {}
+    for rel in _files_under(root):
+        size, sha = _digest(os.path.join(root, rel))
+        files[rel] = {"size": size, "sha256": sha}
+    manifest = {"format": "memopd.manifest", "version": 1, **extra, "files": files}
+    atomic_write_json(os.path.join(root, MANIFEST), manifest)
+    return manifest
+
+
+def read_manifest(root: str | os.PathLike) -> dict | None:
+    try:
+        with open(os.path.join(os.fspath(root), MANIFEST)) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and isinstance(m.get("files"), dict) else None
+
+
+def verify_manifest(root: str | os.PathLike) -> list[str]:
+    """What is wrong with the directory `root` ([] = complete and intact)."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return ["missing directory"]
+    if not os.path.exists(os.path.join(root, MANIFEST)):
+        return [f"no {MANIFEST} (its save never finished, or it predates manifests)"]
+    m = read_manifest(root)
+    if m is None:
+        return [f"{MANIFEST} is unreadable"]
+    if not m["files"]:
+        return [f"{MANIFEST} lists no files"]
+    problems = []
+    for rel, want in sorted(m["files"].items()):
+        p = os.path.join(root, rel)
+        if not os.path.isfile(p):
+            problems.append(f"{rel} is missing")
+            continue
+        size = os.path.getsize(p)
+        if size != want.get("size"):
+            problems.append(f"{rel} has {size} bytes, {want.get('size')} expected (truncated or replaced)")
+        elif _digest(p)[1] != want.get("sha256"):
+            problems.append(f"{rel} fails its sha256 check (corrupted)")
+    return problems
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dirs(ckpt_root: str | os.PathLike) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoints/step_N directory, newest first."""
+    ckpt_root = os.fspath(ckpt_root)
+    try:
+        names = os.listdir(ckpt_root)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _STEP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(ckpt_root, name)):
+            found.append((int(m.group(1)), os.path.join(ckpt_root, name)))
+    return sorted(found, reverse=True)
+
+
+def newest_complete_checkpoint(ckpt_root: str | os.PathLike) -> tuple[tuple[int, str] | None, list[tuple[str, str]]]:
+    """The newest checkpoint whose manifest verifies, and the newer ones skipped (with why)."""
+    skipped = []
+    for step, path in checkpoint_dirs(ckpt_root):
+        problems = verify_manifest(path)
+        if not problems:
+            m = read_manifest(path) or {}
+            if m.get("step", step) != step:
+                problems = [f"its manifest is of step {m.get('step')}"]
+            else:
+                return (step, path), skipped
+        skipped.append((os.path.basename(path), "; ".join(problems)))
+    return None, skipped
+
+
+def clear_checkpoint_dir(path: str) -> None:
+    """Remove a checkpoint directory, manifest first (so no partial state ever verifies)."""
+    try:
+        os.remove(os.path.join(path, MANIFEST))
+    except FileNotFoundError:
+        pass
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def _is_train_line(rec: dict) -> bool:
+    """A step's training record (the final evaluation line holds only step + eval/ keys)."""
+    return any(k != "step" and not k.startswith("eval/") for k in rec)
+
+
+def truncate_metrics(path: str, step: int, log: Callable[[str], None] = print) -> None:
+    """Cut metrics.jsonl back to the records of steps 1..`step` (atomic rewrite).
+
+    Drops lines after the checkpoint, a final-evaluation line of `step` itself (the run
+    continues or re-evaluates), and lines that are not complete JSON (a partial last line
+    left by a kill). Warns when the kept lines do not cover steps 1..`step`."""
+    if not os.path.exists(path):
+        if step > 0:
+            log(f"warning: {path} is missing: the metrics of steps 1..{step} are lost (the weights are not)")
+        return
+    with open(path, "rb") as f:
+        raw = f.read().decode("utf-8", errors="replace").split("\n")
+    kept, bad = [], []
+    raw = [x for x in raw if x.strip()]
+    for i, line in enumerate(raw, 1):
+        try:
+            rec = json.loads(line)
+            s = int(rec["step"])
+        except (ValueError, KeyError, TypeError):
+            bad.append(i)
+            continue
+        if s < step or (s == step and _is_train_line(rec)):
+            kept.append(line.rstrip("\r") + "\n")
+    if bad:
+        what = "a partial last line" if bad == [len(raw)] else f"unreadable line(s) {bad}"
+        log(f"{path}: dropped {what}")
+    have = [r["step"] for r in map(json.loads, kept) if _is_train_line(r)]
+    if have != list(range(1, step + 1)):
+        log(f"warning: {path} does not hold exactly one record per step 1..{step} (has {len(have)}); "
+            "the checkpoint is used as it is")
+    atomic_write_text(path, "".join(kept))
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _safe_keys(old: dict, new: dict) -> frozenset:
+    keys = SAFE_RESUME_KEYS
+    for cfg in (old, new):  # a decaying LR schedule is a function of the total steps
+        for name in ("schedule", "lr_schedule"):
+            if cfg.get(name, "constant") not in ("constant", None, ""):
+                keys = keys - {"steps"}
+    return keys
+
+
+def config_differences(old: dict, new: dict, defaults: dict | None = None) -> list[tuple[str, Any, Any]]:
+    """(key, stored, new) for every key whose value differs (run_dir is never compared).
+    A key absent from one side counts as its value in `defaults` (a config stored before
+    the key existed ran with the default)."""
+    missing = object()
+    defaults = defaults or {}
+    out = []
+    for k in list(old) + [k for k in new if k not in old]:
+        if k in _IGNORED_KEYS:
+            continue
+        a, b = old.get(k, defaults.get(k, missing)), new.get(k, defaults.get(k, missing))
+        if a != b:
+            out.append((k, None if a is missing else a, None if b is missing else b))
+    return out
+
+
+def check_resume_config(stored: dict, new: dict, *, source: str, defaults: dict | None = None) -> list[str]:
+    """Refuse (RunDirError) a resume whose config differs from `stored` outside the safe
+    keys; returns the allowed changes as "key: old -> new" strings."""
+    diffs = config_differences(stored, new, defaults)
+    safe = _safe_keys(stored, new)
+    bad = [d for d in diffs if d[0] not in safe]
+    if bad:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
+        raise RunDirError(
+            f"--resume with a different config than {source}: {listed}. A resumed run must be the exact "
+            f"continuation of the stored one; only {', '.join(sorted(safe))} may change. Resume with the "
+            "stored values, start a new run_dir, or pass --overwrite (instead of --resume) to discard the run")
+    return [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs]
+
+
+# --------------------------------------------------------------------------- places
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> str:
+    """Create `path` if needed and prove it takes files (write + remove a probe);
+    UserError naming the path otherwise. Returns the path."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{what} {path!r} is a file, not a directory: remove it or choose another path")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
+            parent = os.path.dirname(parent)
+        why = f"{parent!r} is a file" if os.path.isfile(parent) else (e.strerror or str(e))
+        raise UserError(f"cannot create the {what} {path!r}: {why}; choose another path") from None
+    probe = os.path.join(path, f".memopd_write_probe.{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"the {what} {path!r} is not writable: {e.strerror or e}; "
+                        "fix its permissions or choose another path") from None
+    return path
+
+
+def _has_content(path: str) -> bool:
+    if not os.path.isdir(path) or os.path.islink(path):
+        return os.path.lexists(path)
+    return any(_has_content(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def _output_entries(run_dir: str) -> list[str]:
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return []
+    leftovers = tuple(o + "." for o in RUN_OUTPUTS)
+    return sorted(n for n in names if n in RUN_OUTPUTS or (n.startswith(leftovers) and n.endswith(".tmp")))
+
+
+def previous_outputs(run_dir: str) -> list[str]:
+    """The outputs of an earlier run in `run_dir` (empty directories do not count)."""
+    return [n for n in _output_entries(run_dir) if _has_content(os.path.join(run_dir, n))]
+
+
+def clear_outputs(run_dir: str) -> list[str]:
+    """Delete what an earlier run wrote (RUN_OUTPUTS and their temp files); returns the names."""
+    removed = []
+    for n in _output_entries(run_dir):
+        p = os.path.join(run_dir, n)
+        if os.path.isdir(p) and not os.path.islink(p):
+            if n == "checkpoints":  # manifests first: a half-deleted checkpoint never verifies
+                for _, d in checkpoint_dirs(p):
+                    clear_checkpoint_dir(d)
+            shutil.rmtree(p)
+        else:
+            os.remove(p)
+        removed.append(n)
+    return removed
+
+
+# --------------------------------------------------------------------------- the lock
+
+
+class RunDirLock:
+    """Exclusive ownership of a run directory: flock on RUN_DIR/.lock for the run's life."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def holder(self) -> str:
+        try:
+            with open(self.path) as f:
+                h = json.load(f)
+            return (f"pid {h.get('pid')} on host {h.get('host')}, started {h.get('started')} "
+                    f"(command: {h.get('command')})")
+        except (OSError, ValueError, AttributeError):
+            return "another process (it has not recorded itself yet)"
+
+    def acquire(self, command: str | None = None) -> None:
+        import fcntl
+
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(f"cannot lock the run directory {self.run_dir!r}: {e.strerror or e}") from None
+            raise RunDirError(
+                f"run directory {self.run_dir!r} is in use by {self.holder()}. Wait for that run to finish "
+                "(or stop it), or choose another run_dir") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "command": command if command is not None else " ".join(sys.argv)}
+        data = (json.dumps(info) + "\n").encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def rank0_decides(fn: Callable[[], Any], rank: int, world_size: int) -> Any:
+    """Run `fn` on rank 0 and give every rank its result; an exception on rank 0 is
+    raised on every rank (UserError types kept), so no rank waits for a dead partner."""
+    if world_size <= 1:
+        return fn()
+    import torch
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    err: BaseException | None = None
+    if rank == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+            err = e
+            box = [("err", type(e).__name__, str(e))]
+    from .backend import group_for
+
+    # the group that serves CPU tensors: a gloo side group when the default one is NCCL
+    dist.broadcast_object_list(box, src=0, group=group_for(torch.empty(0)))
+    if err is not None:
+        raise err
+    if box[0][0] == "ok":
+        return box[0][1]
+    _, kind, msg = box[0]
+    cls = {"RunDirError": RunDirError, "UserError": UserError}.get(kind, RuntimeError)
+    raise cls(f"rank 0: {msg}")
+
+
+# --------------------------------------------------------------------------- the run dir
+
+
+class RunDir:
+    """An opened run directory: locked, checked and holding this run's config.yaml.
+
+    `RunDir.open(...)` (every rank; rank 0 does the work) checks that the run directory,
+    its checkpoints/ and any `extra_dirs` (the SFT cache) are writable directories,
+    takes the lock, then either refuses a used directory (no --resume / --overwrite),
+    deletes its earlier outputs (--overwrite), or compares the stored config (config.yaml
+    and the newest checkpoint's manifest) with this run's (--resume), then writes this
+    run's config.yaml. `close()` releases the lock."""
+
+    def __init__(self, run_dir: str, rank: int, world_size: int, log: Callable[[str], None]):
+        self.run_dir = run_dir
+        self.rank, self.world_size, self.log = rank, world_size, log
+        self.lock = RunDirLock(run_dir)
+
+    @property
+    def config_path(self) -> str:
+        return os.path.join(self.run_dir, "config.yaml")
+
+    @classmethod
+    def open(cls, config: dict, *, resume: bool = False, overwrite: bool = False, rank: int = 0,
+             world_size: int = 1, extra_dirs: tuple[tuple[str, str], ...] = (), defaults: dict | None = None,
+             command: str | None = None, log: Callable[[str], None] = print) -> "RunDir":
+        if resume and overwrite:
+            raise UserError("--resume and --overwrite exclude each other: continue the run, or discard it")
+        rd = cls(config["run_dir"], rank, world_size, log)
+        rank0_decides(lambda: rd._open(config, resume, overwrite, extra_dirs, defaults, command), rank, world_size)
+        return rd
+
+    def _open(self, config: dict, resume: bool, overwrite: bool, extra_dirs, defaults, command) -> None:
+        import yaml
+
+        check_writable_dir(self.run_dir, "run directory")
+        self.lock.acquire(command)
+        try:
+            if overwrite:
+                removed = clear_outputs(self.run_dir)
+                if removed:
+                    self.log(f"--overwrite: deleted the previous run's {', '.join(removed)} in {self.run_dir}")
+            check_writable_dir(os.path.join(self.run_dir, "checkpoints"), "checkpoint directory")
+            for path, what in extra_dirs:
+                check_writable_dir(path, what)
+            used = previous_outputs(self.run_dir)
+            if used and not resume:
+                raise RunDirError(
+                    f"run directory {self.run_dir!r} holds a previous run ({', '.join(used)}): pass --resume to "
+                    "continue it, --overwrite to delete it and start over, or choose another run_dir")
+            if resume:
+                self._check_resume_config(config, defaults, used)
+            atomic_write_text(self.config_path, yaml.safe_dump(config, sort_keys=False))
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _check_resume_config(self, config: dict, defaults: dict | None, used: list[str]) -> None:
+        """The new config against config.yaml and against the config recorded in the newest
+        checkpoint's manifest (which also covers a lost or hand-edited config.yaml)."""
+        import yaml
+
+        stored = []
+        if os.path.exists(self.config_path):
+            try:
+                with open(self.config_path) as f:
+                    cfg = yaml.safe_load(f)
+                if not isinstance(cfg, dict):
+                    raise ValueError("not a mapping")
+                stored.append((self.config_path, cfg))
+            except (OSError, ValueError, yaml.YAMLError) as e:
+                self.log(f"warning: {self.config_path} is unreadable ({e}); checking the checkpoints' config")
+        elif used:
+            self.log(f"warning: {self.config_path} is missing; checking the checkpoints' config")
+        for _, path in checkpoint_dirs(os.path.join(self.run_dir, "checkpoints")):
+            m = read_manifest(path)
+            if m is not None and isinstance(m.get("config"), dict):
+                stored.append((os.path.join(path, MANIFEST), m["config"]))
+                break
+        changed: list[str] = []
+        for source, cfg in stored:
+            changed = check_resume_config(cfg, config, source=source, defaults=defaults) or changed
+        if changed:
+            self.log(f"resume: allowed config changes: {'; '.join(changed)}")
+
+    def close(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
