@@ -118,7 +118,7 @@ run_step build 120 bash -c build_core
 # for itself (the CPU fallback of some tests) cannot silently turn the compiled-kernel
 # tests of another file into skips. The files share one time budget.
 shopt -s nullglob
-KERNEL_TESTS=(tests/test_packed_attention*.py tests/test_fused_distill*.py)
+KERNEL_TESTS=(tests/test_packed_attention*.py tests/test_fused_distill*.py tests/test_actor_loss*.py)
 shopt -u nullglob
 if [ "${#KERNEL_TESTS[@]}" -eq 0 ]; then
   note_failure kernel-tests "no tests/test_packed_attention*.py or tests/test_fused_distill*.py found"

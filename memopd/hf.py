@@ -78,7 +78,7 @@ def memopd_attention_forward(
     else:
         from .ops.packed_attention import packed_attention
 
-        out = packed_attention(q, k, v, meta, softmax_scale=scaling)
+        out = packed_attention(q, k, v, meta, softmax_scale=scaling, backend=backend)
     return out.unsqueeze(0), None
 
 

@@ -280,3 +280,26 @@ def test_bad_inputs_raise(case):
         y[0] = 40
     with pytest.raises((ValueError, TypeError), match=msg):
         fused_linear_actor_loss(inp["hs"], inp["ws"], y, adv, old, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the compiled Triton kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_triton_on_cuda(seed, dtype):
+    """The compiled kernels (benchmarks/gpu_check.sh runs this file on the GPU)."""
+    inp = make_inputs(seed, N=300, Hs=256, Ht=192, V=5003, Vt=5011, teacher_bias=True, dtype=dtype)
+    inp = {k: (v.detach().cuda().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
+           for k, v in inp.items()}
+    adv, old = (x.cuda() for x in ppo_inputs(seed, 300))
+    kw = dict(kl_coef=0.7, entropy_coef=0.02, temperature=1.1, vocab_size=5003, dual_clip=3.0)
+    out = call(fused_linear_actor_loss, inp, adv, old, backend="triton", token_chunk_size=128, **kw)
+    g = grads(out, inp)
+    i64 = as64(inp)
+    ref = call(reference_actor_loss, i64, adv.double(), old.double(), **kw)
+    gr = grads(ref, i64)
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    assert math.isclose(float(out.loss), float(ref.loss), rel_tol=tol, abs_tol=tol)
+    for name in FIELDS:
+        a, b = getattr(out, name).double(), getattr(ref, name)
+        assert (a - b).abs().max() <= tol * (1 + b.abs().max()), name
+    for name, a, b in zip(("dh", "dw", "db"), g, gr):
+        assert (a.double() - b).abs().max() <= tol * (b.abs().max() + 1e-12) * 10, name

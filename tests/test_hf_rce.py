@@ -127,3 +127,24 @@ def test_audit_cli_recorded_file(tmp_path):
     path = tmp_path / "t.jsonl"
     save_trajectories(path, random_trajectories("refresh", 3, seed=0, vocab_size=256))
     assert main(["audit", "--trajectories", str(path), "--arch", "llama"]) == 0
+
+
+def test_requested_attention_backend_reaches_the_op(monkeypatch):
+    """`attention_backend="torch"|"reference"` must select that backend, not "auto"."""
+    import memopd.ops.packed_attention as pa
+    from memopd import pack, random_trajectories
+    from memopd.hf import packed_forward
+    from memopd.models import tiny_causal_lm
+
+    seen = []
+    real = pa.packed_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("backend", "auto"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "packed_attention", spy)
+    model = tiny_causal_lm("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
+    batch = pack(random_trajectories("summary", 2, vocab_size=64, seed=0, calls=(2, 2)), layout="aligned")
+    packed_forward(model, batch, attention_backend="torch")
+    assert seen and set(seen) == {"torch"}

@@ -123,6 +123,12 @@ def test_compare_arms_table(sft_dirs, tmp_path, capsys):
         compare_main(["--arms", "bogus", "--out", str(out)])
     with pytest.raises(SystemExit):
         compare_main(["--out", str(out), "seed=3"])
+    # a rerun into the same --out is refused up front (no SFT, no training), unless --overwrite
+    from memopd.errors import RunDirError
+
+    with pytest.raises(RunDirError, match="--overwrite"):
+        compare_main(["--arms", "ppo", "--seeds", "0", "--out", str(out), *common])
+    assert compare_main(["--arms", "ppo", "--seeds", "0", "--jobs", "1", "--out", str(out), "--overwrite", *common]) == 0
 
 
 def test_config_errors(tmp_path):

@@ -37,11 +37,15 @@ def _parse_arm(spec: str) -> tuple[str, str]:
     return arm, domain
 
 
-def _run_one(spec: str, seed: int, out: str, overrides: list[str]) -> dict:
+def _run_dir(out: str, spec: str, seed: int) -> str:
+    return os.path.join(out, spec.replace(":", "-"), f"seed{seed}")
+
+
+def _run_one(spec: str, seed: int, out: str, overrides: list[str], overwrite: bool = False) -> dict:
     arm, domain = _parse_arm(spec)
-    run_dir = os.path.join(out, spec.replace(":", "-"), f"seed{seed}")
-    cmd = [sys.executable, "-m", "memopd.cli", "train", *overrides, f"arm={arm}", f"action_domain={domain}",
-           f"seed={seed}", f"run_dir={run_dir}", "progress=false"]
+    run_dir = _run_dir(out, spec, seed)
+    cmd = [sys.executable, "-m", "memopd.cli", "train", *(["--overwrite"] if overwrite else []), *overrides,
+           f"arm={arm}", f"action_domain={domain}", f"seed={seed}", f"run_dir={run_dir}", "progress=false"]
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "train.log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -82,6 +86,8 @@ def compare_main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at the same time")
     p.add_argument("--out", default="runs/compare")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the runs an earlier compare left under --out (default: refuse)")
     p.add_argument("overrides", nargs="*", help="key=value overrides passed to every `memopd train`")
     args = p.parse_args(argv)
     try:
@@ -94,8 +100,16 @@ def compare_main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         p.error(str(e))
     from memopd.env.evaluate import evaluate as evaluate_dir
+    from memopd.errors import RunDirError
 
     from .loop import prepare
+    from .rundir import previous_outputs
+
+    used = [d for d in (_run_dir(args.out, a, s) for a in args.arms for s in args.seeds)
+            if os.path.isdir(d) and previous_outputs(d)]
+    if used and not args.overwrite:  # refused before any SFT or training work
+        raise RunDirError(f"--out {args.out}: {len(used)} run(s) of an earlier compare are there (e.g. {used[0]}); "
+                          "pass --overwrite to replace them, or choose another --out")
 
     t0 = time.time()
     # build (or check) the SFT cache once, before parallel runs would race for it
@@ -107,7 +121,7 @@ def compare_main(argv: list[str] | None = None) -> int:
     todo = [(a, s) for a in args.arms for s in args.seeds]
     print(f"[memopd compare] {len(todo)} runs, {args.jobs} at a time, under {args.out}", flush=True)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-        futures = [ex.submit(_run_one, a, s, args.out, args.overrides) for a, s in todo]
+        futures = [ex.submit(_run_one, a, s, args.out, args.overrides, args.overwrite) for a, s in todo]
         for (a, s), fut in zip(todo, futures):
             r = fut.result()
             q = ", ".join(f"Q{k} {r['eval'][f'Q{k}']['em_mean']:.3f}" for k in cfg.eval_k)
