@@ -187,7 +187,10 @@ def format_table(summary: dict) -> list[str]:
         toks = "/".join(g(lay, "tokens", "d") for lay in LAYOUTS)
         dlp = max((r.get(lay, {}).get("logprob_max_abs_diff") or 0.0) for lay in LAYOUTS)
         flag = "" if r.get("meets_target") in (True, None) else "  < target"
-        x = lambda v: "-" if v is None else f"{v:.2f}x"
+
+        def x(v):
+            return "-" if v is None else f"{v:.2f}x"
+
         lines.append(
             f"{r['config']:<8} {r['calls']:>5} | {toks:>20} | {g('independent', 'padding_fraction', '.3f'):>7} | "
             f"{g('independent', 'median_s', '.3f'):>8} {g('aligned', 'median_s', '.3f'):>8} "

@@ -33,6 +33,13 @@ from .memory import (
 
 __version__ = "0.1.0"
 
+__all__ = [
+    "Invocation", "RecordError", "Source", "Trajectory", "load_trajectories", "save_trajectories",
+    "validate_trajectories", "POLICIES", "ContextUpdate", "FullRetention", "MemoryPolicy", "RetrievalRefresh",
+    "SlidingWindow", "SuffixRetention", "SummaryReplacement", "drive", "make_policy", "random_trajectories",
+    "pack", "LAYOUTS", "PackedBatch", "AttentionMeta", "PackError", "__version__",
+]
+
 _LAZY = {
     "pack": "memopd.packing",
     "LAYOUTS": "memopd.packing",

@@ -3,7 +3,7 @@
 All tokens of a batch live in one flat stream of `T` tokens (rows concatenated). A row
 is a unit of forward compute bounded by the token budget; segments never cross rows.
 
-Visibility (design section 3) is given by O(T) metadata, never by position ids:
+Visibility (docs/design.md §3.1) is given by O(T) metadata, never by position ids:
 key `j` is visible to query `i` iff
 
     seg_start[i] <= j <= i                        (own segment, causal)
@@ -224,7 +224,7 @@ class PackedBatch:
       re-encoded memory included; else None).
     Per action token [A], in (trajectory, call, k) order:
       action_index  packed index of the action token itself
-      pred_index    packed index whose output predicts it (g(t, k) of design section 3)
+      pred_index    packed index whose output predicts it (g(t, k) of docs/design.md §3.4)
       target_ids    the sampled id
       sample_logprobs  log-prob at sampling time (NaN where not recorded)
       teacher_mask  m_T (defaults to all True)

@@ -1,4 +1,4 @@
-"""Memory policies (design section 5) and a model-free trajectory driver.
+"""Memory policies (docs/design.md §5) and a model-free trajectory driver.
 
 A policy rewrites the mutable context after each call, on token ids only:
 `update(context_ids, action_ids, observation_ids, ...) -> ContextUpdate(ids, provenance)`.

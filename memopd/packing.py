@@ -1,6 +1,6 @@
 """The pack compiler: `pack(trajectories, layout=..., max_tokens=...) -> PackedBatch`.
 
-Layouts (design section 3):
+Layouts (docs/design.md §2):
 - `aligned`: each call is a segment `[x_t, a_t]` at positions restarting at |q|, reading
   one prefix segment `q` (positions 0..|q|-1) shared by the calls of its trajectory in
   the same row, or by every trajectory of one group with `share_prefix="group"`.
@@ -14,7 +14,7 @@ Layouts (design section 3):
 
 Action domain (`action_domain=`, any layout):
 - `"exact"` (default): the per-action entries are the sampled occurrences of action
-  tokens (m_act of design section 3).
+  tokens (m_act of docs/design.md §3.5).
 - `"naive"`: also every re-encoded copy of earlier model output inside a later context
   x_t (context tokens whose provenance is an action), each predicted from the token
   before it, as a trainer that marks "every model-written token" would score them.

@@ -1,4 +1,4 @@
-"""Rollout Context Equivalence (RCE) audit (design section 4).
+"""Rollout Context Equivalence (RCE) audit (docs/design.md §4).
 
 For every action token, compare the full-vocabulary logits of a packed forward with
 those of an independent forward of that call alone (`[q, x_t, a_t]`, positions 0..).

@@ -35,7 +35,7 @@ FORMAT_VERSION = 1
 
 
 class RecordError(UserError, ValueError):
-    """A record (or a file of records) breaks the contract of design section 2."""
+    """A record (or a file of records) breaks the contract of docs/design.md §1."""
 
 
 class Source:

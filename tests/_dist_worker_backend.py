@@ -2,7 +2,7 @@
 
 Run under a launcher (``torchrun --standalone --nproc_per_node 2 tests/_dist_worker_backend.py
 OUT [scenario ...]``); each scenario trains the tiny Qwen2 for 4 optimiser steps with the
-loss-scaling contract of trainer/backend.py, each rank taking half of every global batch,
+loss-scaling contract of docs/deepspeed.md §1, each rank taking half of every global batch,
 and writes HF snapshots after steps 2 and 4 plus a resumed run (checkpoint after step 2,
 fresh model with other weights, load, steps 3-4). The leading underscore keeps pytest
 from collecting it; the test imports the toy problem from here for its reference run.

@@ -119,7 +119,8 @@ def test_recorded_calls_are_exact(setup, batch_size, temperature, top_p):
         assert 1 <= len(tr) <= 3
         for inv in tr.invocations:
             assert len(inv.action_ids) <= 12
-    import tempfile, os
+    import os
+    import tempfile
     with tempfile.TemporaryDirectory() as d:
         save_trajectories(os.path.join(d, "r.jsonl"), trajs)
         assert [t.to_json() for t in load_trajectories(os.path.join(d, "r.jsonl"))] == [t.to_json() for t in trajs]

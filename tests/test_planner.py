@@ -231,7 +231,7 @@ def test_q16_b16_shape_fewer_tokens_and_prefix_copies():
     old_copies = sum(row_stats(old, *p[:3])[1].values())
     # every group needs three rows (~9-10k tokens each) and gets them; the old plan
     # repeats (nearly) every prefix in every row
-    fewest = [-(-sum(l for l, h in zip(lengths, groups) if h == g) // (budget - c))
+    fewest = [-(-sum(n for n, h in zip(lengths, groups) if h == g) // (budget - c))
               for g, c in enumerate(group_cost)]
     assert fewest == [3, 3, 3, 3]
     assert row_stats(new, *p[:3])[1] == {0: 3, 1: 3, 2: 3, 3: 3}

@@ -15,7 +15,6 @@
   soft-capping refused by name.
 """
 import copy
-import json
 import sys
 from pathlib import Path
 

@@ -1,123 +1,17 @@
 """Optimisation backend of the trainer: plain PyTorch (1..N processes) or DeepSpeed ZeRO 1/2/3.
 
-The training loop only talks to a `TrainBackend`, built by `make_backend(model, ...)`:
+The training loop only talks to a `TrainBackend` made by `make_backend(model, ...)`: forward
+through `backend.module`, `backward(loss, last_micro_batch=...)` once per micro-batch (the
+same count on every rank), then `step()`. Both backends average gradients over ranks and
+never divide by the number of micro-batches, so each micro-batch's loss is its token-loss
+sum / the global token count of the step * world_size. Also here: `init_distributed()`,
+the collectives every part of the trainer uses (`all_reduce`, `broadcast`, `barrier`; CPU
+tensors go through a gloo side group when the default group is NCCL), checkpointing
+(`save_checkpoint` / `load_checkpoint`, collective), AdamW + LambdaLR, and the DeepSpeed
+config checks (`resolve_deepspeed_config`).
 
-    backend = make_backend(model, lr=1e-5, warmup_steps=10, total_steps=1000,
-                           max_grad_norm=1.0, deepspeed_config=None | dict | "ds.json")
-    for step in ...:
-        n_global = backend.all_reduce_sum(torch.tensor(float(local_token_count)))
-        for i, mb in enumerate(micro_batches):          # same count on every rank
-            out = backend.module(**mb)                   # forward through backend.module
-            loss = token_loss(out, mb).sum() / n_global * backend.world_size
-            backend.backward(loss, last_micro_batch=(i == len(micro_batches) - 1))
-        grad_norm = backend.step()                       # clip, optimiser step, LR step, zero grads
-    backend.save_checkpoint("ckpt/step_1000", client_state={...})   # every rank
-    backend.save_pretrained("ckpt/step_1000/hf")                     # every rank; main rank writes
-
-Loss-scaling contract
----------------------
-Both backends *average* gradients over ranks (DeepSpeed's ZeRO reduction divides by the
-data-parallel world size; the plain backend all-reduces and divides by world size too),
-and neither divides by the number of micro-batches. So the loop computes, for every
-micro-batch, ``loss = (sum of this micro-batch's token losses) / N * world_size`` where
-``N = backend.all_reduce_sum(local token count of this optimiser step)`` is the global
-token count of the whole optimiser step (all ranks, all micro-batches). Summing the
-micro-batch gradients and averaging over ranks then yields exactly the gradient of the
-global token mean, however tokens are spread across ranks and micro-batches.
-
-Micro-batches: every rank must call `backward` the same number of times per optimiser
-step (ZeRO-2/3 run collectives inside every backward); a rank that runs out of data
-backs up a zero loss (e.g. ``out.logits.sum() * 0``). The last call of a step passes
-``last_micro_batch=True`` and must be followed by `step()`; both backends enforce this
-order so a loop bug shows on the CPU backend too.
-
-Checkpoint design (one design, both backends)
----------------------------------------------
-`save_checkpoint(dir, client_state=None)` / `load_checkpoint(dir) -> client_state` are
-the resume API. They are collective (call on every rank) and store *everything the
-backend owns*: weights, optimiser moments, optimiser and scheduler step counters (plus,
-for DeepSpeed, the engine counters and the rank-local ZeRO partitions, via
-`engine.save_checkpoint`). `client_state` is per rank (written as
-``client_state_rank{r}.pt``), so the loop can put each rank's RNG state and data position
-there. Resuming needs the same world size and ZeRO stage, and a filesystem all ranks share.
-After `load_checkpoint` the next steps are the ones the uninterrupted run takes (bit-for-bit
-in tests/test_backend.py, plain and ZeRO 1/2/3); the loop restores RNG and data position. The plain backend also offers in-memory `state_dict()` /
-`load_state_dict()` (optimiser + scheduler + counters, *not* weights); the DeepSpeed
-backend raises for those, because ZeRO state is partitioned across ranks.
-
-Optimiser and schedule
-----------------------
-torch.optim.AdamW (``fused=False`` on CPU), weight decay only on parameters with
-``ndim >= 2`` (biases and norm gains are not decayed), frozen parameters excluded.
-LambdaLR multiplier for the k-th optimiser step (k = 1, 2, ...): ``k / warmup_steps``
-while ``k <= warmup_steps``, then ``schedule="constant"`` (default) 1.0, ``"cosine"``
-or ``"linear"`` decay from 1.0 towards ``min_lr_ratio`` over the remaining
-``total_steps - warmup_steps`` steps. `lr()` is the rate the *next* step will use.
-`step()` returns the global gradient norm before clipping (``max_grad_norm=None`` or
-``<= 0`` disables clipping, the norm is still returned). Non-finite norms do not skip
-the step (as in DeepSpeed fp32/bf16); the loop decides what to do with them.
-
-Launching N processes
----------------------
-`init_distributed()` reads the standard env vars RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT (set by ``torchrun`` and by the ``deepspeed`` launcher),
-initialises torch.distributed with nccl on CUDA (device = ``cuda:LOCAL_RANK``) or gloo
-on CPU, and is a no-op when WORLD_SIZE is unset or 1. Collectives go through
-`all_reduce` / `broadcast` / `barrier` here, which route a CPU tensor through a gloo side
-group whenever the default group (NCCL) serves only CUDA tensors. `make_backend` calls it, so the
-loop need not (calling it first, e.g. to shard data by rank, is fine; it is idempotent).
-
-    # plain backend, N processes (gradients all-reduced in step())
-    torchrun --nproc_per_node N -m memopd.cli train ...
-    # DeepSpeed ZeRO, N processes on one node
-    torchrun --nproc_per_node N -m memopd.cli train deepspeed=path/ds.json ...
-    deepspeed --num_gpus N --no_local_rank --module memopd.cli train deepspeed=path/ds.json ...
-    # several nodes: torchrun --nnodes M --node_rank i --master_addr HOST --master_port P ...
-    # single process with a DeepSpeed config: plain `memopd train deepspeed=...` works, a
-    # one-rank process group on a free local port is created for DeepSpeed.
-
-``--no_local_rank`` keeps the deepspeed launcher from appending ``--local_rank=R`` to the
-CLI arguments (LOCAL_RANK is in the environment anyway). On a CPU-only machine prefer
-``torchrun``: the deepspeed launcher counts NUMA nodes as "accelerators".
-
-DeepSpeed on CPU (deepspeed 0.19.x)
------------------------------------
-* ``DS_ACCELERATOR=cpu`` is set (if unset) before deepspeed is imported when CUDA is not
-  available; without oneCCL DeepSpeed's CPU accelerator uses gloo, which is what
-  `init_distributed` picks.
-* DeepSpeed's torch comm backend JIT-compiles a shared-memory all-reduce extension
-  (``deepspeed_shm_comm``, ~2 min on 2 cores) on the first ``init_distributed`` of a
-  machine; it only serves ``inference_all_reduce`` (tensor-parallel inference), never
-  training, so it is marked incompatible before DeepSpeed's comm layer starts. Set
-  ``MEMOPD_DS_SHM_COMM=1`` to keep it.
-* fp16 is rejected on CPU (use fp32 or bf16). torch AdamW is on DeepSpeed's list of ZeRO
-  optimisers, so no ``zero_allow_untested_optimizer`` is needed. ZeRO stages 1, 2 and 3
-  run on CPU with gloo.
-
-DeepSpeed config handling (`resolve_deepspeed_config`)
-------------------------------------------------------
-Defaults filled only when absent: ``train_micro_batch_size_per_gpu`` (1, or
-``train_batch_size / world_size``), ``gradient_accumulation_steps`` = 1,
-``gradient_clipping`` = max_grad_norm (0.0 when clipping is off). Errors (ValueError,
-before any process group is touched): ZeRO stage missing/0/unknown, fp16 on CPU,
-``gradient_accumulation_steps != 1`` (the loop owns accumulation), a ``train_batch_size``
-inconsistent with that, ``gradient_clipping`` different from max_grad_norm, an
-``optimizer`` or ``scheduler`` section (the backend builds both from make_backend's
-arguments), ``managed_gradient_accumulation: false``, and a half-precision model
-without the matching ``bf16``/``fp16`` section.
-
-Gradient accumulation under DeepSpeed: ``gradient_accumulation_steps`` is 1 and
-`backward` calls ``engine.set_gradient_accumulation_boundary(last_micro_batch)`` before
-``engine.backward(loss, scale_wrt_gas=False)``, so ZeRO accumulates gradients over the
-loop's variable number of micro-batches and treats the last as the boundary;
-`step()` then calls ``engine.step()`` once. `backend.module` is the DeepSpeed engine
-(its forward registers the backward hooks ZeRO needs; attribute access falls through
-to the HF model); `backend.unwrapped` is the HF model (config, generate).
-
-ZeRO-3 with several ranks gathers parameters collectively in *every* forward, so all
-ranks must run the same number of forwards (no-grad ones included) in the same order;
-for generation pass ``synced_gpus=backend.synced_gpus`` to HF ``generate`` (transformers
-only turns it on by itself when an HfDeepSpeedConfig is alive, which we do not create).
+The user guide (launching, the loss-scaling and micro-batch contract, DeepSpeed config
+rules, ZeRO-3, DeepSpeed on CPU, checkpoints) is docs/deepspeed.md.
 """
 from __future__ import annotations
 
@@ -381,7 +275,7 @@ def _sync_lr_from_scheduler(optimizer: torch.optim.Optimizer, scheduler) -> None
 
 
 class TrainBackend:
-    """Interface the training loop uses; see the module docstring for the contract."""
+    """Interface the training loop uses; the contract is in docs/deepspeed.md §1."""
 
     module: torch.nn.Module
     unwrapped: torch.nn.Module
@@ -647,7 +541,7 @@ def resolve_deepspeed_config(
 ) -> dict:
     """Validate a DeepSpeed config and fill the defaults the user omitted (never overriding).
 
-    Raises ValueError for settings that conflict with this backend; see the module docstring.
+    Raises ValueError for settings that conflict with this backend (docs/deepspeed.md §3.1).
     """
     cfg = _load_config(config)
 

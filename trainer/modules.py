@@ -45,7 +45,7 @@ class PPOInputs:
 
     `normalizer` and `kl_normalizer` are the global counts (all micro-batches, all ranks)
     divided by the world size, so that summing micro-batches and averaging ranks gives
-    the gradient of one batch (see `memopd.trainer.backend`)."""
+    the gradient of one batch (docs/design.md §7.5, docs/deepspeed.md §1)."""
 
     logp_old: torch.Tensor
     advantages: torch.Tensor

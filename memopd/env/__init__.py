@@ -1,4 +1,4 @@
-"""Agent environment for compact-memory LLM agents (GitHub issue 6).
+"""Agent environment for compact-memory LLM agents (docs/design.md §10).
 
 Modules:
 - `world`: the generated default world (entities, attributes, relations), its corpus

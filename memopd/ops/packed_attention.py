@@ -1,6 +1,6 @@
 """Packed attention: the public op `packed_attention(q, k, v, meta)` and its backends.
 
-Visibility is that of design section 3, read from the O(T) metadata of
+Visibility is that of docs/design.md §3.1, read from the O(T) metadata of
 `memopd.layout.AttentionMeta` (never from position ids): key j is visible to query i iff
 `seg_start[i] <= j <= i` or `prefix_start[i] <= j < prefix_end[i]`; rows that see nothing
 (padding) give zeros. q is `[T, Hq, D]`, k/v `[T, Hkv, D]` with Hq a multiple of Hkv (GQA).

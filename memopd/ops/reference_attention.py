@@ -15,7 +15,7 @@ __all__ = ["reference_packed_attention", "dense_visibility_mask", "check_attenti
 
 
 def dense_visibility_mask(meta: AttentionMeta) -> torch.Tensor:
-    """[T, T] bool: True where query i may attend to key j (design section 3)."""
+    """[T, T] bool: True where query i may attend to key j (docs/design.md §3.1)."""
     return meta.visible()
 
 
