@@ -23,12 +23,44 @@ __all__ = ["plan_rows", "rows_from_assignment"]
 def _core():
     try:
         from . import _C
-    except ImportError as e:  # pragma: no cover - only when the extension was not built
-        raise ImportError(
-            "memopd._C (the C++ planner) is not built. Install the package with "
-            "`pip install .` or `pip install -e .` so the extension compiles."
-        ) from e
+    except ImportError as e:
+        _C = _installed_core()
+        if _C is None:
+            raise ImportError(
+                "memopd._C (the C++ planner) is not built. Install the package with "
+                "`pip install .` or `pip install -e .` so the extension compiles."
+            ) from e
     return _C
+
+
+def _installed_core():
+    """The compiled core of an installed memopd, when this `memopd` is a source checkout
+    that shadows it (e.g. `python -m pytest` from the repository root puts the checkout
+    first on sys.path after a non-editable `pip install .`)."""
+    import importlib.machinery
+    import importlib.metadata
+    import importlib.util
+    import os
+    import sys
+
+    try:
+        dist = importlib.metadata.distribution("memopd")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    for f in dist.files or ():
+        name = str(f).replace("\\", "/")
+        if not (name.startswith("memopd/_C") and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))):
+            continue
+        path = os.path.abspath(str(dist.locate_file(f)))
+        if os.path.dirname(path) == here or not os.path.isfile(path):
+            continue
+        spec = importlib.util.spec_from_file_location("memopd._C", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["memopd._C"] = mod
+        return mod
+    return None
 
 
 def plan_rows(
