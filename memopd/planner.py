@@ -43,23 +43,22 @@ def _installed_core():
     import os
     import sys
 
-    try:
-        dist = importlib.metadata.distribution("memopd")
-    except importlib.metadata.PackageNotFoundError:
-        return None
     here = os.path.dirname(os.path.abspath(__file__))
-    for f in dist.files or ():
-        name = str(f).replace("\\", "/")
-        if not (name.startswith("memopd/_C") and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))):
-            continue
-        path = os.path.abspath(str(dist.locate_file(f)))
-        if os.path.dirname(path) == here or not os.path.isfile(path):
-            continue
-        spec = importlib.util.spec_from_file_location("memopd._C", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules["memopd._C"] = mod
-        return mod
+    # every distribution of that name: the checkout's own build metadata (memopd.egg-info,
+    # found first from the root) lists no compiled file; the installed one does
+    for dist in importlib.metadata.distributions(name="memopd"):
+        for f in dist.files or ():
+            name = str(f).replace("\\", "/")
+            if not (name.startswith("memopd/_C") and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))):
+                continue
+            path = os.path.abspath(str(dist.locate_file(f)))
+            if os.path.dirname(path) == here or not os.path.isfile(path):
+                continue
+            spec = importlib.util.spec_from_file_location("memopd._C", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            sys.modules["memopd._C"] = mod
+            return mod
     return None
 
 

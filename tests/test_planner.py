@@ -297,7 +297,7 @@ def test_installed_core_is_found_when_a_checkout_shadows_it(monkeypatch):
         def locate_file(f):
             return so
 
-    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Dist())
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda name: iter([Dist()]))
     monkeypatch.delitem(sys.modules, "memopd._C")
     monkeypatch.setattr(planner, "__file__", "/nonexistent/checkout/memopd/planner.py")
     mod = planner._installed_core()
