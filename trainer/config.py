@@ -15,9 +15,23 @@ import yaml
 from memopd.errors import UserError
 from memopd.packing import ACTION_DOMAINS
 
-__all__ = ["TrainConfig", "ARMS", "ConfigError"]
+__all__ = ["TrainConfig", "ARMS", "ARM_SPECS", "Arm", "ConfigError"]
 
-ARMS = ("ppo", "persistent", "memopd")
+@dataclass(frozen=True)
+class Arm:
+    """What distinguishes the arms: the layout the teacher scores (None: no teacher)."""
+
+    teacher_layout: str | None
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.teacher_layout is not None
+
+
+# ppo: no teacher; persistent: the teacher scores the flattened persistent history (the
+# matched control); memopd: the teacher scores the restored aligned calls
+ARM_SPECS = {"ppo": Arm(None), "persistent": Arm("flatten"), "memopd": Arm("aligned")}
+ARMS = tuple(ARM_SPECS)
 
 
 class ConfigError(UserError, ValueError):
@@ -86,6 +100,10 @@ class TrainConfig:
     deepspeed: str = ""  # path to a DeepSpeed JSON config: enables ZeRO
     progress: bool = True
     cpu_threads: int = 1  # torch threads on CPU: tiny models run fastest on one (0 = torch default)
+
+    @property
+    def arm_spec(self) -> Arm:
+        return ARM_SPECS[self.arm]
 
     def validate(self) -> "TrainConfig":
         _check_fields(self)  # the type (and choices) of every field, before any range check

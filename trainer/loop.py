@@ -69,7 +69,7 @@ class Trainer:
         self.rank = self.info.rank
         self.world_size = self.info.world_size
         ds = cfg.deepspeed or None
-        self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm != "ppo") else None
+        self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm_spec.uses_teacher) else None
         # measured before any copy or wrapper: every copy inherits the measured scale, and
         # no probe forward ever runs inside a ZeRO-3 engine
         if self.teacher_lm is not None:
@@ -145,7 +145,7 @@ class Trainer:
         critic.eval()
         trajs, k = self.rollout(step, actor)
         t_roll = time.time() - t0
-        teacher_layout = {"ppo": None, "persistent": "flatten", "memopd": "aligned"}[cfg.arm]
+        teacher_layout = cfg.arm_spec.teacher_layout
         scored = score(actor, critic, self.ref_lm, self.teacher_lm, trajs,
                        teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, kl_coef=cfg.kl_coef,
                        gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
@@ -388,7 +388,7 @@ def _prepare_user(cfg: TrainConfig, log: Callable[[str], None]):
     if not cfg.student:
         raise UserError("corpus=/tasks= need student=DIR (a local HF causal-LM checkpoint): the built-in SFT'd "
                         "models only know the generated world")
-    if cfg.arm != "ppo" and not cfg.teacher:
+    if cfg.arm_spec.uses_teacher and not cfg.teacher:
         raise UserError(f"arm={cfg.arm} distils from a teacher: give teacher=DIR (a local HF causal-LM "
                         "checkpoint), or use arm=ppo")
     for key in ("corpus", "tasks", "eval_tasks_file"):
@@ -396,7 +396,7 @@ def _prepare_user(cfg: TrainConfig, log: Callable[[str], None]):
         if path and not os.path.isfile(path):
             raise UserError(f"{key}={path!r}: no such file")
     student_dir = check_model_dir(cfg.student, "student")
-    teacher_dir = check_model_dir(cfg.teacher, "teacher") if cfg.arm != "ppo" else cfg.teacher
+    teacher_dir = check_model_dir(cfg.teacher, "teacher") if cfg.arm_spec.uses_teacher else cfg.teacher
     tok_dir = cfg.tokenizer or student_dir
     try:
         tokenizer = load_tokenizer(tok_dir)
@@ -414,7 +414,7 @@ def _prepare_user(cfg: TrainConfig, log: Callable[[str], None]):
             raise UserError(f"train_k={cfg.train_k}: {e}; lower train_k or add questions") from None
     env = QAEnv(docs, tokenizer, EnvConfig(policy=cfg.policy))
     student = _load_lm(student_dir)
-    teacher = _load_lm(teacher_dir) if cfg.arm != "ppo" else None
+    teacher = _load_lm(teacher_dir) if cfg.arm_spec.uses_teacher else None
     for what, d, lm in (("student", student_dir, student), ("teacher", teacher_dir, teacher)):
         if lm is None:
             continue
@@ -469,7 +469,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
     info = init_distributed()
     sft_dir = os.path.join(cfg.cache_dir, "sft")
     need = [r for r, given in (("student", cfg.student), ("teacher", cfg.teacher)) if not given]
-    if cfg.arm == "ppo" and "teacher" in need and cfg.student:
+    if not cfg.arm_spec.uses_teacher and "teacher" in need and cfg.student:
         need.remove("teacher")
     if need:
         if info.rank == 0:
@@ -484,7 +484,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
     env_kw["policy"] = cfg.policy
     env = QAEnv.from_world(world, tokenizer, EnvConfig(**env_kw))
     student = _load_lm(student_dir)
-    teacher = _load_lm(teacher_dir) if cfg.arm != "ppo" else None
+    teacher = _load_lm(teacher_dir) if cfg.arm_spec.uses_teacher else None
     return student, teacher, env, world, tokenizer, student_dir, teacher_dir
 
 
@@ -558,7 +558,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     cpu0 = time.process_time()
     info = init_distributed()
     # the SFT cache is written only when a default model is needed (as in `prepare`)
-    sft_needed = not cfg.student or (not cfg.teacher and cfg.arm != "ppo")
+    sft_needed = not cfg.student or (not cfg.teacher and cfg.arm_spec.uses_teacher)
     extra = ((os.path.join(cfg.cache_dir, "sft"), "SFT cache directory"),) if sft_needed else ()
     run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=info.rank, world_size=info.world_size,
                       extra_dirs=extra, defaults=TrainConfig().to_dict(), log=log)
@@ -583,7 +583,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
 
         history = trainer.fit(resume=resume, evaluate=evaluate if can_eval else None, run=run)
         report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
-                        "teacher": teacher_dir if cfg.arm != "ppo" else None}
+                        "teacher": teacher_dir if cfg.arm_spec.uses_teacher else None}
         final_dir = os.path.join(cfg.run_dir, "final")
         _save_agent(trainer, tokenizer, student_dir, final_dir)
         report["final_model"] = final_dir
