@@ -31,7 +31,7 @@ from memopd.hf import head_of
 from .backend import barrier, init_distributed, make_backend
 from .config import ConfigError, TrainConfig
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
-from .update import score, update
+from .update import UpdateSettings, score, update
 
 __all__ = ["Trainer", "train"]
 
@@ -152,32 +152,31 @@ class Trainer:
         self.actor.train()
         self.critic.train()
         gen = torch.Generator().manual_seed(_mix(cfg.seed, step, self.rank, 2))
-        stats = update(self.actor, self.critic, trajs, scored, teacher_head=self.teacher_head, ppo_epochs=cfg.ppo_epochs,
-                       minibatches=cfg.minibatches, max_tokens=cfg.max_tokens, clip_eps=cfg.clip_eps,
-                       value_clip=cfg.value_clip, entropy_coef=cfg.entropy_coef, opd_coef=cfg.opd_coef,
-                       generator=gen, action_domain=cfg.action_domain)
+        stats = update(self.actor, self.critic, trajs, scored, UpdateSettings.from_config(cfg),
+                       teacher_head=self.teacher_head, generator=gen)
         # rollout statistics over all ranks' episodes
-        sums = torch.tensor([
-            len(trajs), sum(float(tr.reward) for tr in trajs),
-            sum(float(tr.rewards.get("em_mean", float("nan"))) for tr in trajs),
-            sum(float(tr.rewards.get("f1_mean", float("nan"))) for tr in trajs),
-            sum(len(tr) for tr in trajs), int(scored.is_sampled.sum()), int((~scored.is_sampled).sum()),
-            float(scored.kl_penalty.sum()),
-        ], dtype=torch.float64)
-        n, r_sum, em_sum, f1_sum, calls, n_act, n_copies, pen_sum = self.actor.all_reduce_sum(sums).tolist()
+        local = {
+            "episodes": len(trajs), "reward": sum(float(tr.reward) for tr in trajs),
+            "em": sum(float(tr.rewards.get("em_mean", float("nan"))) for tr in trajs),
+            "f1": sum(float(tr.rewards.get("f1_mean", float("nan"))) for tr in trajs),
+            "calls": sum(len(tr) for tr in trajs), "actions": int(scored.is_sampled.sum()),
+            "copies": int((~scored.is_sampled).sum()), "penalty": float(scored.kl_penalty.sum()),
+        }
+        g = dict(zip(local, self.actor.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()))
+        n, n_act, n_copies = g["episodes"], g["actions"], g["copies"]
         m = {
             "step": step + 1,
             "rollout/k": k,
             "rollout/episodes": int(n),
-            "rollout/reward_mean": r_sum / n,
-            "rollout/em_mean": em_sum / n,
-            "rollout/f1_mean": f1_sum / n,
-            "rollout/calls_mean": calls / n,
+            "rollout/reward_mean": g["reward"] / n,
+            "rollout/em_mean": g["em"] / n,
+            "rollout/f1_mean": g["f1"] / n,
+            "rollout/calls_mean": g["calls"] / n,
             "rollout/peak_context": self.actor.all_reduce_max(_peak_context(trajs)),
             "rollout/action_tokens": int(n_act),
             "train/context_copies": int(n_copies),
             "rce/max_dlogp_vs_sampling": self.actor.all_reduce_max(scored.sample_dlogp),
-            "train/kl_penalty_mean": pen_sum / max(n_act + n_copies, 1.0),
+            "train/kl_penalty_mean": g["penalty"] / max(n_act + n_copies, 1.0),
             "train/lr": self.actor.lr(),
             **{f"train/{k2}": v for k2, v in stats.items()},
             "time/rollout_s": round(t_roll, 3),

@@ -23,6 +23,7 @@ micro-batches, all ranks): each micro-batch contributes sum / global count * wor
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -37,7 +38,7 @@ from memopd.records import Trajectory
 from .modules import Actor, Critic, PPOInputs, token_logprobs
 from .ppo import gae, policy_loss, token_rewards, value_loss, whiten
 
-__all__ = ["Scored", "score", "update", "entry_offsets", "check_token_ids", "check_sampling"]
+__all__ = ["Scored", "UpdateSettings", "score", "update", "entry_offsets", "check_token_ids", "check_sampling"]
 
 
 @dataclass
@@ -171,25 +172,40 @@ def score(
                   sample_dlogp, batch.is_sampled.clone())
 
 
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The hyperparameters of one PPO + OPD update (see `TrainConfig` for their meaning)."""
+
+    ppo_epochs: int = 2
+    minibatches: int = 2
+    max_tokens: int = 4096
+    clip_eps: float = 0.2
+    value_clip: float = 0.2
+    entropy_coef: float = 0.001
+    opd_coef: float = 1.0
+    whiten_advantages: bool = True
+    action_domain: str = "exact"
+
+    @classmethod
+    def from_config(cls, cfg) -> "UpdateSettings":
+        names = {f.name for f in dataclasses.fields(cls)} - {"whiten_advantages"}
+        return cls(**{n: getattr(cfg, n) for n in names})
+
+
 def update(
     actor_backend,
     critic_backend,
     trajs: Sequence[Trajectory],
     scored: Scored,
+    settings: UpdateSettings,
     *,
     teacher_head: LMHead | None,
-    ppo_epochs: int,
-    minibatches: int,
-    max_tokens: int,
-    clip_eps: float,
-    value_clip: float,
-    entropy_coef: float,
-    opd_coef: float,
     generator: torch.Generator,
-    whiten_advantages: bool = True,
-    action_domain: str = "exact",
 ) -> dict:
     """PPO epochs over minibatches; returns averaged statistics."""
+    ppo_epochs, minibatches, max_tokens = settings.ppo_epochs, settings.minibatches, settings.max_tokens
+    clip_eps, value_clip, entropy_coef = settings.clip_eps, settings.value_clip, settings.entropy_coef
+    opd_coef, whiten_advantages, action_domain = settings.opd_coef, settings.whiten_advantages, settings.action_domain
     # global statistics: data-parallel ranks normalise as one process with the whole batch
     adv_all = whiten(scored.advantages, reduce_sum=actor_backend.all_reduce_sum) if whiten_advantages else scored.advantages
     device = scored.logp_old.device
