@@ -28,6 +28,41 @@ Backward (`packed_attention_bwd`), FA2 style:
     with `deterministic=True` a separate query-major kernel recomputes P and writes dQ once
     per row (no atomics, bitwise reproducible).
 
+Non-finite inputs. A tile straddling a segment boundary multiplies masked weights (P, dS:
+exact zeros) with every row of the other operand, and 0 * NaN = NaN: one NaN/inf k, v, q
+or dO row would reach rows of other segments and trajectories in its tiles. Sanitising
+every masked tile would cost the common case (an operand changed in registers no longer
+feeds the MMA straight from its pipelined shared-memory buffer, and the extra code costs
+registers: these kernels sit near 255 on sm_90), so each kernel is launched twice:
+  1. the plain launch (SAFE=False): the loops exactly as without this feature, then, per
+     program, a row whose accumulator (O, dQ; dK/dV per key row) is non-finite is flagged
+     in an int8 [heads, T] buffer. A spread NaN stays NaN (NaN * x, NaN + x, 0 * NaN), so a
+     block without a flagged row is exact. The dK/dV program also checks its resident k/v
+     block first: if that holds a NaN/inf, its atomic dQ adds are masked off (they could
+     not be undone later) and it is flagged to redo them.
+  2. the SAFE launch (same grid and configuration): a program returns at once unless one of
+     its rows is flagged (the common case: one cheap launch). A flagged block is recomputed
+     with fully visible tiles as in the plain launch (every row reads every key there) and
+     masked tiles sanitised: the operand contracted over masked entries (v in P @ V; k in
+     dS @ K; q and dO in dS^T @ Q and P^T @ dO) gets zeros for its non-finite entries,
+     masked dS entries are exact zeros, and the rows that see a non-finite value get NaN
+     in its place (NaN score for a bad v row, NaN LSE for a bad q/dO row; a bad k row gives
+     NaN scores by itself). On finite values this is the plain arithmetic plus selects.
+Result: every output and gradient element that does not depend on the bad value is bitwise
+the clean run's (checked under the interpreter; on a GPU this relies on the SAFE kernel
+contracting the same expressions into the same FMAs), except the atomic dQ: a key block
+whose k/v holds the bad value adds its share in the SAFE launch, so in another order, which
+changes the rounding as between any two atomic runs (deterministic=True is bitwise); a row that sees a NaN/inf in k or v
+gets NaN over the whole head dim (as the torch backend), and the gradients that depend on
+it are NaN. One IEEE corner differs from the torch backend: an inf in k can give a row a
+score of exactly -inf for that key, i.e. weight 0 (as in the reference backend), so that
+row stays finite where the torch backend makes it NaN. Clean inputs give bitwise the
+results of the kernels without this feature (the same loops run). Cost on clean inputs: per
+program a row reduction of the accumulator and an int8 store (dK/dV: also a reduction over
+its resident k/v tiles), plus one extra launch per kernel whose programs read BLOCK flags;
+compiled offline for sm_90 (bf16, D=64/128), the plain launches keep their register use
+(+-10) and their loops' spills (none where there were none), configuration by configuration.
+
 Triton compatibility: plain pointer arithmetic only (no block pointers, no descriptors), so
 the same source runs on Triton 3.4-3.9. Under TRITON_INTERPRET=1 (CPU tests) bf16 loads are
 upcast to fp32 through a constexpr switch, because the interpreter's bf16 arithmetic is
@@ -152,8 +187,10 @@ def _fwd_step(
     acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
     own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SAFE: tl.constexpr,
 ):
-    """One key block of the online softmax."""
+    """One key block of the online softmax. SAFE: the rerun of a query block that met a
+    NaN/inf (see "Non-finite inputs" in the module docstring)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     key_ok = offs_n < T
@@ -164,8 +201,22 @@ def _fwd_step(
         kT = kT.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, kT, input_precision=PREC) * qk_scale
-    if not full_blk:
-        s = tl.where(_visible(own_lo, own_hi, pre_lo, pre_hi, offs_n), s, float("-inf"))
+    if SAFE:
+        # fully visible tiles: as in the plain pass (every row is a reader). Masked tiles:
+        # a masked weight 0 times a NaN/inf value is NaN, so multiply zeros instead, and
+        # give the rows that see a non-finite value a NaN score for its key (v - v: 0
+        # where v is finite, NaN elsewhere). Selects only: visible scores keep their bits.
+        if full_blk:
+            vv = v
+        else:
+            z = v - v
+            s = tl.where(tl.sum(z, 1)[None, :] == 0.0, s, float("nan"))
+            s = tl.where(_visible(own_lo, own_hi, pre_lo, pre_hi, offs_n), s, float("-inf"))
+            vv = tl.where(z == 0.0, v, 0.0)
+    else:
+        vv = v
+        if not full_blk:
+            s = tl.where(_visible(own_lo, own_hi, pre_lo, pre_hi, offs_n), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row with nothing visible so far keeps m = -inf; subtracting 0 instead of -inf
     # keeps exp2 at 0 instead of NaN
@@ -174,7 +225,7 @@ def _fwd_step(
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    acc = tl.dot(p.to(v.dtype), vv, acc, input_precision=PREC)
     return acc, l_i, m_new
 
 
@@ -183,7 +234,7 @@ def _fwd_inner(
     acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
     own_lo, own_hi, pre_lo, pre_hi, row_ok, T, blk_lo, blk_hi, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr, SAFE: tl.constexpr,
 ):
     """Key blocks [blk_lo, blk_hi). SKIP_EMPTY tests each block for a reader first; it is
     only used where the range may have gaps, so the common loops carry no conditional
@@ -195,11 +246,40 @@ def _fwd_inner(
             if any_blk:
                 acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
                                           own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
-                                          BLOCK_N, HEAD_DIM, UPCAST, PREC)
+                                          BLOCK_N, HEAD_DIM, UPCAST, PREC, SAFE)
         else:
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
                                       own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
-                                      BLOCK_N, HEAD_DIM, UPCAST, PREC)
+                                      BLOCK_N, HEAD_DIM, UPCAST, PREC, SAFE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_pass(
+    q, K_head, V_head, stride_kt, stride_vt, own_lo, own_hi, pre_lo, pre_hi, row_ok, T,
+    a0, a1, a_uniform, b0, b1, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, SAFE: tl.constexpr,
+):
+    """All key blocks of a query block: A, then the parts of B below and above A (every
+    needed key block exactly once). Returns (acc, l, m)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if a_uniform:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                                   own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                                   BLOCK_N, HEAD_DIM, UPCAST, PREC, False, SAFE)
+    else:  # rows of calls linked to different prefixes: the union may hold unread blocks
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                                   own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                                   BLOCK_N, HEAD_DIM, UPCAST, PREC, True, SAFE)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                               own_lo, own_hi, pre_lo, pre_hi, row_ok, T, b0, tl.minimum(b1, a0), qk_scale,
+                               BLOCK_N, HEAD_DIM, UPCAST, PREC, False, SAFE)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
+                               own_lo, own_hi, pre_lo, pre_hi, row_ok, T, tl.maximum(b0, a1), b1, qk_scale,
+                               BLOCK_N, HEAD_DIM, UPCAST, PREC, False, SAFE)
     return acc, l_i, m_i
 
 
@@ -220,13 +300,17 @@ def _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(
+def _fwd_block(
     Q, K, V, O, LSE, SEG, PST, PEND, T,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
 ):
+    """One (query block, query head): writes O and LSE; returns, per row, whether its
+    accumulator is non-finite (acc - acc: NaN there, 0 elsewhere), i.e. the block met a
+    NaN/inf. (Per row, not per block: a block-wide reduction here costs the plain launch
+    registers and spills on sm_90.)"""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -240,27 +324,13 @@ def _fwd_kernel(
         q = q.to(tl.float32)
 
     a0, a1, a_uniform, b0, b1 = _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    K_head = K + kvh * stride_kh
-    V_head = V + kvh * stride_vh
-    # A, then the parts of B below and above A: every needed key block exactly once
-    if a_uniform:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
-                                   own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
-                                   BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
-    else:  # rows of calls linked to different prefixes: the union may hold unread blocks
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
-                                   own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
-                                   BLOCK_N, HEAD_DIM, UPCAST, PREC, True)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
-                               own_lo, own_hi, pre_lo, pre_hi, row_ok, T, b0, tl.minimum(b1, a0), qk_scale,
-                               BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
-                               own_lo, own_hi, pre_lo, pre_hi, row_ok, T, tl.maximum(b0, a1), b1, qk_scale,
-                               BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+    acc, l_i, m_i = _fwd_pass(q, K + kvh * stride_kh, V + kvh * stride_vh, stride_kt, stride_vt,
+                              own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, a_uniform, b0, b1, qk_scale,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, UPCAST, PREC, SAFE)
+    if SAFE:
+        # rows that read a NaN/inf: NaN over the whole head dim (through fully visible
+        # tiles a bad v entry leaves only its own dim non-finite), as the torch backend
+        acc = tl.where((tl.sum(acc - acc, 1) != 0)[:, None], float("nan"), acc)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -269,6 +339,31 @@ def _fwd_kernel(
     # natural-log LSE; -inf for rows that see nothing
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(LSE + h * T + offs_m, lse, mask=row_ok)
+    return tl.sum(acc - acc, 1) != 0
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, SEG, PST, PEND, FLAGS, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
+):
+    # FLAGS [Hq, T] int8: the plain launch (SAFE=False) flags the rows whose accumulator is
+    # non-finite; the SAFE launch that follows redoes exactly the query blocks holding one
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    flags = FLAGS + tl.program_id(1) * T + offs_m
+    if SAFE:
+        if tl.max(tl.load(flags, mask=offs_m < T, other=0), 0) != 0:
+            _fwd_block(Q, K, V, O, LSE, SEG, PST, PEND, T,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                       qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, True)
+    else:
+        bad = _fwd_block(Q, K, V, O, LSE, SEG, PST, PEND, T,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                         qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, False)
+        tl.store(flags, bad.to(tl.int8), mask=offs_m < T)
 
 
 # --------------------------------------------------------------------------------------
@@ -278,11 +373,13 @@ def _fwd_kernel(
 def _bwd_kv_step(
     dk, dv, k, v, Q, DO, DQ, LSE, DELTA, head_r,
     own_lo, own_hi, pre_lo, pre_hi, row_ok, rows, offs_n, full_blk,
-    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale, qk_scale,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale, qk_scale, dq_on,
     HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SAFE: tl.constexpr,
 ):
-    """One query tile's contribution to a key block's dK/dV (and, with atomics, to dQ).
-    Tile row r is query row rows[r] of query head head_r[r]."""
+    """One query tile's contribution to a key block's dK/dV (and, with atomics and dq_on,
+    to dQ). Tile row r is query row rows[r] of query head head_r[r]. SAFE: the rerun of a
+    key block that met a NaN/inf."""
     offs_d = tl.arange(0, HEAD_DIM)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * stride_qt + head_r[:, None] * stride_qh + offs_d[None, :],
@@ -297,17 +394,37 @@ def _bwd_kv_step(
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
     delta = tl.load(DELTA + head_r * T + rows, mask=row_ok, other=0.0)
     sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BN, BM]
-    pT = tl.math.exp2(sT - lse2[None, :])
-    if not full_blk:
-        pT = tl.where(_visible_t(own_lo, own_hi, pre_lo, pre_hi, offs_n), pT, 0.0)
-    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-    dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-    dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
-    if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=PREC) * sm_scale
-        tl.atomic_add(DQ + rows64[:, None] * stride_dqt + head_r[:, None] * stride_dqh + offs_d[None, :], dq,
-                      mask=row_ok[:, None])
+    if SAFE and not full_blk:
+        # masked tiles of the rerun: products of masked zeros (weights, dS) with a
+        # non-finite operand row are kept out; rows with a non-finite q or dO get NaN
+        # weights for the keys they see instead (q - q: 0 where finite, NaN elsewhere).
+        # Fully visible tiles run the plain code below (every row is a reader).
+        vis = _visible_t(own_lo, own_hi, pre_lo, pre_hi, offs_n)
+        zq = q - q
+        zdo = do - do
+        lse2 = tl.where(tl.sum(zq, 1) + tl.sum(zdo, 1) == 0.0, lse2, float("nan"))
+        pT = tl.where(vis, tl.math.exp2(sT - lse2[None, :]), 0.0)
+        dv = tl.dot(pT.to(do.dtype), tl.where(zdo == 0.0, do, 0.0), dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
+        dk = tl.dot(dsT.to(q.dtype), tl.where(zq == 0.0, q, 0.0), dk, input_precision=PREC)
+        if ATOMIC_DQ:
+            if dq_on:
+                dq = tl.dot(tl.trans(dsT).to(k.dtype), tl.where(k - k == 0.0, k, 0.0), input_precision=PREC)
+                tl.atomic_add(DQ + rows64[:, None] * stride_dqt + head_r[:, None] * stride_dqh + offs_d[None, :],
+                              dq * sm_scale, mask=row_ok[:, None])
+    else:
+        pT = tl.math.exp2(sT - lse2[None, :])
+        if not full_blk:
+            pT = tl.where(_visible_t(own_lo, own_hi, pre_lo, pre_hi, offs_n), pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=PREC) * sm_scale
+            tl.atomic_add(DQ + rows64[:, None] * stride_dqt + head_r[:, None] * stride_dqh + offs_d[None, :], dq,
+                          mask=tl.where(dq_on, row_ok[:, None], False))  # (`&` breaks the interpreter)
     return dk, dv
 
 
@@ -315,8 +432,10 @@ def _bwd_kv_step(
 def _bwd_kv_inner(
     dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, n0, blk_lo, blk_hi, sm_scale, qk_scale,
+    dq_on,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    SAFE: tl.constexpr,
 ):
     """Query blocks [blk_lo, blk_hi) of ROWS rows each (all heads of the group per tile)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -329,41 +448,29 @@ def _bwd_kv_inner(
                 dk, dv = _bwd_kv_step(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, head_r,
                                       own_lo, own_hi, pre_lo, pre_hi, row_ok, rows, offs_n, full_blk,
                                       stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                                      T, sm_scale, qk_scale, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ)
+                                      T, sm_scale, qk_scale, dq_on, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, SAFE)
         else:
             dk, dv = _bwd_kv_step(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, head_r,
                                   own_lo, own_hi, pre_lo, pre_hi, row_ok, rows, offs_n, full_blk,
                                   stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                                  T, sm_scale, qk_scale, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ)
+                                  T, sm_scale, qk_scale, dq_on, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, SAFE)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    sm_scale, qk_scale,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+def _bwd_kv_pass(
+    k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, KQR, kvh,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+    T, n0, sm_scale, qk_scale, dq_on,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SAFE: tl.constexpr,
 ):
-    # GQA: the query tile stacks the GROUP query heads that read this kv head — BLOCK_M tile
-    # rows = ROWS query rows x GROUP_P2 heads (GROUP rounded up to a power of two, the
-    # padding heads masked). One pass then sums dK/dV over the group deterministically,
-    # with no loop over heads around the query loop (which cost registers and spills).
-    ROWS: tl.constexpr = BLOCK_M // GROUP_P2
-    pid_n = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n0 = pid_n * BLOCK_N
+    """All query blocks that read a key block. Returns (dK / sm_scale, dV). The tile rows
+    and query ranges are derived here rather than passed in, so that nothing but k/v stays
+    live from the plain pass into a SAFE rerun (the plain pass keeps its registers)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < T
-    rows_n = offs_n.to(tl.int64)
-    k = tl.load(K + kvh * stride_kh + rows_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + kvh * stride_vh + rows_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
     offs_r = tl.arange(0, BLOCK_M)
     g_r = offs_r // ROWS
     m_r = offs_r % ROWS
@@ -393,28 +500,112 @@ def _bwd_dkdv_kernel(
     if p_uniform:
         dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
                                stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                               T, n0, a0, a1, sm_scale, qk_scale,
-                               ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
+                               T, n0, a0, a1, sm_scale, qk_scale, dq_on,
+                               ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False, SAFE)
     else:  # readers interleaved with other segments: test each query block first
         dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
                                stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                               T, n0, a0, a1, sm_scale, qk_scale,
-                               ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, True)
+                               T, n0, a0, a1, sm_scale, qk_scale, dq_on,
+                               ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, True, SAFE)
     # B minus A: the own-segment readers
     dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
                            stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                           T, n0, b0, tl.minimum(b1, a0), sm_scale, qk_scale,
-                           ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
+                           T, n0, b0, tl.minimum(b1, a0), sm_scale, qk_scale, dq_on,
+                           ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False, SAFE)
     dk, dv = _bwd_kv_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, head_r, m_r, head_ok,
                            stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                           T, n0, tl.maximum(b0, a1), b1, sm_scale, qk_scale,
-                           ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
+                           T, n0, tl.maximum(b0, a1), b1, sm_scale, qk_scale, dq_on,
+                           ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False, SAFE)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_kv_block(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    sm_scale, qk_scale, dq_on,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SAFE: tl.constexpr,
+):
+    """One (key block, kv head): writes dK/dV (and adds to dQ). Returns, per key row, the
+    flag for the SAFE launch (which takes the block's maximum): 0 clean; 1 redo dK/dV (a
+    non-finite dK/dV row: a NaN/inf q, dO or O row may have spread through masked
+    products; the block's dQ contributions were exact); 3 redo dQ too (a NaN/inf in this
+    block's k or v would reach the atomic dQ of rows that cannot see it, so the plain pass
+    adds none)."""
+    # GQA: the query tile stacks the GROUP query heads that read this kv head — BLOCK_M tile
+    # rows = ROWS query rows x GROUP_P2 heads (GROUP rounded up to a power of two, the
+    # padding heads masked). One pass then sums dK/dV over the group deterministically,
+    # with no loop over heads around the query loop (which cost registers and spills).
+    ROWS: tl.constexpr = BLOCK_M // GROUP_P2
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < T
+    rows_n = offs_n.to(tl.int64)
+    k = tl.load(K + kvh * stride_kh + rows_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + kvh * stride_vh + rows_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if SAFE:
+        dk, dv = _bwd_kv_pass(k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, KQR, kvh,
+                              stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                              T, n0, sm_scale, qk_scale, dq_on,
+                              GROUP, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, True)
+        flag = 0
+    else:
+        # (the pass runs regardless, only its dQ atomics are masked off: an `if` around it
+        # costs the pass registers and spills on sm_90)
+        kv_bad = (tl.sum(tl.sum(k - k, 1), 0) + tl.sum(tl.sum(v - v, 1), 0)) != 0
+        dk, dv = _bwd_kv_pass(k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, KQR, kvh,
+                              stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                              T, n0, sm_scale, qk_scale, not kv_bad,
+                              GROUP, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
+        redo = (tl.sum(dk - dk, 1) + tl.sum(dv - dv, 1)) != 0
+        flag = tl.where(kv_bad, 3, redo.to(tl.int32))
 
     # every key block is written, including keys nobody sees (their gradient is 0)
     tl.store(DK + kvh * stride_dkh + rows_n[:, None] * stride_dkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + kvh * stride_dvh + rows_n[:, None] * stride_dvt + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+    return flag
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, FLAGS, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    sm_scale, qk_scale,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SAFE: tl.constexpr,
+):
+    # FLAGS [Hkv, T] int8, per key row: set by the plain launch, read by the SAFE launch
+    # (see _bwd_kv_block)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    flags = FLAGS + tl.program_id(1) * T + offs_n
+    if SAFE:
+        f = tl.max(tl.load(flags, mask=offs_n < T, other=0), 0)
+        if f != 0:
+            _bwd_kv_block(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                          sm_scale, qk_scale, f > 1,
+                          GROUP, GROUP_P2, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, ATOMIC_DQ, True)
+    else:
+        f = _bwd_kv_block(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                          sm_scale, qk_scale, True,
+                          GROUP, GROUP_P2, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, ATOMIC_DQ, False)
+        tl.store(flags, f.to(tl.int8), mask=offs_n < T)
 
 
 # --------------------------------------------------------------------------------------
@@ -425,7 +616,10 @@ def _bwd_dq_step(
     dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
     own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SAFE: tl.constexpr,
 ):
+    """One key block's contribution to dQ. SAFE: the rerun of a query block that met a
+    NaN/inf."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     key_ok = offs_n < T
@@ -437,11 +631,22 @@ def _bwd_dq_step(
         vT = vT.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
-    if not full_blk:
-        p = tl.where(_visible(own_lo, own_hi, pre_lo, pre_hi, offs_n), p, 0.0)
-    dp = tl.dot(do, vT, input_precision=PREC)
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    if SAFE and not full_blk:
+        # masked tiles of the rerun: masked dS entries exactly 0 (not 0 * NaN from a
+        # non-finite v row), and a non-finite k row replaced by zeros in dS @ K (the rows
+        # that see it have NaN scores for it, so NaN dS entries, already). Fully visible
+        # tiles run the plain code below (every row is a reader).
+        vis = _visible(own_lo, own_hi, pre_lo, pre_hi, offs_n)
+        p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PREC)
+        ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
+        return tl.dot(ds.to(k.dtype), tl.where(k - k == 0.0, k, 0.0), dq, input_precision=PREC)
+    else:
+        if not full_blk:
+            p = tl.where(_visible(own_lo, own_hi, pre_lo, pre_hi, offs_n), p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        return tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
 
 
 @triton.jit
@@ -449,7 +654,7 @@ def _bwd_dq_inner(
     dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
     own_lo, own_hi, pre_lo, pre_hi, row_ok, T, blk_lo, blk_hi, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr, SAFE: tl.constexpr,
 ):
     for nb in range(blk_lo, blk_hi):
         n0 = nb * BLOCK_N
@@ -458,23 +663,50 @@ def _bwd_dq_inner(
             if any_blk:
                 dq = _bwd_dq_step(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
                                   own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
-                                  BLOCK_N, HEAD_DIM, UPCAST, PREC)
+                                  BLOCK_N, HEAD_DIM, UPCAST, PREC, SAFE)
         else:
             dq = _bwd_dq_step(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
                               own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
-                              BLOCK_N, HEAD_DIM, UPCAST, PREC)
+                              BLOCK_N, HEAD_DIM, UPCAST, PREC, SAFE)
     return dq
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def _bwd_dq_pass(
+    q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+    own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, a_uniform, b0, b1, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, SAFE: tl.constexpr,
+):
+    """All key blocks of a query block (as in the forward). Returns dQ / sm_scale."""
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if a_uniform:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                           own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                           BLOCK_N, HEAD_DIM, UPCAST, PREC, False, SAFE)
+    else:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                           own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
+                           BLOCK_N, HEAD_DIM, UPCAST, PREC, True, SAFE)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                       own_lo, own_hi, pre_lo, pre_hi, row_ok, T, b0, tl.minimum(b1, a0), qk_scale,
+                       BLOCK_N, HEAD_DIM, UPCAST, PREC, False, SAFE)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                       own_lo, own_hi, pre_lo, pre_hi, row_ok, T, tl.maximum(b0, a1), b1, qk_scale,
+                       BLOCK_N, HEAD_DIM, UPCAST, PREC, False, SAFE)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_block(
     Q, K, V, DO, DQ, LSE, DELTA, SEG, PST, PEND, T,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     sm_scale, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
 ):
+    """One (query block, query head): writes dQ; returns, per row, whether it is non-finite."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -494,23 +726,39 @@ def _bwd_dq_kernel(
     a0, a1, a_uniform, b0, b1 = _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N)
     K_head = K + kvh * stride_kh
     V_head = V + kvh * stride_vh
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if a_uniform:
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
-                           own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
-                           BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
-    else:
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
-                           own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, qk_scale,
-                           BLOCK_N, HEAD_DIM, UPCAST, PREC, True)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
-                       own_lo, own_hi, pre_lo, pre_hi, row_ok, T, b0, tl.minimum(b1, a0), qk_scale,
-                       BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
-                       own_lo, own_hi, pre_lo, pre_hi, row_ok, T, tl.maximum(b0, a1), b1, qk_scale,
-                       BLOCK_N, HEAD_DIM, UPCAST, PREC, False)
+    dq = _bwd_dq_pass(q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
+                      own_lo, own_hi, pre_lo, pre_hi, row_ok, T, a0, a1, a_uniform, b0, b1, qk_scale,
+                      BLOCK_M, BLOCK_N, HEAD_DIM, UPCAST, PREC, SAFE)
     tl.store(DQ + h * stride_dqh + rows_m[:, None] * stride_dqt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    return tl.sum(dq - dq, 1) != 0
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, SEG, PST, PEND, FLAGS, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    sm_scale, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
+):
+    # as in the forward: the plain launch flags rows with a non-finite dQ, the SAFE launch
+    # redoes the query blocks holding one
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    flags = FLAGS + tl.program_id(1) * T + offs_m
+    if SAFE:
+        if tl.max(tl.load(flags, mask=offs_m < T, other=0), 0) != 0:
+            _bwd_dq_block(Q, K, V, DO, DQ, LSE, DELTA, SEG, PST, PEND, T,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_dot, stride_doh, stride_dqt, stride_dqh, sm_scale, qk_scale,
+                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, True)
+    else:
+        bad = _bwd_dq_block(Q, K, V, DO, DQ, LSE, DELTA, SEG, PST, PEND, T,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_dot, stride_doh, stride_dqt, stride_dqh, sm_scale, qk_scale,
+                            GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, False)
+        tl.store(flags, bad.to(tl.int8), mask=offs_m < T)
 
 
 # --------------------------------------------------------------------------------------
@@ -621,6 +869,20 @@ def _pick(raw, tuned, configs, prune, q, group_p2=1):
 
 def _grid(T, heads, block_key):
     return lambda meta: (triton.cdiv(T, meta[block_key]), heads)
+
+
+def _launch_with_rerun(raw, kernel, params, T, heads, block_key, args, consts):
+    """The plain launch, then the SAFE launch of the same kernel over the same programs
+    (same configuration, autotuned or not), which redoes exactly the blocks the plain launch
+    flagged as having met a NaN/inf ("Non-finite inputs" in the module docstring). `args`:
+    the kernel's arguments before FLAGS, then those after it."""
+    before, after = args
+    flags = torch.empty((heads, T), dtype=torch.int8, device=before[0].device)  # every element written
+    grid = _grid(T, heads, block_key)
+    kernel[grid](*before, flags, *after, **consts, SAFE=False, **params)
+    if kernel is not raw:  # autotuned: rerun with the configuration it just used
+        params = kernel.best_config.all_kwargs()
+    raw[grid](*before, flags, *after, **consts, SAFE=True, **params)
 
 
 # --------------------------------------------------------------------------------------
@@ -752,12 +1014,12 @@ def packed_attention_fwd(
         return out, lse
     upcast, prec = _flags(q.dtype)
     kernel, params = _pick(_fwd_kernel, _fwd_tuned, _FWD_CONFIGS, _FWD_PRUNE, q)
-    kernel[_grid(T, Hq, "BLOCK_M")](
-        q, k, v, out, lse, ss, ps, pe, T,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        scale * _LOG2E,
-        GROUP=Hq // Hkv, HEAD_DIM=D, UPCAST=upcast, PREC=prec, **params,
+    _launch_with_rerun(
+        _fwd_kernel, kernel, params, T, Hq, "BLOCK_M",
+        ((q, k, v, out, lse, ss, ps, pe),
+         (T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+          out.stride(0), out.stride(1), scale * _LOG2E)),
+        dict(GROUP=Hq // Hkv, HEAD_DIM=D, UPCAST=upcast, PREC=prec),
     )
     return out, lse
 
@@ -813,23 +1075,22 @@ def packed_attention_bwd(
     group = Hq // Hkv
     group_p2 = triton.next_power_of_2(group)
     kernel, params = _pick(_bwd_dkdv_kernel, _bwd_dkdv_tuned, _BWD_KV_CONFIGS, _BWD_KV_PRUNE, q, group_p2)
-    kernel[_grid(T, Hkv, "BLOCK_N")](
-        q, k, v, do, dq_acc, dk, dv, lse, delta, ss, ps, pe, kqr, T,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale, scale * _LOG2E,
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, UPCAST=upcast, PREC=prec, ATOMIC_DQ=not deterministic,
-        **params,
+    _launch_with_rerun(
+        _bwd_dkdv_kernel, kernel, params, T, Hkv, "BLOCK_N",
+        ((q, k, v, do, dq_acc, dk, dv, lse, delta, ss, ps, pe, kqr),
+         (T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+          do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1),
+          dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * _LOG2E)),
+        dict(GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, UPCAST=upcast, PREC=prec, ATOMIC_DQ=not deterministic),
     )
     if deterministic:
         kernel, params = _pick(_bwd_dq_kernel, _bwd_dq_tuned, _BWD_DQ_CONFIGS, _BWD_DQ_PRUNE, q)
-        kernel[_grid(T, Hq, "BLOCK_M")](
-            q, k, v, do, dq_acc, lse, delta, ss, ps, pe, T,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1),
-            scale, scale * _LOG2E,
-            GROUP=group, HEAD_DIM=D, UPCAST=upcast, PREC=prec, **params,
+        _launch_with_rerun(
+            _bwd_dq_kernel, kernel, params, T, Hq, "BLOCK_M",
+            ((q, k, v, do, dq_acc, lse, delta, ss, ps, pe),
+             (T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+              do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1), scale, scale * _LOG2E)),
+            dict(GROUP=group, HEAD_DIM=D, UPCAST=upcast, PREC=prec),
         )
         return dq_acc, dk, dv
     if dq is not None:
