@@ -1,4 +1,4 @@
-"""Packed-attention benchmarks (pytest-benchmark): `memopd.ops.packed_attention`.
+"""Packed-attention benchmarks (pytest-benchmark): `memopd.ops.attention`.
 
 Layouts are what the aligned packer produces for group rollouts: a row holds a few prefix
 segments (the task prompt q), each read in full by several call segments [x_t, a_t] of
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from memopd.layout import AttentionMeta, SegmentKind
-from memopd.ops.packed_attention import packed_attention
+from memopd.ops.attention import packed_attention
 
 GPU = torch.cuda.is_available()
 

@@ -76,7 +76,7 @@ def memopd_attention_forward(
 
         out = reference_packed_attention(q, k, v, meta, softmax_scale=scaling)
     else:
-        from .ops.packed_attention import packed_attention
+        from .ops.attention import packed_attention
 
         out = packed_attention(q, k, v, meta, softmax_scale=scaling, backend=backend)
     return out.unsqueeze(0), None

@@ -11,8 +11,8 @@ import torch
 
 from memopd.layout import AttentionMeta, SegmentKind
 from memopd.memory import random_trajectories
-# the public export (importing the submodule `memopd.ops.packed_attention` first would make
-# `memopd.ops.packed_attention` the module for test_packed_attention's import check)
+# the public export (importing the submodule `memopd.ops.attention` first would make
+# `memopd.ops.attention` the module for test_packed_attention's import check)
 from memopd.ops import packed_attention
 
 from _attention_cases import make_inputs, random_meta  # noqa: E402
@@ -125,7 +125,8 @@ BAD_META = [
     ("negative seg_start", lambda m: _with(m, seg_start=_set(m.seg_start, 5, -1)), r"seg_start\[5\] = -1"),
     ("seg_start after the row", lambda m: _with(m, seg_start=_set(m.seg_start, 5, 9)), r"seg_start\[5\] = 9: must be in \[0, i \+ 1\]"),
     ("prefix_end > T", lambda m: _with(m, prefix_end=_set(m.prefix_end, 7, m.num_tokens + 3)), r"prefix_end\[7\]"),
-    ("prefix_start > prefix_end", lambda m: _with(m, prefix_start=_set(m.prefix_start, 7, int(m.prefix_end[7]) + 1)), r"prefix_end\[7\] = 4: must be in \[prefix_start"),
+    ("prefix_start > prefix_end", lambda m: _with(m, prefix_start=_set(m.prefix_start, 7, int(m.prefix_end[7]) + 1)),
+     r"prefix_end\[7\] = 4: must be in \[prefix_start"),
     ("negative prefix_start", lambda m: _with(m, prefix_start=_set(m.prefix_start, 2, -4)), r"prefix_start\[2\] = -4"),
     ("cu_seqlens short of T", lambda m: _with(m, cu_seqlens=_set(m.cu_seqlens, -1, m.num_tokens - 1)), r"cu_seqlens: must start at 0"),
     ("prefix link to a call", lambda m: _with(m, prefix_segment=_set(m.prefix_segment, 1, 1)), r"prefix_segment\[1\] = 1"),

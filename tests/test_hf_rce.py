@@ -131,7 +131,7 @@ def test_audit_cli_recorded_file(tmp_path):
 
 def test_requested_attention_backend_reaches_the_op(monkeypatch):
     """`attention_backend="torch"|"reference"` must select that backend, not "auto"."""
-    import memopd.ops.packed_attention as pa
+    import memopd.ops.attention as pa
     from memopd import pack, random_trajectories
     from memopd.hf import packed_forward
     from memopd.models import tiny_causal_lm

@@ -1,4 +1,4 @@
-"""`memopd.ops.packed_attention`: the exact PyTorch path against the float64 dense-mask
+"""`memopd.ops.attention`: the exact PyTorch path against the float64 dense-mask
 oracle (values and gradients), dispatch, and input validation. A CUDA-only test at the end
 checks the compiled Triton kernels against the PyTorch path (skipped without a GPU); the
 interpreter tests of the kernels live in test_packed_attention_triton.py.
@@ -12,10 +12,10 @@ import torch
 
 from memopd.layout import AttentionMeta, SegmentKind
 from memopd.ops import packed_attention as op_entry
-from memopd.ops.packed_attention import packed_attention, plan_runs, select_backend
+from memopd.ops.attention import packed_attention, plan_runs, select_backend
 # (memopd.ops exports the function under the module's own name, so `import ... as` would
 # return the function: take the module from sys.modules)
-pa_mod = sys.modules["memopd.ops.packed_attention"]
+pa_mod = sys.modules["memopd.ops.attention"]
 
 from _attention_cases import assert_close, make_inputs, oracle, random_meta, random_token_meta  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_triton_on_cpu_needs_the_interpreter():
     code = (
         "import torch, pytest\n"
         "from _attention_cases import random_meta\n"
-        "from memopd.ops.packed_attention import packed_attention\n"
+        "from memopd.ops.attention import packed_attention\n"
         "meta = random_meta(1, 40)\n"
         "q = torch.randn(meta.num_tokens, 2, 16)\n"
         "with pytest.raises(RuntimeError, match='TRITON_INTERPRET'):\n"

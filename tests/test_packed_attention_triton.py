@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 import memopd.kernels.packed_attention as kern  # noqa: E402
 from memopd.layout import AttentionMeta, SegmentKind  # noqa: E402
-from memopd.ops.packed_attention import packed_attention  # noqa: E402
+from memopd.ops.attention import packed_attention  # noqa: E402
 
 import _attention_cases as _cases  # noqa: E402
 from _attention_cases import assert_close, oracle, random_meta, random_token_meta  # noqa: E402

@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "reference_packed_attention": "memopd.ops.reference_attention",
     "dense_visibility_mask": "memopd.ops.reference_attention",
-    "packed_attention": "memopd.ops.packed_attention",
+    "packed_attention": "memopd.ops.attention",
     "fused_linear_reverse_kl": "memopd.ops.fused_distill",
     "fused_linear_distill": "memopd.ops.fused_distill",
     "reference_linear_reverse_kl": "memopd.ops.fused_distill",
