@@ -303,3 +303,29 @@ def test_compiled_triton_on_cuda(seed, dtype):
         assert (a - b).abs().max() <= tol * (1 + b.abs().max()), name
     for name, a, b in zip(("dh", "dw", "db"), g, gr):
         assert (a.double() - b).abs().max() <= tol * (b.abs().max() + 1e-12) * 10, name
+
+
+def test_weight_gradient_is_allocated_once(seed):
+    """The [V, H] gradient computed in the forward is the one the parameter gets: the
+    backward neither copies it nor allocates another (peak memory of big heads)."""
+    from _fused_cases import SeesInsideOurOps
+
+    class WeightSized(SeesInsideOurOps):
+        def __init__(self, weight):
+            super().__init__()
+            self.numel, self.skip, self.storages = weight.numel(), weight.untyped_storage().data_ptr(), set()
+
+        def record(self, func, out):  # distinct new storages of the weight's size (views share one)
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.numel() == self.numel:
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr != self.skip:
+                        self.storages.add(ptr)
+
+    inp = make_inputs(seed, N=64, Hs=32, Ht=24, V=500, bias=False)  # teacher weight of another size
+    adv, old = ppo_inputs(seed, 64)
+    with WeightSized(inp["ws"]) as mode:
+        out = call(fused_linear_actor_loss, inp, adv, old, kl_coef=0.5)
+        out.loss.backward()
+    assert len(mode.storages) == 1, len(mode.storages)
+    assert inp["ws"].grad.untyped_storage().data_ptr() in mode.storages

@@ -312,30 +312,45 @@ def _actor_loss_fake(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep
             torch.empty_like(bs) if need_db else hs.new_empty(0))
 
 
-def _setup_context(ctx, inputs, output):
-    _, _, dh, dw, db = output
-    ctx.save_for_backward(dh, dw, db)
-    ctx.flags = (inputs[20], inputs[21], inputs[22])
+class _ActorLoss(torch.autograd.Function):
+    """Autograd around the custom op: its forward already computed the gradients, so the
+    backward only scales them. They are held on ctx rather than saved: handing the only
+    reference back lets the autograd engine adopt the [V, H] weight gradient instead of
+    copying it (a custom op's registered backward returning a saved output is copied)."""
 
+    @staticmethod
+    def forward(ctx, hs, ws, bs, *rest):
+        loss, stats, dh, dw, db = _actor_loss_op(hs, ws, bs, *rest)
+        ctx.mark_non_differentiable(stats)
+        ctx.flags = rest[17:20]  # need_dh, need_dw, need_db
+        ctx.n_rest = len(rest)
+        if torch.compiler.is_compiling():
+            ctx.save_for_backward(dh, dw, db)
+            ctx.grads = None
+        else:
+            ctx.grads = [dh, dw, db]
+        return loss, stats
 
-def _backward(ctx, g_loss, _g_stats, _g_dh, _g_dw, _g_db):
-    dh, dw, db = ctx.saved_tensors
-    need_dh, need_dw, need_db = ctx.flags
-    # the gradients were computed in the forward: the backward only scales them; for the
-    # usual loss.backward() (incoming 1) it hands them over as they are, so no second
-    # [V, H] weight gradient is ever allocated
-    one = not torch.compiler.is_compiling() and bool((g_loss == 1).all())  # a traced graph just multiplies
+    @staticmethod
+    def backward(ctx, g_loss, _g_stats):
+        if ctx.grads is None:
+            dh, dw, db = ctx.saved_tensors
+        elif not ctx.grads:
+            raise RuntimeError("fused_linear_actor_loss computes its gradients once, in the forward: a second "
+                               "backward through the same call (retain_graph=True) is not supported")
+        else:
+            dh, dw, db = ctx.grads
+            ctx.grads = []
+        one = not torch.compiler.is_compiling() and bool((g_loss == 1).all())  # a traced graph just multiplies
 
-    def scaled(x, need):
-        if not need:
-            return None
-        return x if one else x * g_loss.to(x.dtype)
+        def scaled(x, need):
+            if not need:
+                return None
+            return x if one else x * g_loss.to(x.dtype)
 
-    gdh, gdw, gdb = scaled(dh, need_dh), scaled(dw, need_dw), scaled(db, need_db)
-    return (gdh, gdw, gdb) + (None,) * 23
-
-
-_actor_loss_op.register_autograd(_backward, setup_context=_setup_context)
+        grads = (scaled(dh, ctx.flags[0]), scaled(dw, ctx.flags[1]), scaled(db, ctx.flags[2]))
+        del dh, dw, db
+        return grads + (None,) * ctx.n_rest
 
 
 # --------------------------------------------------------------------------- public op
@@ -401,7 +416,7 @@ def fused_linear_actor_loss(
                                float(clip_high), dual_clip, temperature, vocab_size)
     dev = student_hidden.device
     keep = torch.ones(targets.shape[0], dtype=torch.bool, device=dev) if mask is None else mask.bool()
-    kl_keep = keep if kl_mask is None else (kl_mask.bool() & keep)
+    kl_keep = keep.clone() if kl_mask is None else (kl_mask.bool() & keep)  # distinct tensors for dynamo
     if check_targets is None:
         check_targets = dev.type == "cpu" or os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
     # the local counts by default (one host sync on CUDA: pass the global counts instead)
@@ -414,7 +429,7 @@ def fused_linear_actor_loss(
     need = (grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad,
             grad_on and student_bias is not None and student_bias.requires_grad)
     backend = _resolve_backend(backend, dev)
-    loss, stats, _, _, _ = _actor_loss_op(
+    loss, stats = _ActorLoss.apply(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
         targets.contiguous(), advantages.detach().contiguous(), old_logprobs.detach().contiguous(), keep.contiguous(),
         kl_keep.contiguous(), float(clip_eps), float(clip_high), float(dual_clip or 0.0), float(entropy_coef),
