@@ -1,0 +1,301 @@
+"""Benchmark: the fused PPO actor loss against the code it replaces, side by side.
+
+Contenders (CPU, fp32, forward + backward, gradients to the student hidden states and
+weight; the loss is PPO surrogate + entropy bonus + full-vocabulary reverse KL to a
+frozen teacher, except where a peer computes less, as noted):
+
+    naive        logits materialised, log_softmax, the loss in PyTorch (reference_actor_loss)
+    composed     fused_linear_reverse_kl(reduction="none") + PPO surrogate + entropy bonus
+                 (the trainer's path before fused_linear_actor_loss)
+    fused_actor  memopd.ops.fused_linear_actor_loss
+    liger_jsd    Liger's chunked LigerFusedLinearJSDLoss (beta=1: reverse KL only; no PPO,
+                 no entropy), torch.compile'd as Liger ships it; skipped without liger-kernel
+    liger_grpo   Liger's chunked LigerFusedLinearGRPOLoss (PPO clip surrogate; its KL is the
+                 per-token k3 estimate to a reference model, not a full-vocabulary KL, and it
+                 has no entropy term), torch.compile'd; skipped without liger-kernel
+
+Each (contender, shape) runs in a fresh subprocess with one torch thread: it builds its
+inputs, warms up (at the real shape for the compiled Liger losses, so compilation is not
+timed; at a tiny shape for the others), resets the peak-RSS counter
+(/proc/self/clear_refs), then times one forward + backward with the process clock (CPU
+seconds of the one thread, robust to other load on the machine) and the wall clock, and
+reports the peak resident memory added above its inputs (VmHWM minus the RSS before the
+call). Rounds are interleaved (contender order rotates per round); the table reports
+medians and ratios to naive.
+
+Run it directly (the full comparison, several minutes; results JSON under
+benchmarks/results/):
+
+    python benchmarks/bench_actor_loss.py                    # both shapes, 3 rounds
+    python benchmarks/bench_actor_loss.py --shapes small --rounds 5
+
+or through pytest-benchmark (`pytest benchmarks/bench_actor_loss.py --benchmark-only`),
+which runs the small shape once per contender in-process for the timing record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    "small": dict(N=4096, H=512, V=32000),
+    "qwen": dict(N=1024, H=1024, V=151936),
+}
+CONTENDERS = ("naive", "composed", "fused_actor", "liger_jsd", "liger_grpo")
+COEF = dict(clip_eps=0.2, entropy_coef=0.01, kl_coef=0.5)
+SEQ_LEN = 256  # Liger's GRPO loss takes [B, T] batches
+
+
+def make_inputs(N, H, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hs = (torch.randn(N, H, generator=g) * 0.5).requires_grad_()
+    ws = (torch.randn(V, H, generator=g) * 0.05).requires_grad_()
+    ht = torch.randn(N, H, generator=g) * 0.5
+    wt = torch.randn(V, H, generator=g) * 0.05
+    y = torch.randint(0, V, (N,), generator=g)
+    adv = torch.randn(N, generator=g)
+    old = -torch.rand(N, generator=g) * 4 - 3
+    return hs, ws, ht, wt, y, adv, old
+
+
+def step_fn(name):
+    """A function (hs, ws, ht, wt, y, adv, old) -> None that runs forward + backward."""
+    from memopd.ops import fused_linear_actor_loss, fused_linear_reverse_kl, reference_actor_loss
+
+    if name == "naive":
+        def run(hs, ws, ht, wt, y, adv, old):
+            reference_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss.backward()
+    elif name == "fused_actor":
+        def run(hs, ws, ht, wt, y, adv, old):
+            fused_linear_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss.backward()
+    elif name == "composed":
+        from memopd.trainer.ppo import policy_loss
+
+        def run(hs, ws, ht, wt, y, adv, old):
+            d = fused_linear_reverse_kl(hs, ws, ht, wt, y, reduction="none")
+            pg, _ = policy_loss(d.logprobs, old, adv, COEF["clip_eps"])
+            n = y.shape[0]
+            ((pg.sum() - COEF["entropy_coef"] * d.entropy.sum()) / n + COEF["kl_coef"] * d.kl.sum() / n).backward()
+    elif name == "liger_jsd":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=1.0, compiled=True)
+
+        def run(hs, ws, ht, wt, y, adv, old):
+            loss(hs, ws, ht, wt, y).backward()
+    elif name == "liger_grpo":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss = LigerFusedLinearGRPOLoss(beta=COEF["kl_coef"], compiled=True, use_ref_model=True, loss_type="grpo")
+
+        def run(hs, ws, ht, wt, y, adv, old):
+            B = y.shape[0] // SEQ_LEN
+            shape = (B, SEQ_LEN)
+            out = loss(hs.view(B, SEQ_LEN, -1), ws, y.view(shape), torch.ones(shape, dtype=torch.long),
+                       adv.view(shape)[:, 0].contiguous(), old_per_token_logps=old.view(shape),
+                       ref_input=ht.view(B, SEQ_LEN, -1), ref_weight=wt)
+            (out[0] if isinstance(out, tuple) else out).backward()
+    else:
+        raise ValueError(f"unknown contender {name!r}")
+    return run
+
+
+def _rss_kb(field="VmRSS"):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measure(name, shape):
+    """One timed forward + backward in this (fresh) process; returns a dict."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    run = step_fn(name)
+    s = SHAPES[shape]
+    if name.startswith("liger"):  # compile at the real shape: compilation is not timed
+        run(*make_inputs(**s, seed=1))
+    else:
+        run(*make_inputs(N=SEQ_LEN, H=64, V=512, seed=1))
+    inputs = make_inputs(**s)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _rss_kb()
+    c0, w0 = time.process_time(), time.perf_counter()
+    run(*inputs)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    peak = _rss_kb("VmHWM")
+    return {"contender": name, "shape": shape, "cpu_s": cpu, "wall_s": wall, "peak_mb": (peak - before) / 1024}
+
+
+def run_subprocess(name, shape, timeout=1800):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", name, shape]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"contender": name, "shape": shape, "error": tail[0][:300]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def available(name) -> str | None:
+    """None if the contender can run here, else why not."""
+    if name.startswith("liger"):
+        try:
+            import liger_kernel.chunked_loss  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return f"liger-kernel not importable ({type(e).__name__})"
+    return None
+
+
+def compare(shapes, rounds, contenders=CONTENDERS, log=print):
+    results = {}
+    skipped = {}
+    for name in contenders:
+        why = available(name)
+        if why:
+            skipped[name] = why
+            log(f"skip {name}: {why}")
+    names = [c for c in contenders if c not in skipped]
+    for shape in shapes:
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                m = run_subprocess(name, shape)
+                results.setdefault((shape, name), []).append(m)
+                log(f"[{shape} round {r + 1}] {name}: " + (m["error"] if "error" in m else
+                    f"cpu {m['cpu_s']:.2f} s, wall {m['wall_s']:.2f} s, peak +{m['peak_mb']:.0f} MiB"))
+    return results, skipped
+
+
+def summarise(results, shapes, contenders=CONTENDERS):
+    rows = []
+    for shape in shapes:
+        base = results.get((shape, "naive"), [])
+        base_ok = [m for m in base if "error" not in m]
+        if not base_ok:
+            continue
+        b_cpu = statistics.median(m["cpu_s"] for m in base_ok)
+        b_mem = statistics.median(m["peak_mb"] for m in base_ok)
+        for name in contenders:
+            ms = [m for m in results.get((shape, name), []) if "error" not in m]
+            if not ms:
+                errs = [m["error"] for m in results.get((shape, name), []) if "error" in m]
+                if errs:
+                    rows.append({"shape": shape, "contender": name, "error": errs[0]})
+                continue
+            cpu = statistics.median(m["cpu_s"] for m in ms)
+            mem = statistics.median(m["peak_mb"] for m in ms)
+            rows.append({"shape": shape, "contender": name, "rounds": len(ms), "cpu_s": round(cpu, 3),
+                         "wall_s": round(statistics.median(m["wall_s"] for m in ms), 3), "peak_mb": round(mem, 1),
+                         "time_vs_naive": round(cpu / b_cpu, 3), "memory_vs_naive": round(mem / max(b_mem, 1e-9), 4)})
+    return rows
+
+
+def format_table(rows):
+    out = [f"{'shape':<7}{'contender':<13}{'cpu s':>9}{'wall s':>9}{'peak MiB':>10}{'time/naive':>12}"
+           f"{'mem/naive':>11}"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['shape']:<7}{r['contender']:<13}  error: {r['error']}")
+            continue
+        out.append(f"{r['shape']:<7}{r['contender']:<13}{r['cpu_s']:>9.2f}{r['wall_s']:>9.2f}{r['peak_mb']:>10.0f}"
+                   f"{r['time_vs_naive']:>12.2f}{r['memory_vs_naive']:>11.3f}")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--measure", nargs=2, metavar=("CONTENDER", "SHAPE"), help=argparse.SUPPRESS)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                 "actor_loss_cpu.json"))
+    args = p.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(*args.measure)))
+        return 0
+    results, skipped = compare(args.shapes, args.rounds, args.contenders)
+    rows = summarise(results, args.shapes, args.contenders)
+    print("\nCPU fp32 forward+backward, 1 thread, process clock; medians over rounds; ratios to naive")
+    print(format_table(rows))
+    meta = {"clock": "process CPU time of one torch thread (fresh subprocess per measurement)",
+            "rounds": args.rounds, "torch": torch.__version__, "skipped": skipped,
+            "shapes": {k: SHAPES[k] for k in args.shapes}, "loadavg_at_end": os.getloadavg()}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows,
+                   "raw": {f"{s}/{n}": v for (s, n), v in results.items()}}, f, indent=2)
+    print(f"\nresults: {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- pytest-benchmark entry
+try:
+    import pytest
+except ImportError:  # pragma: no cover
+    pytest = None
+
+if pytest is not None:
+    @pytest.mark.parametrize("name", ["naive", "composed", "fused_actor"])
+    def test_cpu_actor_loss(benchmark, name):
+        """The small shape, in this process: one forward + backward per round."""
+        s = dict(N=1024, H=512, V=32000)
+        inputs = make_inputs(**s)
+        run = step_fn(name)
+        run(*make_inputs(N=64, H=64, V=256, seed=1))
+
+        def one():
+            inputs[0].grad = inputs[1].grad = None
+            run(*inputs)
+
+        benchmark.pedantic(one, rounds=int(os.environ.get("MEMOPD_BENCH_ROUNDS", "1")), iterations=1)
+        benchmark.extra_info.update({"contender": name, **s})
+
+    GPU_SHAPES = {"qwen2.5-3b": dict(N=4096, H=2048, V=151936), "qwen2.5-7b": dict(N=4096, H=3584, V=151936)}
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    @pytest.mark.parametrize("shape", list(GPU_SHAPES))
+    @pytest.mark.parametrize("name", ["naive", "fused_actor"])
+    def test_gpu_actor_loss(benchmark, name, shape):
+        """bf16 at Qwen2.5 lm_head shapes: time (CUDA events), achieved TFLOP/s over the 4
+        lm_head-sized matmuls, peak memory above the inputs."""
+        s = GPU_SHAPES[shape]
+        inputs = [x.to(device="cuda", dtype=torch.bfloat16 if x.is_floating_point() and x.dim() == 2 else None)
+                  .detach().requires_grad_(x.requires_grad) for x in make_inputs(**s)]
+        run = step_fn(name)
+        run(*inputs)  # warm-up: Triton compilation, cuBLAS handles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        times = []
+
+        def one():
+            inputs[0].grad = inputs[1].grad = None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(*inputs)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+
+        benchmark.pedantic(one, rounds=3, iterations=1)
+        t = sorted(times)[len(times) // 2]
+        flops = 4 * 2 * s["N"] * s["H"] * s["V"]
+        benchmark.extra_info.update({"contender": name, **s, "median_s": t, "tflops": flops / t / 1e12,
+                                     "peak_mb_above_inputs": (torch.cuda.max_memory_allocated() - base) / 2**20})
+        print(f"\n{name} {shape}: {t * 1e3:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s, "
+              f"peak +{(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
