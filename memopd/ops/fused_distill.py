@@ -76,7 +76,9 @@ stays accurate (and ≥ 0) when the teacher is the student plus noise: the usual
 "E_p[s] - lse_s - E_p[t] + lse_t" subtracts O(10) numbers to get O(1e-6). The JSD
 needs log(β q_v + (1-β) p_v) per entry, i.e. normalised distributions, which fixed
 online sums cannot give: it makes a second pass over the vocabulary once both
-log-sum-exps are known (log1p/expm1 forms again keep close distributions precise).
+log-sum-exps are known (log1p/expm1 forms again keep close distributions precise),
+unless whole vocabulary rows are resident (the PyTorch path's default for the JSD,
+below), where it is evaluated on the same logits.
 
 Backward: the tiles are recomputed and, with δ_v = log p_v - log q_v,
 
@@ -101,16 +103,39 @@ Back ends
   the partial statistics on the device. Backward writes dlogits for a bounded chunk of
   tokens (≈512 MiB, `MEMOPD_DISTILL_SCRATCH_MB`, or `token_chunk_size` rows) and
   reduces it with two deterministic Triton GEMMs (no atomics).
-- CPU tensors: the same algorithm in chunked PyTorch. Masked rows are dropped with
-  `index_select` before any matmul; tokens are processed in blocks of at most
-  `token_chunk_size` (default 8192) kept rows, and the vocabulary in chunks of
-  `chunk_size` columns (default: as many as fit 2^22 fp32 elements per
-  [rows, chunk] piece, at least 128). So the largest tensors are a handful (at most
-  ~8, for the JSD) of [rows, chunk] fp32 pieces, the fp32 copies of the kept hidden
-  rows and the fp32 dW accumulator; never [N, V]. The price is compute: the backward
-  recomputes both logit chunks, so the op does 6 instead of 4 lm_head-sized matmuls
-  (measured on CPU: 1.3-1.4x the naive time for 5-21x less peak memory, see
-  benchmarks/bench_fused_distill.py).
+- CPU tensors: the same algorithm in blocked PyTorch. Masked rows are dropped with
+  `index_select` before any matmul. Tokens go in blocks of `token_chunk_size` kept
+  rows (default: at most 1024, split evenly) and the vocabulary in chunks of
+  `chunk_size` columns (default: about 2^20 elements per [rows, chunk] piece, at least
+  128 columns): [~1024, ~1024] pieces keep every fp32 GEMM near single-core peak
+  (~95-100 GFLOP/s here, against ~80 for [256, V] full-row blocks and ~57 for [64, V])
+  and the elementwise passes largely in cache. The pieces live in four reused scratch buffers
+  (a fresh multi-MiB tensor page-faults on every use, which cost as much as the
+  arithmetic on it), exponentials are exp2 of logits centred and rescaled in one pass
+  (~3x cheaper than exp), and each row sum is one product pass plus a reduction.
+  Whenever one chunk covers the vocabulary (small V or few rows, an explicit
+  `chunk_size >= V`, and the JSD forward by default, in whole-row blocks of about 2^23
+  elements, at least 64 rows), the forward uses exact row maxima, evaluates the
+  precise lse_s - lse_t only on rows whose plain KL estimate is below 1e-2, and the
+  JSD needs no second matmul pass. So the largest tensors are the four [rows, chunk]
+  scratch blocks ([rows, V] in the full-row JSD forward), the fp32 copies of a
+  block's hidden rows and the fp32 dW accumulator; never [N, V]. The price is
+  compute: the backward recomputes both logit chunks, so the op does 6 lm_head-sized
+  matmuls where naive autograd does 4 (teacher-less: 4 vs 3), and the GEMMs are
+  ~85-95% of its time. Measured (process CPU time, user+sys, one thread, fp32
+  forward+backward of loss + 0.1 Σ logprobs - 0.01 Σ entropy (teacher-less: a PPO-style
+  -Σ adv·logprobs - 0.01 Σ entropy), shared 2-core AVX-512 x86 box, medians of 2-3
+  interleaved rounds, two sessions; /proc VmHWM peak above the inputs in fresh
+  processes), fused vs `reference_linear_distill` / `reference_linear_logprob_entropy`
+  in fp32:
+  N=4096, H=512, V=32000: reverse KL 0.57-0.75x the time for 35x less peak memory,
+  forward KL 0.84-0.88x / 29x, JSD 0.39x / 44x, teacher-less 0.56-0.80x / 27x;
+  N=1024, H=1024, V=151936: reverse KL 0.83-0.88x / 6.7x, forward KL 0.90x / 5.7x,
+  JSD 0.64x / 11x, teacher-less 0.83x / 4.8x (there the 594 MiB fp32 dW is most of
+  the fused peak). A large and variable part of the naive op's time is the kernel
+  zero-filling its fresh [N, V] tensors (system time); in user time alone the fused op
+  takes 1.1-1.5x the naive time (teacher-less 1.2x; KLs 1.3-1.5x; JSD 1.1x at
+  V=32000, 1.5x at V=151936): the price of the recomputing matmuls. See benchmarks/bench_fused_distill.py.
 - `backend="auto"` (default; env `MEMOPD_DISTILL_BACKEND` overrides it) picks by
   device; `backend="triton"` forces the kernels, which on CPU tensors requires
   `TRITON_INTERPRET=1` set before the kernel module is imported (tests only);
@@ -130,31 +155,8 @@ validation in the Python wrapper only reads metadata (shapes, dtypes, devices).
 
 DeepSpeed ZeRO-3 / FSDP
 -----------------------
-The op needs the *full* lm_head weights of the student and of the teacher when its
-forward runs *and again when its backward runs* (it saves them to recompute the logit
-tiles). A sharded parameter is a placeholder outside its owner's forward, so:
-
-- Recommended for ZeRO-3, FSDP and FSDP2 alike: call the op inside the forward of
-  the module that owns the lm_head, i.e. make the causal LM's forward return the loss
-  (or the DistillOutput) from its last hidden states instead of the logits, as Liger's
-  fused cross-entropy patches do. The engine's hooks gather the weight for the
-  forward, gather it again for the backward, and reduce-scatter its gradient like any
-  other use. If the call sits in another ZeRO-3 module's forward, declare the weight
-  with `deepspeed.zero.register_external_parameter(that_module, lm_head.weight)`.
-- Outside any forward (ZeRO-3): gather explicitly and keep the weight gathered until
-  the backward has run:
-
-      with deepspeed.zero.GatheredParameters([lm_head.weight], modifier_rank=None):
-          out = fused_linear_reverse_kl(h, lm_head.weight, h_t, teacher_w, y, mask=m)
-          engine.backward(out.loss)     # the gradient reaches the gathered parameter
-
-  FSDP's `summon_full_params` is not meant for training (its gradients are not
-  reduce-scattered), so with FSDP use the in-forward route.
-- The frozen teacher's lm_head must also still be materialised at backward time: keep
-  it unsharded (it receives no gradient and is not in the optimizer), or inside the
-  same gathered scope. Pass teacher tensors detached.
-A weight that was re-partitioned between forward and backward is detected (its shape
-no longer matches) and raises a clear error instead of computing garbage.
+The op needs the full lm_head weights in its forward and again in its backward; how to
+call it under ZeRO-3 or FSDP is in docs/deepspeed.md §4.
 """
 from __future__ import annotations
 
@@ -183,8 +185,11 @@ REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton")
 NUM_STATS = 5  # lse_s, lse_t, lse_s - lse_t (precise), aux (KL or KL(p||M)), entropy
 
-_TORCH_TOKEN_CHUNK = 8192
-_TORCH_TILE_ELEMS = 1 << 22  # elements of one [rows, vocab chunk] fp32 piece (16 MiB)
+_TORCH_TOKEN_CHUNK = 1024  # rows of a token block (PyTorch path)
+_TORCH_TILE_ELEMS = 1 << 20  # elements of one [rows, vocab chunk] piece (4 MiB fp32)
+_TORCH_ROW_ELEMS = 1 << 23  # elements of one [rows, V] block in full-row mode (JSD forward)
+_TORCH_MIN_ROWS = 64  # ... but at least this many rows (GEMM efficiency)
+_TORCH_CONVERT_ROWS = 4096  # full-row mode: a bf16/fp16 weight is converted this many rows at a time
 _NEG = -1.0e30
 
 
@@ -378,112 +383,276 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
             else torch.float32)
 
 
-def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], v0: int, v1: int, inv_t: float) -> Tensor:
-    """Logits / T of one vocabulary chunk, in h's dtype (fp32 / fp64).
+class _Workspace:
+    """Reusable scratch buffers of one call of the PyTorch path, viewed as [r, c] blocks.
 
-    `h` is already multiplied by 1/T (once per token block), so only the bias is scaled
-    here: one [rows, chunk] pass fewer than scaling the product.
+    A fresh multi-MiB tensor is a fresh mapping whose pages the kernel zero-fills on
+    first touch (~0.1 ms per 4 MiB on CPU: as much as the elementwise work on it), so
+    each named buffer is allocated once, at the largest block shape, and every chunk
+    uses a contiguous [r, c] prefix of it.
     """
-    wc = w[v0:v1]
-    if wc.dtype != h.dtype:
-        wc = wc.to(h.dtype)  # bf16 @ bf16 on CPU would round the logits to bf16
+
+    def __init__(self, rows: int, cols: int, device, dtype):
+        self.numel = rows * cols
+        self.f = dict(device=device, dtype=dtype)
+        self.bufs: dict = {}
+
+    def __call__(self, name: str, r: int, c: int) -> Tensor:
+        buf = self.bufs.get(name)
+        if buf is None:
+            buf = self.bufs[name] = torch.empty(self.numel, **self.f)
+        return buf[: r * c].view(r, c)
+
+
+def _logits(h: Tensor, wc: Tensor, b: Optional[Tensor], v0: int, v1: int, inv_t: float,
+            out: Tensor) -> Tensor:
+    """Logits / T of one vocabulary chunk into `out`, in h's dtype (fp32 / fp64).
+
+    `h` is already multiplied by 1/T (once per token block) and `wc` is the chunk's
+    weight rows already in h's dtype, so only the bias is scaled here.
+    """
     if b is None:
-        return h @ wc.t()
-    return torch.addmm(b[v0:v1].to(h.dtype) * inv_t, h, wc.t())
+        return torch.mm(h, wc.t(), out=out)
+    return torch.addmm(b[v0:v1].to(h.dtype) * inv_t, h, wc.t(), out=out)
 
 
-def _rowdot(a: Tensor, b: Tensor) -> Tensor:
-    """Σ_v a[i, v] b[i, v] without a [rows, chunk] temporary."""
-    return torch.einsum("ij,ij->i", a, b)
+def _weight_chunk(w: Tensor, v0: int, v1: int, dtype: torch.dtype) -> Tensor:
+    wc = w[v0:v1]
+    return wc if wc.dtype == dtype else wc.to(dtype)  # bf16 @ bf16 on CPU would round to bf16
 
 
-def _jsd_u(delta: Tensor, beta: float) -> Tensor:
-    """u = log(β + (1-β) e^δ) = log M_v - log q_v for δ = log p_v - log q_v, overflow-free."""
-    small = delta.abs() < 0.5
-    u_small = torch.log1p((1.0 - beta) * torch.expm1(delta.clamp(-0.5, 0.5)))
-    dp = delta.clamp_min(0.0)
-    u_pos = dp + torch.log((1.0 - beta) + beta * torch.exp(-dp))
-    u_neg = torch.log(beta + (1.0 - beta) * torch.exp(delta.clamp_max(0.0)))
-    return torch.where(small, u_small, torch.where(delta > 0, u_pos, u_neg))
+def _centre2(x: Tensor, m: Tensor) -> Tensor:
+    """In place: x <- (x - m)·log2(e), one pass; then exp2(x) = e^{x - m}.
+
+    exp2 is ~3x cheaper than exp on CPU, and the centring pass is needed anyway.
+    """
+    return torch.add((-_LOG2E * m)[:, None], x, alpha=_LOG2E, out=x)
+
+
+def _rowdot(a: Tensor, b: Tensor, tmp: Tensor) -> Tensor:
+    """Σ_v a[i, v] b[i, v], through the scratch block `tmp` (vecdot/einsum would allocate
+    a fresh [rows, chunk] product, or run as a slow batched matmul)."""
+    return torch.mul(a, b, out=tmp).sum(1)
 
 
 _SQRT_E = math.exp(0.5)
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+_CLOSE_KL = 1e-2  # full-row mode: rows whose plain KL estimate is below this get the precise dlse
+_JSD_CAP = 80.0  # -δ clamp of the JSD's expm1 (weights there are < e^-80: no effect, no overflow)
 
 
-def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk):
-    """Online statistics of one token block (hidden rows already multiplied by 1/T).
+def _any(flags: Tensor) -> bool:
+    """bool(flags.any()) on CPU; True elsewhere (a data-dependent skip would sync the device)."""
+    return flags.device.type != "cpu" or bool(flags.any())
 
-    `ht_t is None` is the teacher-less mode: only the student sums (max, sum-exp,
-    entropy sum, target logit) are kept, no teacher logits are ever computed, and
-    the divergence and the teacher rows of the stats are zero.
+
+def _jsd_negw(neg_delta: Tensor, beta: float) -> Tensor:
+    """In place: -δ -> -(δ - u(δ)) = log1p(β expm1(-δ)), u = log(β + (1-β) e^δ) = log M - log q.
+
+    δ - u = -log(β e^{-δ} + 1 - β) exactly; the log1p/expm1 form keeps relative precision
+    where δ is tiny (p ≈ q) and cannot overflow (-δ is capped at 80, where the entry's
+    weight p = q e^{δ} < e^-80 q makes the cap invisible).
     """
+    return neg_delta.clamp_max_(_JSD_CAP).expm1_().mul_(beta).log1p_()
+
+
+def _precise_dlse(d: Tensor, es: Tensor, et: Tensor, m_s: Tensor, m_t: Tensor,
+                  tmp: Optional[Tensor] = None):
+    """The difference of the two normalisers at a joint max, with relative precision.
+
+    With es = e^{s - m_s}, et = e^{t - m_t}, d = s - t, M = max(m_s, m_t),
+    c_S = e^{m_s - M}, c_T = e^{m_t - M}, returns (small, big) such that
+
+        Σ_v (e^{s_v - M} - e^{t_v - M}) = c_T·small + c_S·big,
+        small = Σ_v et_v expm1(min(d_v, 1/2)),  big = Σ_v relu(es_v - e^{m_t - m_s} √e et_v)
+
+    exactly (the relu is non-zero iff d_v > 1/2, where it restores the clamped part), with
+    no overflow and full relative precision where d is small. `big` is None when no
+    d_v exceeds 1/2 (then it is 0 and its three passes are skipped). Works in the scratch
+    block `tmp`, or without one in place (consuming `d`, and `es` when `big` is computed).
+    """
+    big = None
+    if _any(d.amax(1) > 0.5):
+        k = (torch.exp(m_t - m_s) * _SQRT_E).clamp_max(1e30)[:, None]
+        big = (es.addcmul_(k, et, value=-1.0) if tmp is None else
+               torch.addcmul(es, k, et, value=-1.0, out=tmp)).relu_().sum(1)
+    em1 = d.clamp_max_(0.5) if tmp is None else torch.clamp_max(d, 0.5, out=tmp)
+    small = em1.expm1_().mul_(et).sum(1)
+    return small, big
+
+
+def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk):
+    """Per-token outputs and stats of one token block (hidden rows already times 1/T).
+
+    One vocabulary chunk covering the row (`vchunk >= V`) takes the full-row route: exact
+    row maxima, one exp2 pass per distribution, the precise normaliser difference only on
+    rows whose plain KL estimate is small, and the JSD without a second matmul pass.
+    Otherwise the vocabulary is walked in chunks with online statistics. `wk` holds the
+    [rows, chunk] scratch blocks.
+
+    `ht_t is None` is the teacher-less mode: only the student sums (max, sum-exp, entropy
+    sum, target logit) are kept, no teacher logits are ever computed, and the divergence
+    and the teacher rows of the stats are zero.
+    """
+    if vchunk >= V:
+        return _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, wk)
+    return _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk)
+
+
+def _student_outputs(m_s, z_s, a_s, s_y):
+    """log z_s, lse_s, entropy and log-prob from the student sums: max m_s, target logit
+    s_y, z_s = Σ e^{s - m_s} and a_s = Σ e^{s - m_s} (s - m_s)·log2(e)."""
+    log_zs = torch.log(z_s)
+    lse_s = m_s + log_zs
+    ent = log_zs - a_s * _LN2 / z_s
+    lp = s_y - lse_s
+    return log_zs, lse_s, ent, lp
+
+
+def _log1p_ratio(d, es, et, m_s, m_t, z_t, plain, tmp=None):
+    """lse_s - lse_t = log1p(Σ (e^{s-M} - e^{t-M}) / Σ e^{t-M}) per row (see
+    `_precise_dlse`); `plain` where the ratio is not small (or not finite)."""
+    small, big = _precise_dlse(d, es, et, m_s, m_t, tmp)
+    m_j = torch.maximum(m_s, m_t)
+    c_t = torch.exp(m_t - m_j)
+    num = c_t * small
+    if big is not None:
+        num = num + torch.exp(m_s - m_j) * big
+    ratio = num / (c_t * z_t)
+    near = ratio.abs() < 0.5  # False for NaN/inf (teacher mass underflowed at the joint max)
+    return torch.where(near, torch.log1p(torch.where(near, ratio, 0.0)), plain)
+
+
+def _full_logits(h: Tensor, w: Tensor, b: Optional[Tensor], V: int, inv_t: float,
+                 out: Tensor) -> Tensor:
+    """Logits / T of whole vocabulary rows into `out` [rows, V]; a half-precision weight is
+    converted (and multiplied) in slices of _TORCH_CONVERT_ROWS rows, never whole."""
+    if w.dtype == h.dtype:
+        return _logits(h, w[:V], b, 0, V, inv_t, out)
+    for v0 in range(0, V, _TORCH_CONVERT_ROWS):
+        v1 = min(V, v0 + _TORCH_CONVERT_ROWS)
+        _logits(h, w[v0:v1].to(h.dtype), b, v0, v1, inv_t, out[:, v0:v1])
+    return out
+
+
+def _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, wk):
+    n = hs_t.shape[0]
+    f = dict(device=hs_t.device, dtype=hs_t.dtype)
+    s = _full_logits(hs_t, ws, bs, V, inv_t, wk("s", n, V))
+    s_y = s.gather(1, y[:, None])[:, 0]
+    m_s = s.amax(1)
+    if ht_t is not None:
+        t = _full_logits(ht_t, wt, bt, V, inv_t, wk("t", n, V))
+        m_t = t.amax(1)
+        d = torch.sub(s, t, out=wk("d", n, V))  # before centring: exact where s ≈ t
+    s2 = _centre2(s, m_s)
+    es = torch.exp2(s2, out=wk("e", n, V))
+    z_s = es.sum(1)
+    log_zs, lse_s, ent, lp = _student_outputs(m_s, z_s, s2.mul_(es).sum(1), s_y)
+    if ht_t is None:
+        zero = torch.zeros(n, **f)
+        return zero, lp, ent, torch.stack([lse_s, zero, zero, zero, ent])
+    tmp = s  # free from here on
+    et = _centre2(t, m_t).exp2_()
+    z_t = et.sum(1)
+    log_zt = torch.log(z_t)
+    lse_t = m_t + log_zt
+    plain = (m_s - m_t) + (log_zs - log_zt)  # lse_s - lse_t
+    e_pd = _rowdot(es, d, tmp) / z_s if div_code == 0 else None  # E_p[s - t]
+    e_qd = _rowdot(et, d, tmp) / z_t if div_code != 0 else None  # E_q[s - t]
+    # the precise lse_s - lse_t (log1p of the relative normaliser difference) only on rows
+    # where p ≈ q, i.e. whose plain KL estimate is small (elsewhere plain is exact enough)
+    close = ((e_pd - plain) if div_code == 0 else (plain - e_qd)) < _CLOSE_KL
+    n_close = int(close.sum()) if close.device.type == "cpu" else n
+    dlse = plain
+    if 2 * n_close > n:  # mostly close (typical of distillation): whole block, no gathering
+        dlse = torch.where(close, _log1p_ratio(d, es, et, m_s, m_t, z_t, plain, tmp), plain)
+    elif n_close:  # a few close rows: only those (copies, consumed in place)
+        idx = close.nonzero().squeeze(1)
+        sub = [x.index_select(0, idx) for x in (d, es, et, m_s, m_t, z_t, plain)]
+        dlse = plain.index_copy(0, idx, _log1p_ratio(*sub))
+    if div_code == 0:
+        aux = e_pd - dlse
+        div = aux.clamp_min(0.0)
+    elif div_code == 1:
+        aux = dlse - e_qd
+        div = aux.clamp_min(0.0)
+    else:
+        # JSD on the resident block: -δ = dlse - (s - t), KL(p‖M) = Σ p w, KL(q‖M) = Σ q (w - δ)
+        negw = _jsd_negw(torch.sub(dlse[:, None], d, out=d), beta)
+        kl_pm = -_rowdot(es, negw, tmp) / z_s
+        kl_qm = (dlse - e_qd) - et.mul_(negw).sum(1) / z_t
+        aux = kl_pm
+        div = (beta * kl_qm + (1.0 - beta) * kl_pm).clamp_min(0.0)
+    return div, lp, ent, torch.stack([lse_s, lse_t, dlse, aux, ent])
+
+
+def _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk):
+    """Online statistics over vocabulary chunks (running maxima, rescaled sums)."""
     n = hs_t.shape[0]
     has_teacher = ht_t is not None
-    f = dict(device=hs_t.device, dtype=hs_t.dtype)
+    cdt = hs_t.dtype
+    f = dict(device=hs_t.device, dtype=cdt)
     m_s = torch.full((n,), _NEG, **f)
     z_s = torch.zeros(n, **f)
     a_s = torch.zeros(n, **f)
-    m_t = torch.full((n,), _NEG, **f)
-    z_t = torch.zeros(n, **f)
-    e_d = torch.zeros(n, **f)
-    m_j = torch.full((n,), _NEG, **f)
-    zt_j = torch.zeros(n, **f)
-    dz_j = torch.zeros(n, **f)
     s_y = torch.zeros(n, **f)
+    if has_teacher:
+        m_t = torch.full((n,), _NEG, **f)
+        z_t = torch.zeros(n, **f)
+        e_d = torch.zeros(n, **f)
+        m_j = torch.full((n,), _NEG, **f)
+        zt_j = torch.zeros(n, **f)
+        dz_j = torch.zeros(n, **f)
     for v0 in range(0, V, vchunk):
         v1 = min(V, v0 + vchunk)
-        s = _logits(hs_t, ws, bs, v0, v1, inv_t)
+        c = v1 - v0
+        s = _logits(hs_t, _weight_chunk(ws, v0, v1, cdt), bs, v0, v1, inv_t, wk("s", n, c))
         in_c = (y >= v0) & (y < v1)
-        s_y += torch.where(in_c, s.gather(1, (y - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
+        s_y += torch.where(in_c, s.gather(1, (y - v0).clamp(0, c - 1)[:, None])[:, 0], 0.0)
         m_s_new = torch.maximum(m_s, s.amax(1))
         alpha_s = torch.exp(m_s - m_s_new)
-        if not has_teacher:
-            s.sub_(m_s_new[:, None])
-            es = torch.exp(s)
-            a_s = alpha_s * (a_s + (m_s - m_s_new) * z_s) + _rowdot(es, s)
-            z_s = alpha_s * z_s + es.sum(1)
-            m_s = m_s_new
-            del s, es
-            continue
-        t = _logits(ht_t, wt, bt, v0, v1, inv_t)
-        m_t_new = torch.maximum(m_t, t.amax(1))
-        alpha_t = torch.exp(m_t - m_t_new)
-        d = s - t
-        s.sub_(m_s_new[:, None])                   # s <- s - m_s  (<= 0)
-        t.sub_(m_t_new[:, None])
-        es = torch.exp(s)
-        a_s = alpha_s * (a_s + (m_s - m_s_new) * z_s) + _rowdot(es, s)
-        del s
+        if has_teacher:
+            t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t, wk("t", n, c))
+            m_t_new = torch.maximum(m_t, t.amax(1))
+            alpha_t = torch.exp(m_t - m_t_new)
+            d = torch.sub(s, t, out=wk("d", n, c))  # before centring: exact where s ≈ t
+        s2 = _centre2(s, m_s_new)
+        es = torch.exp2(s2, out=wk("e", n, c))
         es_sum = es.sum(1)
+        a_s = alpha_s * (a_s + (m_s - m_s_new) * _LOG2E * z_s) + s2.mul_(es).sum(1)
         z_s = alpha_s * z_s + es_sum
-        et = t.exp_()                              # t <- e^{t - m_t}
+        if not has_teacher:
+            m_s = m_s_new
+            continue
+        tmp = s  # free from here on
+        et = _centre2(t, m_t_new).exp2_()
         et_sum = et.sum(1)
         z_t = alpha_t * z_t + et_sum
-        if div_code == 1:
-            e_d = alpha_t * e_d + _rowdot(et, d)
-        else:
-            e_d = alpha_s * e_d + _rowdot(es, d)
-        # Precise Σ (e^{s-M} - e^{t-M}) at the joint max M, the difference of the two
-        # normalisers (see the module docstring). With c_S = e^{m_s - M}, c_T = e^{m_t - M}:
-        #   e^{s-M} - e^{t-M} = c_T e_t expm1(min(d, 1/2)) + relu(c_S e_s - c_T √e e_t)
-        # exactly (the relu is non-zero iff d > 1/2, where it restores the clamped part),
-        # with no overflow and full relative precision where d is small.
+        if div_code == 0:
+            e_d = alpha_s * e_d + _rowdot(es, d, tmp)
+        elif div_code == 1:
+            e_d = alpha_t * e_d + _rowdot(et, d, tmp)
         m_j_new = torch.maximum(m_s_new, m_t_new)
         r_j = torch.exp(m_j - m_j_new)
-        c_s = torch.exp(m_s_new - m_j_new)
         c_t = torch.exp(m_t_new - m_j_new)
-        k = (torch.exp(m_t_new - m_s_new) * _SQRT_E).clamp_max(1e30)
-        big = es.addcmul_(k[:, None], et, value=-1.0).relu_().sum(1)
-        small = _rowdot(et, d.clamp_max_(0.5).expm1_())
+        small, big = _precise_dlse(d, es, et, m_s_new, m_t_new)
         zt_j = r_j * zt_j + c_t * et_sum
-        dz_j = r_j * dz_j + c_t * small + c_s * big
+        dz_j = r_j * dz_j + c_t * small
+        if big is not None:
+            dz_j += torch.exp(m_s_new - m_j_new) * big
         m_s, m_t, m_j = m_s_new, m_t_new, m_j_new
-        del t, d, es, et
+    log_zs, lse_s, ent, lp = _student_outputs(m_s, z_s, a_s, s_y)
     if not has_teacher:
-        lse_s, ent, lp = _finalize_student(m_s, z_s, a_s, s_y)
         zero = torch.zeros(n, **f)
         return zero, lp, ent, torch.stack([lse_s, zero, zero, zero, ent])
-    lse_s, lse_t, dlse, ent, lp = _finalize(m_s, z_s, a_s, m_t, z_t, m_j, zt_j, dz_j, s_y)
+    log_zt = torch.log(z_t)
+    lse_t = m_t + log_zt
+    plain = (m_s - m_t) + (log_zs - log_zt)
+    ratio = dz_j / zt_j
+    near = ratio.abs() < 0.5  # False for NaN/inf (teacher mass underflowed at the joint max)
+    dlse = torch.where(near, torch.log1p(torch.where(near, ratio, 0.0)), plain)
     if div_code == 0:
         aux = e_d / z_s - dlse
         div = aux.clamp_min(0.0)
@@ -491,24 +660,26 @@ def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta,
         aux = dlse - e_d / z_t
         div = aux.clamp_min(0.0)
     else:
-        # JSD: second pass with normalised log-probs, KL(p||M) and KL(q||M) per token
+        # JSD: second pass with normalised log-probs, KL(p‖M) and KL(q‖M) per token
         kl_pm = torch.zeros(n, **f)
         kl_qm = torch.zeros(n, **f)
         for v0 in range(0, V, vchunk):
             v1 = min(V, v0 + vchunk)
-            s = _logits(hs_t, ws, bs, v0, v1, inv_t)
-            t = _logits(ht_t, wt, bt, v0, v1, inv_t)
-            delta = (s - t).sub_(dlse[:, None])
-            u = _jsd_u(delta, beta)
-            p = s.sub_(lse_s[:, None]).exp_()
-            q = t.sub_(lse_t[:, None]).exp_()
-            kl_pm += _rowdot(p, delta.sub_(u))
-            kl_qm -= _rowdot(q, u)
-            del s, t, delta, u
+            c = v1 - v0
+            s = _logits(hs_t, _weight_chunk(ws, v0, v1, cdt), bs, v0, v1, inv_t, wk("s", n, c))
+            t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t, wk("t", n, c))
+            nd = torch.sub(s, t, out=wk("d", n, c))
+            nd = torch.sub(dlse[:, None], nd, out=nd)  # -δ = log q - log p
+            p = _centre2(s, lse_s).exp2_()
+            q = _centre2(t, lse_t).exp2_()
+            tmp = wk("e", n, c)
+            kl_qm += _rowdot(q, nd, tmp)
+            negw = _jsd_negw(nd, beta)
+            kl_pm -= _rowdot(p, negw, tmp)
+            kl_qm -= q.mul_(negw).sum(1)
         aux = kl_pm
         div = (beta * kl_qm + (1.0 - beta) * kl_pm).clamp_min(0.0)
-    stats = torch.stack([lse_s, lse_t, dlse, aux, ent])
-    return div, lp, ent, stats
+    return div, lp, ent, torch.stack([lse_s, lse_t, dlse, aux, ent])
 
 
 def _finalize_student(m_s, z_s, a_s, s_y):
@@ -559,11 +730,28 @@ def _triton_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, V, div_c
             stats)
 
 
-def _default_vchunk(rows: int, V: int, chunk_size: int) -> int:
-    if chunk_size and chunk_size > 0:
-        return int(chunk_size)
-    c = max(128, _TORCH_TILE_ELEMS // max(rows, 1))
-    return min(V, (c // 64) * 64)
+def _block_plan(n_rows: int, V: int, chunk_size: int, token_chunk: int,
+                full_rows: bool) -> tuple[int, int]:
+    """(rows per token block, vocabulary columns per chunk) of the PyTorch path.
+
+    Default: token blocks of at most _TORCH_TOKEN_CHUNK rows (split evenly) and chunks of
+    about _TORCH_TILE_ELEMS elements per [rows, chunk] piece; explicit `token_chunk_size`
+    / `chunk_size` take precedence. `full_rows` (the JSD forward with an automatic
+    `chunk_size`): whole vocabulary rows, blocks of about _TORCH_ROW_ELEMS elements.
+    """
+    if full_rows:
+        rows = token_chunk if token_chunk > 0 else max(_TORCH_MIN_ROWS, _TORCH_ROW_ELEMS // V)
+        return max(1, min(rows, n_rows)), V
+    if token_chunk > 0:
+        rows = token_chunk
+    else:
+        n_blocks = -(-n_rows // _TORCH_TOKEN_CHUNK)
+        rows = -(-n_rows // n_blocks)
+    rows = max(1, min(rows, n_rows))
+    if chunk_size > 0:
+        return rows, chunk_size
+    c = max(128, _TORCH_TILE_ELEMS // rows)
+    return rows, min(V, (c // 64) * 64)
 
 
 def _torch_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, V, div_code, beta,
@@ -579,16 +767,19 @@ def _torch_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, V, div_co
     n_kept = kept.numel()
     if n_kept == 0:
         return div, lp, ent, stats
-    tchunk = token_chunk if token_chunk and token_chunk > 0 else _TORCH_TOKEN_CHUNK
+    # the JSD needs normalised distributions: with whole rows resident it is one matmul pass
+    full_rows = ht is not None and div_code == 2 and not (chunk_size and chunk_size > 0)
+    rows_per_block, vchunk = _block_plan(n_kept, V, int(chunk_size or 0), int(token_chunk or 0),
+                                         full_rows)
     inv_t = 1.0 / temperature
-    for r0 in range(0, n_kept, tchunk):
-        rows = kept[r0:r0 + tchunk]
+    wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
+    for r0 in range(0, n_kept, rows_per_block):
+        rows = kept[r0:r0 + rows_per_block]
         hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
         ht_t = None if ht is None else ht.index_select(0, rows).to(cdt).mul_(inv_t)
         y = targets.index_select(0, rows).long()
-        vchunk = _default_vchunk(rows.numel(), V, chunk_size)
         d_, l_, e_, st_ = _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code,
-                                              beta, vchunk)
+                                              beta, vchunk, wk)
         div.index_copy_(0, rows, d_)
         lp.index_copy_(0, rows, l_)
         ent.index_copy_(0, rows, e_)
@@ -601,17 +792,21 @@ def _torch_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, s
                     token_chunk):
     """Recompute the chunks and reduce dL/ds (s = logits / T) into dH, dW, db.
 
-    With ls = log p, lt = log q (both centred: O(1) where p or q matters) every term of
-    dL/ds except the one-hot of the log-prob and the nonlinear part of the JSD is
-    p ⊙ (A + B·ls + C·lt) with per-token A, B, C, so a chunk costs a handful of
-    [rows, chunk] passes:
-      log-prob:  -g_lp p (+ g_lp at the target)
+    Each recomputed student chunk is centred on the saved log-sum-exp in base 2 in one
+    pass, ls2 = log2 p = (s - lse_s)·log2(e), so p = exp2(ls2). Per token, with
+    δ = log p - log q = (s - t) - dlse (s - t straight from the two logit chunks, exact
+    where p ≈ q; dlse the forward's precise lse_s - lse_t):
+      log-prob:  g_lp (1[v=y] - p)
       entropy:   -g_H p (ls + H)
-      reverse:   g_kl p (δ - KL),  δ = ls - lt + ε,  ε = (lse_s - lse_t) - dlse  (tiny)
-      forward:   g_kl (p - q) = -g_kl p expm1(-δ)
-      JSD:       (1-β) g_kl p ((δ - u(δ)) - KL(p‖M))
-    (Working with raw logits instead of ls / lt would cancel O(|s|) terms for the
-    dominant tokens and lose digits.) Hidden rows are pre-multiplied by 1/T, so
+      reverse:   g_kl p (δ - KL)
+      forward:   g_kl (p - q) = -g_kl (p expm1(min(-δ, 1/2)) + relu(q - √e p))   (exact,
+                 relative precision where q ≈ p, no overflow)
+      JSD:       (1-β) g_kl p ((δ - u(δ)) - KL(p‖M)),  δ - u = -log1p(β expm1(-δ))
+    so dL/ds = p ⊙ (A + B·ls2 + D·X) (+ the forward-KL relu term and the one-hot) with
+    per-token A, B, D and one divergence tensor X per chunk (s - t, or a function of -δ):
+    a handful of [rows, chunk] passes and one exp2 (two for the forward KL). Working with
+    s - t and centred logits rather than raw logits keeps the O(|s|) parts from
+    cancelling for the dominant tokens. Hidden rows are pre-multiplied by 1/T, so
     dW = (dL/ds)^T (h/T) needs no extra scaling and dH, db get one 1/T at the end.
     """
     N, Hs = hs.shape
@@ -624,76 +819,90 @@ def _torch_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, s
     kept = keep.nonzero().squeeze(1)
     n_kept = kept.numel()
     if n_kept > 0 and (g_div is not None or g_lp is not None or g_ent is not None):
-        tchunk = token_chunk if token_chunk and token_chunk > 0 else _TORCH_TOKEN_CHUNK
+        rows_per_block, vchunk = _block_plan(n_kept, V, int(chunk_size or 0),
+                                             int(token_chunk or 0), False)
         inv_t = 1.0 / temperature
-        for r0 in range(0, n_kept, tchunk):
-            rows = kept[r0:r0 + tchunk]
+        wk = _Workspace(rows_per_block, vchunk, dev, cdt)
+        for r0 in range(0, n_kept, rows_per_block):
+            rows = kept[r0:r0 + rows_per_block]
             n = rows.numel()
             hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
             ht_t = ht.index_select(0, rows).to(cdt).mul_(inv_t) if g_div is not None else None
             y = targets.index_select(0, rows).long()
             st = stats.index_select(1, rows).to(cdt)
             lse_s, lse_t, dlse, aux, ent = st[0], st[1], st[2], st[3], st[4]
-            zero = torch.zeros(n, **f)
-            glp = g_lp.index_select(0, rows).to(cdt) if g_lp is not None else zero
-            gh = g_ent.index_select(0, rows).to(cdt) if g_ent is not None else zero
-            gd = g_div.index_select(0, rows).to(cdt) if g_div is not None else zero
-            # per-token coefficients of p ⊙ (A + B ls + C lt)
-            eps = (lse_s - lse_t) - dlse
-            A = -glp - gh * ent
-            B = -gh
-            C = None
+            # per-token coefficients of dL/ds = p ⊙ (A + B ls2 + D X) + g_lp 1[v=y] (+ relu)
+            A = torch.zeros(n, **f)
+            B = D = glp = None
+            if g_lp is not None:
+                glp = g_lp.index_select(0, rows).to(cdt)
+                A -= glp
+            if g_ent is not None:
+                gh = g_ent.index_select(0, rows).to(cdt)
+                A -= gh * ent
+                B = (-_LN2 * gh)[:, None]  # -g_H ls = -g_H ln2 ls2
             if g_div is not None:
-                if div_code == 0:
-                    A = A + gd * (eps - aux)
-                    B = B + gd
-                    C = -gd
-            A, B = A[:, None], B[:, None]
-            has_lp = g_lp is not None
+                gd = g_div.index_select(0, rows).to(cdt)
+                if div_code == 0:  # X = s - t:  g_kl p (X - dlse - KL)
+                    A -= gd * (dlse + aux)
+                    D = gd[:, None]
+                elif div_code == 1:  # X = expm1(min(-δ, 1/2))
+                    D = (-gd)[:, None]
+                else:  # X = -(δ - u)
+                    A -= (1.0 - beta) * gd * aux
+                    D = (-(1.0 - beta) * gd)[:, None]
+            A = A[:, None]
             dh32 = torch.zeros(n, Hs, **f) if need_dh else None
-            vchunk = _default_vchunk(n, V, chunk_size)
             for v0 in range(0, V, vchunk):
                 v1 = min(V, v0 + vchunk)
-                ls = _logits(hs_t, ws, bs, v0, v1, inv_t).sub_(lse_s[:, None])
-                lt = None
-                if g_div is not None:
-                    lt = _logits(ht_t, wt, bt, v0, v1, inv_t).sub_(lse_t[:, None])
-                ds = torch.addcmul(A, B, ls)
-                if C is not None:
-                    ds.addcmul_(C[:, None], lt)
-                if g_div is not None and div_code == 2:
-                    delta = (ls - lt).add_(eps[:, None])
-                    jsd = (delta - _jsd_u(delta, beta)).sub_(aux[:, None]).mul_(((1.0 - beta) * gd)[:, None])
-                    ds.add_(jsd)
-                    del delta, jsd
-                if g_div is not None and div_code == 1:
-                    delta = (ls - lt).add_(eps[:, None])
-                p = ls.exp_()                              # ls <- p
-                ds.mul_(p)
-                if g_div is not None and div_code == 1:
-                    # p - q = -p expm1(-δ): relative precision when q ~ p (computing p and q
-                    # separately would carry each one's normaliser rounding); the plain
-                    # difference where |δ| is large (no cancellation there, no overflow)
-                    small = delta.abs() < 0.5
-                    pq = torch.where(small, torch.expm1(delta.clamp_(-0.5, 0.5).neg_()).mul_(p).neg_(),
-                                     p - lt.exp_())
-                    ds.addcmul_(gd[:, None], pq)
-                    del delta, small, pq
-                if has_lp:
+                c = v1 - v0
+                wc = _weight_chunk(ws, v0, v1, cdt)
+                s = _logits(hs_t, wc, bs, v0, v1, inv_t, wk("s", n, c))
+                X = q = None
+                if D is not None:
+                    t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t,
+                                wk("t", n, c))
+                    X = torch.sub(s, t, out=wk("d", n, c))
+                    if div_code != 0:
+                        X = torch.sub(dlse[:, None], X, out=X)  # -δ
+                    if div_code == 2:
+                        X = _jsd_negw(X, beta)
+                    elif div_code == 1:
+                        if _any(X.amax(1) > 0.5):  # some q > √e p: the relu term is needed
+                            q = _centre2(t, lse_t).exp2_()
+                        X = X.clamp_max_(0.5).expm1_()
+                ls2 = _centre2(s, lse_s)  # log2 p
+                if X is not None:
+                    ds = torch.addcmul(A, D, X, out=X)
+                    if B is not None:
+                        ds.addcmul_(B, ls2)
+                elif B is not None:
+                    ds = torch.addcmul(A, B, ls2, out=wk("d", n, c))
+                else:
+                    ds = None
+                p = ls2.exp2_()
+                if ds is None:
+                    ds = p.mul_(A)  # log-prob gradient only: -g_lp p
+                else:
+                    ds.mul_(p)
+                    if q is not None:
+                        ds.addcmul_(D, q.add_(p, alpha=-_SQRT_E).relu_())
+                del s, ls2, p, X, q
+                if glp is not None:
                     in_c = (y >= v0) & (y < v1)
-                    col = (y - v0).clamp(0, v1 - v0 - 1)[:, None]
+                    col = (y - v0).clamp(0, c - 1)[:, None]
                     ds.scatter_add_(1, col, torch.where(in_c, glp, 0.0)[:, None])
                 if need_dh:
-                    dh32.addmm_(ds, ws[v0:v1].to(cdt))
+                    dh32.addmm_(ds, wc)
                 if need_dw:
                     dw32[v0:v1].addmm_(ds.t(), hs_t)
                 if need_db:
                     db32[v0:v1] += ds.sum(0)
-                del ls, lt, ds, p
+                del ds, wc
             if need_dh:
                 dh.index_copy_(0, rows, dh32.mul_(inv_t).to(dh.dtype))
         if need_db:
-            db32.mul_(1.0 / temperature)
+            db32.mul_(inv_t)
     dw = None if dw32 is None else (dw32 if ws.dtype == cdt else dw32.to(ws.dtype))
     db = None if db32 is None else (db32 if bs.dtype == cdt else db32.to(bs.dtype))
     return dh, dw, db
@@ -788,7 +997,7 @@ def _backward(ctx, g_div, g_lp, g_ent, _g_stats):
             raise RuntimeError(
                 f"the {name} lm_head weight changed shape between forward and backward "
                 f"(now {tuple(w.shape)}): a ZeRO-3/FSDP parameter was re-partitioned. Keep "
-                f"it gathered until the backward has run (see memopd.ops.fused_distill)")
+                f"it gathered until the backward has run (see docs/deepspeed.md §4)")
     need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = bool(need_db and bs is not None)
     if not (need_dh or need_dw or need_db):
@@ -866,7 +1075,9 @@ def fused_linear_distill(
             `ignore_index` are masked too (set ignore_index=None to disable).
         temperature: > 0, divides both student and teacher logits.
         vocab_size: true vocabulary (<= V and <= Vt); required when V != Vt.
-        chunk_size: vocabulary columns per chunk of the PyTorch path (auto if None).
+        chunk_size: vocabulary columns per chunk of the PyTorch path (auto if None; an
+            explicit value < vocab_size also makes the JSD forward walk chunks, in two
+            matmul passes, instead of whole rows). The Triton kernels pick their own tiles.
         token_chunk_size: kept tokens per block (PyTorch path) / rows of the backward
             dlogits scratch (Triton path); auto if None.
         reduction: "mean" (over kept tokens), "sum" or "none" (loss = per-token kl).
