@@ -320,8 +320,9 @@ class Trainer:
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
             if bar is not None:
-                bar.update(1)
+                # the postfix first: a logged progress line then shows this step's figures
                 bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m['train/kl_teacher']:.3f}")
+                bar.update(1)
         if bar is not None:
             bar.close()
         if self._tb is not None:
