@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from _fused_cases import as64, make_inputs
+from _fused_cases import as64, make_inputs, run_aot_compile
 
 _CHILD = os.environ.get("MEMOPD_TRITON_INTERP_CHILD") == "1"
 _TRITON_COMPILED_LOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
@@ -107,23 +107,9 @@ def test_matches_torch_path(seed):
         torch.testing.assert_close(x, y_, rtol=1e-4, atol=1e-6)
 
 
-# The kernels must also compile for a real GPU (sm_90): ahead of time, without a GPU,
-# with Triton's bundled ptxas (the interpreter accepts things nvcc-bound Triton rejects).
-_AOT_SCRIPT = r"""
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+# The kernels must also compile for a real GPU (sm_90), ahead of time (see _fused_cases).
+_AOT_BODY = r"""
 import memopd.kernels.actor_loss as k
-
-def compile_kernel(fn, types, consts, num_warps, num_stages):
-    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    div16 = [i for i, n in enumerate(fn.arg_names) if n not in consts and
-             (sig[n].startswith("*") or n.startswith("stride") or n in ("H", "V", "N"))]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
-                                                                                 num_stages=num_stages))
 
 done = []
 meta = dict(k._logits_meta(False))
@@ -146,15 +132,4 @@ print(json.dumps(done))
 
 
 def test_kernels_compile_for_sm90():
-    pytest.importorskip("triton")
-    try:
-        from triton.backends.nvidia import compiler as _nv  # noqa: F401
-    except Exception as e:  # pragma: no cover - Triton built without the NVIDIA backend
-        pytest.skip(f"no NVIDIA backend in this Triton: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0 and ("ASTSource" in res.stderr and "TypeError" in res.stderr):
-        pytest.skip(f"this Triton's AOT API differs: {res.stderr[-500:]}")
-    assert res.returncode == 0, f"sm_90 compilation failed:\n{res.stderr[-4000:]}"
-    assert "rows-teacher=False" in res.stdout
+    assert "rows-teacher=False" in run_aot_compile(_AOT_BODY)

@@ -195,22 +195,8 @@ def test_triton_matches_torch_path(seed):
 # interpreter cannot show (it accepts e.g. plain Python globals that nvcc-bound
 # Triton rejects). Ahead-of-time compilation needs no GPU, only Triton's bundled ptxas.
 # ----------------------------------------------------------------------------------
-_AOT_SCRIPT = r"""
-import json, os, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_AOT_BODY = r"""
 import memopd.kernels.fused_distill as k
-
-def compile_kernel(fn, types, consts, num_warps, num_stages):
-    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    # the launcher's specialisation for real shapes: 16-aligned pointers and strides
-    div16 = [i for i, n in enumerate(fn.arg_names) if n not in consts and
-             (sig[n].startswith("*") or n.startswith("stride") or n in ("Hs", "Ht", "V", "H", "N"))]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 loss = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16", wt_ptr="*bf16",
             bt_ptr="*bf16", tgt_ptr="*i64", order_ptr="*i32", count_ptr="*i32", div_ptr="*fp32",
@@ -253,19 +239,8 @@ print(json.dumps(done))
 
 
 def test_kernels_compile_for_sm90():
-    pytest.importorskip("triton")
-    try:
-        from triton.backends.nvidia import compiler as _nv  # noqa: F401
-    except Exception as e:  # pragma: no cover - Triton built without the NVIDIA backend
-        pytest.skip(f"no NVIDIA backend in this Triton: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
-    if res.returncode != 0 and ("ASTSource" in res.stderr and "TypeError" in res.stderr):
-        pytest.skip(f"this Triton's AOT API differs: {res.stderr[-500:]}")
-    assert res.returncode == 0, f"sm_90 compilation failed:\n{res.stderr[-4000:]}"
-    assert "_dw_kernel" in res.stdout and "fwd-no-teacher" in res.stdout
+    out = cases.run_aot_compile(_AOT_BODY)
+    assert "_dw_kernel" in out and "fwd-no-teacher" in out
 
 
 # ----------------------------------------------------------------------------------

@@ -185,9 +185,14 @@ def group_for(tensor: torch.Tensor):
 
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of `t` over all ranks, on the group that serves its device."""
+    """In-place all-reduce of `t` over all ranks, on the group that serves its device (a
+    device tensor that no group serves, e.g. CUDA under a gloo-only group, goes through a
+    CPU copy)."""
     if _world() > 1:
-        dist.all_reduce(t, op=op, group=group_for(t))
+        if t.device.type != "cpu" and not _serves(dist.distributed_c10d._get_default_group(), t.device.type):
+            t.copy_(all_reduce(t.cpu(), op))
+        else:
+            dist.all_reduce(t, op=op, group=group_for(t))
     return t
 
 
@@ -340,10 +345,7 @@ class TrainBackend:
         """Sum over ranks (a new tensor; the input is not modified); identity for one rank."""
         if self.world_size == 1:
             return t
-        out = t.detach().clone()
-        if out.device.type != "cpu" and not _serves(dist.distributed_c10d._get_default_group(), out.device.type):
-            return all_reduce(out.cpu()).to(out.device)  # e.g. a gloo-only group on a GPU machine
-        return all_reduce(out)
+        return all_reduce(t.detach().clone())
 
     def all_reduce_max(self, x: float | int) -> float | int:
         """Max of a Python number over ranks (NaN counts as missing; all NaN gives NaN)."""

@@ -36,7 +36,7 @@ from memopd.hf import LMHead, head_of, lm_head_of, packed_forward
 from memopd.layout import PackedBatch
 from memopd.ops import DistillOutput, fused_linear_actor_loss, fused_linear_logprob_entropy, fused_linear_reverse_kl
 
-__all__ = ["Actor", "Critic", "PPOInputs", "Scoring", "token_logprobs", "register_zero3_external_params"]
+__all__ = ["Actor", "Critic", "PPOInputs", "Scoring", "scored_rows", "token_logprobs", "register_zero3_external_params"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ class Scoring:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
 
 
-def _rows(scoring: Scoring, *heads: LMHead) -> int:
+def scored_rows(scoring: Scoring, *heads: LMHead) -> int:
+    """The head rows every distribution is over; every head given must have them."""
     rows = min(int(h.weight.shape[0]) for h in heads)
     v = scoring.vocab_size or int(heads[0].weight.shape[0])
     if v > rows:
@@ -86,7 +87,7 @@ def token_logprobs(lm: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, s
     head = head_of(lm)
     return fused_linear_logprob_entropy(
         hidden, head.weight, targets.to(hidden.device), bias=head.bias,
-        temperature=scoring.temperature / head.scale, vocab_size=_rows(scoring, head),
+        temperature=scoring.temperature / head.scale, vocab_size=scored_rows(scoring, head),
     ).logprobs
 
 
@@ -119,17 +120,17 @@ class Actor(nn.Module):
                 student_bias=head.bias, teacher_bias=tb, kl_mask=ppo.kl_mask, clip_eps=ppo.clip_eps,
                 entropy_coef=ppo.entropy_coef, kl_coef=ppo.kl_coef if th is not None else 0.0,
                 temperature=temperature, normalizer=ppo.normalizer, kl_normalizer=ppo.kl_normalizer,
-                vocab_size=_rows(self.scoring, head, *(() if th is None else (teacher_head,))),
+                vocab_size=scored_rows(self.scoring, head, *(() if th is None else (teacher_head,))),
             )
         if teacher_hidden is None:
             # no teacher: the teacher-less mode of the fused op (no teacher matmuls), KL = 0
             lp = fused_linear_logprob_entropy(h, head.weight, targets, bias=head.bias, temperature=temperature,
-                                              vocab_size=_rows(self.scoring, head))
+                                              vocab_size=scored_rows(self.scoring, head))
             return DistillOutput(lp.logprobs.new_zeros(()), torch.zeros_like(lp.logprobs), lp.logprobs, lp.entropy)
         th, tw, tb = self._teacher_operands(head, teacher_hidden, teacher_head, h.dtype)
         return fused_linear_reverse_kl(
             h, head.weight, th, tw, targets, student_bias=head.bias, teacher_bias=tb, reduction="none",
-            temperature=temperature, vocab_size=_rows(self.scoring, head, teacher_head),
+            temperature=temperature, vocab_size=scored_rows(self.scoring, head, teacher_head),
         )
 
     @staticmethod

@@ -31,11 +31,11 @@ from typing import Sequence
 import torch
 
 from memopd.errors import UserError
-from memopd.hf import LMHead, packed_forward
+from memopd.hf import LMHead, head_of, packed_forward
 from memopd.packing import pack
 from memopd.records import Trajectory
 
-from .modules import Actor, Critic, PPOInputs, token_logprobs
+from .modules import Actor, Critic, PPOInputs, scored_rows, token_logprobs
 from .ppo import gae, policy_loss, token_rewards, value_loss, whiten
 
 __all__ = ["Scored", "UpdateSettings", "score", "update", "entry_offsets", "check_token_ids", "check_sampling"]
@@ -139,7 +139,7 @@ def score(
     """No-grad passes over a rollout batch. Log-probs are under `actor.scoring` (the
     sampling temperature and vocabulary), for the student and the reference alike."""
     models = [m for m in (actor.lm, ref_lm, teacher_lm if teacher_layout else None) if m is not None]
-    check_token_ids(trajs, actor.scoring.vocab_size or int(actor.lm.get_output_embeddings().weight.shape[0]),
+    check_token_ids(trajs, scored_rows(actor.scoring, head_of(actor.lm)),
                     min(int(m.get_input_embeddings().weight.shape[0]) for m in models))
     check_sampling(trajs, actor.scoring.temperature)
     batch = _pack(trajs, max_tokens, action_domain)
@@ -174,17 +174,17 @@ def score(
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """The hyperparameters of one PPO + OPD update (see `TrainConfig` for their meaning)."""
+    """The hyperparameters of one PPO + OPD update (`TrainConfig` holds their meaning and defaults)."""
 
-    ppo_epochs: int = 2
-    minibatches: int = 2
-    max_tokens: int = 4096
-    clip_eps: float = 0.2
-    value_clip: float = 0.2
-    entropy_coef: float = 0.001
-    opd_coef: float = 1.0
+    ppo_epochs: int
+    minibatches: int
+    max_tokens: int
+    clip_eps: float
+    value_clip: float
+    entropy_coef: float
+    opd_coef: float
+    action_domain: str
     whiten_advantages: bool = True
-    action_domain: str = "exact"
 
     @classmethod
     def from_config(cls, cfg) -> "UpdateSettings":

@@ -130,6 +130,24 @@ def _validate(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_
     return temperature, vocab_size
 
 
+def _resolve(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_eps, clip_eps_high, dual_clip,
+             temperature, vocab_size, normalizer, kl_normalizer):
+    """Validated arguments shared by the op and its reference: (clip_high, temperature, V,
+    keep, kl_keep, normalizer, kl_normalizer). The default normalisers are the local kept
+    counts (one host sync on CUDA: pass the global counts instead)."""
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    temperature, V = _validate(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, float(clip_eps),
+                               float(clip_high), dual_clip, temperature, vocab_size)
+    keep = torch.ones(targets.shape[0], dtype=torch.bool, device=hs.device) if mask is None else mask.bool()
+    kl_keep = keep.clone() if kl_mask is None else (kl_mask.bool() & keep)  # distinct tensors for dynamo
+    normalizer = max(float(keep.sum()), 1.0) if normalizer is None else float(normalizer)
+    kl_normalizer = max(float(kl_keep.sum()), 1.0) if kl_normalizer is None else float(kl_normalizer)
+    for name, x in (("normalizer", normalizer), ("kl_normalizer", kl_normalizer)):
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {x}")
+    return float(clip_high), temperature, V, keep, kl_keep, normalizer, kl_normalizer
+
+
 # --------------------------------------------------------------------------- PPO pieces
 
 
@@ -411,21 +429,13 @@ def fused_linear_actor_loss(
     states, weight and bias) and detached per-token `logprobs`, `entropy`, `kl`,
     `ratio`, `clipped`.
     """
-    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
-    temperature, V = _validate(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                               teacher_bias, targets, advantages, old_logprobs, mask, kl_mask, float(clip_eps),
-                               float(clip_high), dual_clip, temperature, vocab_size)
+    clip_high, temperature, V, keep, kl_keep, normalizer, kl_normalizer = _resolve(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
+        advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
+        normalizer, kl_normalizer)
     dev = student_hidden.device
-    keep = torch.ones(targets.shape[0], dtype=torch.bool, device=dev) if mask is None else mask.bool()
-    kl_keep = keep.clone() if kl_mask is None else (kl_mask.bool() & keep)  # distinct tensors for dynamo
     if check_targets is None:
         check_targets = dev.type == "cpu" or os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
-    # the local counts by default (one host sync on CUDA: pass the global counts instead)
-    normalizer = max(float(keep.sum()), 1.0) if normalizer is None else float(normalizer)
-    kl_normalizer = max(float(kl_keep.sum()), 1.0) if kl_normalizer is None else float(kl_normalizer)
-    for name, x in (("normalizer", normalizer), ("kl_normalizer", kl_normalizer)):
-        if not (math.isfinite(x) and x > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {x}")
     grad_on = torch.is_grad_enabled()
     need = (grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad,
             grad_on and student_bias is not None and student_bias.requires_grad)
@@ -433,7 +443,7 @@ def fused_linear_actor_loss(
     loss, stats = _ActorLoss.apply(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
         targets.contiguous(), advantages.detach().contiguous(), old_logprobs.detach().contiguous(), keep.contiguous(),
-        kl_keep.contiguous(), float(clip_eps), float(clip_high), float(dual_clip or 0.0), float(entropy_coef),
+        kl_keep.contiguous(), float(clip_eps), clip_high, float(dual_clip or 0.0), float(entropy_coef),
         float(kl_coef), temperature, V, normalizer, kl_normalizer, need[0], need[1], need[2],
         int(token_chunk_size or 0), backend, bool(check_targets))
     stats = stats.detach()
@@ -469,16 +479,11 @@ def reference_actor_loss(
 ) -> ActorLossOutput:
     """The same loss the naive way: full [N, V] logits, log_softmax, autograd (float64 with
     float64 inputs or `compute_dtype=torch.float64`)."""
-    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
-    temperature, V = _validate(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                               teacher_bias, targets, advantages, old_logprobs, mask, kl_mask, float(clip_eps),
-                               float(clip_high), dual_clip, temperature, vocab_size)
+    clip_high, temperature, V, keep, kl_keep, norm, kl_norm = _resolve(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
+        advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
+        normalizer, kl_normalizer)
     cd = compute_dtype or (torch.float64 if student_hidden.dtype == torch.float64 else torch.float32)
-    N = student_hidden.shape[0]
-    keep = torch.ones(N, dtype=torch.bool, device=student_hidden.device) if mask is None else mask.bool()
-    kl_keep = keep if kl_mask is None else (kl_mask.bool() & keep)
-    norm = max(float(keep.sum()), 1.0) if normalizer is None else float(normalizer)
-    kl_norm = max(float(kl_keep.sum()), 1.0) if kl_normalizer is None else float(kl_normalizer)
 
     def logits(h, w, b):
         z = h.to(cd) @ w[:V].to(cd).T
