@@ -195,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     debug = _debug_requested(argv)
     no_library_bars_in_logs()  # stderr to a file: no library progress bars either
     prog = "memopd" + (f" {argv[0]}" if argv and not argv[0].startswith("-") else "")
+    ok = False
     try:
-        return _dispatch(argv)
+        code = _dispatch(argv)
+        ok = True
+        return code
     except UserError as e:
         if debug:
             traceback.print_exc()
@@ -217,6 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: internal error ({type(e).__name__}): this is a bug in memopd; "
               "please report it with the traceback above", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        _end_process_group(orderly=ok)
+
+
+def _end_process_group(orderly: bool) -> None:
+    """Under torchrun, `train` and `compare` join a process group: end it before exit."""
+    if "torch" not in sys.modules or "memopd.trainer.backend" not in sys.modules:
+        return  # nothing distributed was started (and importing torch here would cost seconds)
+    from memopd.trainer.backend import shutdown_distributed
+
+    shutdown_distributed(orderly=orderly)
 
 
 def _dispatch(argv: list[str]) -> int:

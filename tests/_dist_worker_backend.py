@@ -102,13 +102,14 @@ def run_scenario(name: str, out: str) -> dict:
 def main() -> None:
     out = sys.argv[1]
     names = sys.argv[2:] or list(SCENARIOS)
-    from memopd.trainer.backend import init_distributed
+    from memopd.trainer.backend import init_distributed, shutdown_distributed
 
     info = init_distributed()
     results = {name: run_scenario(name, out) for name in names}
     if info.rank == 0:
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

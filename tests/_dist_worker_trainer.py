@@ -93,14 +93,9 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     for name in names:
         run_scenario(name, out, action_domain)
-    import torch.distributed as dist
+    from memopd.trainer.backend import shutdown_distributed
 
-    if dist.is_initialized():
-        # an orderly shutdown: gloo groups left to the interpreter's exit can abort a rank
-        from memopd.trainer.backend import barrier
-
-        barrier()
-        dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

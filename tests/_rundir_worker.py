@@ -43,7 +43,7 @@ def dist(out: str) -> None:
     import torch
 
     from memopd.errors import RunDirError
-    from memopd.trainer.backend import init_distributed
+    from memopd.trainer.backend import init_distributed, shutdown_distributed
     from memopd.trainer.config import TrainConfig
     from memopd.trainer.loop import Trainer
 
@@ -78,6 +78,7 @@ def dist(out: str) -> None:
     resumed = make("b").fit(resume=True)
     with open(os.path.join(out, f"rank{info.rank}.json"), "w") as f:
         json.dump({"world_size": info.world_size, "full": full, "resumed": resumed, "refused": refused}, f)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

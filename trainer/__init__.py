@@ -13,7 +13,7 @@ import importlib
 _LAZY = {
     "TrainConfig": "config", "ARMS": "config", "ConfigError": "config",
     "Trainer": "loop", "train": "loop", "prepare": "loop",
-    "make_backend": "backend", "init_distributed": "backend", "TrainBackend": "backend",
+    "make_backend": "backend", "init_distributed": "backend", "shutdown_distributed": "backend", "TrainBackend": "backend",
     "Actor": "modules", "Critic": "modules", "Scoring": "modules",
     "score": "update", "Scored": "update", "PPOInputs": "modules",
     "gae": "ppo", "policy_loss": "ppo", "value_loss": "ppo", "token_rewards": "ppo", "whiten": "ppo",

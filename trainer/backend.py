@@ -33,6 +33,7 @@ __all__ = [
     "DistInfo",
     "make_backend",
     "init_distributed",
+    "shutdown_distributed",
     "all_reduce",
     "broadcast",
     "barrier",
@@ -116,6 +117,23 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     )
     _init_cpu_group()
     return DistInfo(rank, world_size, local_rank, backend)
+
+
+def shutdown_distributed(*, orderly: bool = True) -> None:
+    """Destroy every process group this process holds (no-op without one).
+
+    A gloo group left for the interpreter's exit to tear down can abort a rank with
+    "terminate called without an active exception" after all work is done, failing a
+    finished run. `orderly` first waits for all ranks (skip it on an error path, where
+    the other ranks may never arrive).
+    """
+    global _CPU_GROUP
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if orderly:
+        barrier()
+    dist.destroy_process_group()  # all groups, the CPU side group included
+    _CPU_GROUP = None
 
 
 def _free_port() -> int:
