@@ -17,38 +17,44 @@ by the same device-side compaction as the distillation kernels: no host sync):
 
 So a training call is 4 lm_head-sized matmuls (3 without a teacher) and the backward
 only scales the stored gradients. The scratch is bounded by MEMOPD_DISTILL_SCRATCH_MB
-per buffer (default 512 MiB), never [N, V].
+per buffer (default 512 MiB), never [N, V]. Statistic rows follow `ActorStat` of
+`memopd.ops._protocol`; interpreter, precision and tiling policy `memopd.kernels.runtime`.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from memopd.ops._protocol import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
+
 from .fused_distill import (
-    _NEG,
     _compaction,
     _dh_kernel,
     _dw_kernel,
     _expm1_small,
     _gemm_meta,
-    _ieee,
     _log1p_small,
     _logits_tile,
-    _upcast,
-    INTERPRET,
     default_token_chunk,
 )
+from .runtime import INTERPRET, NEG, dot_precision, or_dummy, upcast
 
-PRECISE_LIMIT = 30.0  # as memopd.ops.actor_loss: a' above this uses the plain lse difference
-STAT_ROWS = 5  # logprob, entropy, kl, ratio, clipped
+# ActorStat rows as constexprs (compiled Triton reads only constexpr globals in kernels)
+_LOGPROB = tl.constexpr(int(ActorStat.LOGPROB))
+_ENTROPY = tl.constexpr(int(ActorStat.ENTROPY))
+_KL = tl.constexpr(int(ActorStat.KL))
+_RATIO = tl.constexpr(int(ActorStat.RATIO))
+_CLIPPED = tl.constexpr(int(ActorStat.CLIPPED))
 
 
 @triton.jit
 def _scaled_logits_kernel(
     h_ptr, w_ptr, b_ptr, order_ptr, count_ptr, out_ptr,
     H, V, c0, n_rows, stride_h, stride_w, stride_out, inv_temp,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[i, v] = (h[order[c0 + i]] @ w[v] + b[v]) / T for the kept rows of the chunk."""
@@ -63,7 +69,7 @@ def _scaled_logits_kernel(
     col_ok = cols < V
     k_end = tl.where(c0 + pid_n * BLOCK_N < count, H, 0)
     acc = _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w, k_end,
-                       HAS_BIAS, UPCAST, IEEE, BLOCK_N, BLOCK_V, BLOCK_K)
+                       HAS_BIAS, UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
     out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out, acc * inv_temp, mask=in_chunk[:, None] & col_ok[None, :])
 
@@ -85,14 +91,14 @@ def _actor_rows_kernel(
     v_end = tl.where(active, V, 0)
     offs = tl.arange(0, BLOCK_V)
     # sweep 1: maxima
-    m_s = tl.full([BLOCK_V], _NEG, tl.float32)
-    m_t = tl.full([BLOCK_V], _NEG, tl.float32)
+    m_s = tl.full([BLOCK_V], NEG, tl.float32)
+    m_t = tl.full([BLOCK_V], NEG, tl.float32)
     for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + offs
         ok = cols < V
-        m_s = tl.maximum(m_s, tl.load(srow + cols, mask=ok, other=_NEG))
+        m_s = tl.maximum(m_s, tl.load(srow + cols, mask=ok, other=NEG))
         if HAS_TEACHER:
-            m_t = tl.maximum(m_t, tl.load(trow + cols, mask=ok, other=_NEG))
+            m_t = tl.maximum(m_t, tl.load(trow + cols, mask=ok, other=NEG))
     ms = tl.max(m_s, 0)
     mt = tl.max(m_t, 0)
     # sweep 2: sums with the maxima known (s' = s - max s, t' = t - max t, a' = s' - t')
@@ -101,7 +107,7 @@ def _actor_rows_kernel(
     z_t = tl.zeros([BLOCK_V], tl.float32)
     e_pa = tl.zeros([BLOCK_V], tl.float32)
     r_q = tl.zeros([BLOCK_V], tl.float32)
-    a_mx = tl.full([BLOCK_V], _NEG, tl.float32)
+    a_mx = tl.full([BLOCK_V], NEG, tl.float32)
     for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + offs
         ok = cols < V
@@ -120,7 +126,7 @@ def _actor_rows_kernel(
             small = tl.abs(a_c) < 1.0
             em1 = tl.where(small, _expm1_small(tl.where(small, a_c, 0.0)), tl.exp(a_c) - 1.0)
             r_q += et * em1
-            a_mx = tl.maximum(a_mx, tl.where(ok, a, _NEG))
+            a_mx = tl.maximum(a_mx, tl.where(ok, a, NEG))
     zs = tl.sum(z_s, 0)
     log_zs = tl.log(tl.where(active, zs, 1.0))
     ent = log_zs - tl.sum(a_s, 0) / tl.where(active, zs, 1.0)
@@ -159,11 +165,11 @@ def _actor_rows_kernel(
     part = pg * inv_norm + g_h * ent + g_kl * kl
     # an inactive program's row is a masked token: it gets the neutral values
     tl.store(part_ptr + row, tl.where(active, part, 0.0))
-    tl.store(stats_ptr + row, tl.where(active, lp, 0.0))
-    tl.store(stats_ptr + N + row, tl.where(active, ent, 0.0))
-    tl.store(stats_ptr + 2 * N + row, tl.where(active, kl, 0.0))
-    tl.store(stats_ptr + 3 * N + row, tl.where(active, ratio, 1.0))
-    tl.store(stats_ptr + 4 * N + row, tl.where(active & clipped, 1.0, 0.0))
+    tl.store(stats_ptr + _LOGPROB * N + row, tl.where(active, lp, 0.0))
+    tl.store(stats_ptr + _ENTROPY * N + row, tl.where(active, ent, 0.0))
+    tl.store(stats_ptr + _KL * N + row, tl.where(active, kl, 0.0))
+    tl.store(stats_ptr + _RATIO * N + row, tl.where(active, ratio, 1.0))
+    tl.store(stats_ptr + _CLIPPED * N + row, tl.where(active & clipped, 1.0, 0.0))
     if NEED_GRAD:
         # sweep 3: dL/dlogits = [p (A + B log p + g_kl a') + g_pg 1[v = y]] / T, in place;
         # rows of masked tokens are zeroed (the GEMMs and the bias sum read them)
@@ -199,25 +205,27 @@ def _logits_meta(fp32: bool):
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def _scaled_logits(h, w, b, order, count, out, c0, n_rows, V, inv_t):
-    fp32 = h.dtype == torch.float32
-    meta = _logits_meta(fp32)
+def _scaled_logits(head: LinearHead, order, count, out, c0, n_rows, V, inv_t):
+    h, w, b = head.hidden, head.weight, head.bias
+    meta = _logits_meta(h.dtype == torch.float32)
     grid = (triton.cdiv(n_rows, meta["BLOCK_N"]), triton.cdiv(V, meta["BLOCK_V"]))
     _scaled_logits_kernel[grid](
-        h, w, b if b is not None else w, order, count, out,
+        h, w, or_dummy(b, w), order, count, out,
         h.shape[1], V, c0, n_rows, h.stride(0), w.stride(0), out.stride(0), inv_t,
-        HAS_BIAS=b is not None, UPCAST=_upcast(h.dtype, w.dtype), IEEE=_ieee(h.dtype), **meta,
+        HAS_BIAS=b is not None, UPCAST=upcast(h.dtype, w.dtype), PREC=dot_precision(h.dtype), **meta,
     )
 
 
-def actor_loss_forward(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high, dual_clip,
-                       entropy_coef, kl_coef, temperature, V, normalizer, kl_normalizer, need_grad, token_chunk):
-    """Same contract as the PyTorch path: (loss, stats [5, N], dh | None, dw32 | None, db32 | None)."""
+def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targets, adv, old_lp, keep, kl_keep,
+                       params: ActorLossParams, need_grad: tuple, token_chunk: int):
+    """Same contract as the PyTorch path: (loss, stats [len(ActorStat), N], dh | None, dw32 | None, db32 | None)."""
+    hs, ws = student.hidden, student.weight
+    V = params.vocab_size
     N, Hs = hs.shape
     dev = hs.device
     need_dh, need_dw, need_db = need_grad
-    stats = torch.zeros((STAT_ROWS, N), device=dev, dtype=torch.float32)
-    stats[3] = 1.0
+    stats = torch.zeros((len(ActorStat), N), device=dev, dtype=torch.float32)
+    stats[ActorStat.RATIO] = 1.0
     part = torch.zeros(N, device=dev, dtype=torch.float32)
     dh = torch.empty_like(hs) if need_dh else None
     dw32 = torch.zeros(ws.shape, device=dev, dtype=torch.float32) if need_dw else None
@@ -228,32 +236,34 @@ def actor_loss_forward(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_ke
     chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, V, 4)
     chunk = min(chunk, N)
     s_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32)
-    t_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32) if ht is not None else s_buf
-    inv_t = 1.0 / temperature
+    t_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32) if teacher is not None else s_buf
+    inv_t = 1.0 / params.temperature
     any_grad = need_dh or need_dw or need_db
-    gm = _gemm_meta(_ieee(ws.dtype))
-    upcast = _upcast(hs.dtype, ws.dtype)
+    gemm_prec = dot_precision(ws.dtype)
+    gm = _gemm_meta(gemm_prec == "ieee")
+    gemm_upcast = upcast(hs.dtype, ws.dtype)
     for c0 in range(0, N, chunk):
         n_rows = min(chunk, N - c0)
-        _scaled_logits(hs, ws, bs, order, count, s_buf, c0, n_rows, V, inv_t)
-        if ht is not None:
-            _scaled_logits(ht, wt, bt, order, count, t_buf, c0, n_rows, V, inv_t)
+        _scaled_logits(student, order, count, s_buf, c0, n_rows, V, inv_t)
+        if teacher is not None:
+            _scaled_logits(teacher, order, count, t_buf, c0, n_rows, V, inv_t)
         _actor_rows_kernel[(n_rows,)](
             s_buf, t_buf, targets, adv, old_lp, kl_keep, order, count, stats, part,
             N, V, c0, s_buf.stride(0), t_buf.stride(0),
-            float(clip_low), float(clip_high), float(dual_clip or 0.0), -float(entropy_coef) / normalizer,
-            float(kl_coef) / kl_normalizer, 1.0 / normalizer, inv_t, PRECISE_LIMIT,
-            HAS_TEACHER=ht is not None, DUAL=dual_clip is not None, NEED_GRAD=any_grad, BLOCK_V=_rows_block(V),
-            **_ROWS_LAUNCH,
+            float(params.clip_low), float(params.clip_high), float(params.dual_clip or 0.0),
+            -float(params.entropy_coef) / params.normalizer, float(params.kl_coef) / params.kl_normalizer,
+            1.0 / params.normalizer, inv_t, PRECISE_LIMIT,
+            HAS_TEACHER=teacher is not None, DUAL=params.dual_clip is not None, NEED_GRAD=any_grad,
+            BLOCK_V=_rows_block(V), **_ROWS_LAUNCH,
         )
         if need_dh:
             grid_h = (triton.cdiv(n_rows, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
             _dh_kernel[grid_h](s_buf, ws, order, count, dh, V, Hs, c0, n_rows, s_buf.stride(0), ws.stride(0),
-                               dh.stride(0), UPCAST=upcast, IEEE=_ieee(ws.dtype), **gm)
+                               dh.stride(0), UPCAST=gemm_upcast, PREC=gemm_prec, **gm)
         if need_dw:
             grid_w = (triton.cdiv(V, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
             _dw_kernel[grid_w](s_buf, hs, order, count, dw32, V, Hs, c0, n_rows, s_buf.stride(0), hs.stride(0),
-                               dw32.stride(0), UPCAST=upcast, IEEE=_ieee(ws.dtype), **gm)
+                               dw32.stride(0), UPCAST=gemm_upcast, PREC=gemm_prec, **gm)
         if need_db:
             db32[:V] += s_buf[:n_rows].sum(0)
     return part.sum(), stats, dh, dw32, db32

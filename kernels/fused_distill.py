@@ -49,49 +49,44 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   autotune list), and the backward runs with HAS_GDIV=False, which already compiles
   out the teacher tile of `_distill_dlogits_kernel`.
 
-Written for H100/H200: bf16 (or fp16) tiles into `tl.dot`, fp32 accumulation,
-BLOCK sizes 64..128, `@triton.autotune` only when a real GPU driver is present. fp32
-inputs use `input_precision="ieee"` (no silent TF32). Under `TRITON_INTERPRET=1` bf16
-arithmetic is unreliable, so loads are upcast to fp32 there (the UPCAST constexpr).
-Only plain pointer arithmetic is used (no block pointers) so the same source runs on
-Triton 3.4 .. 3.9.
+Written for H100/H200: bf16 (or fp16) tiles into `tl.dot`, fp32 accumulation, BLOCK
+sizes 64..128; autotuning, dot precision and the interpreter's upcast follow
+`memopd.kernels.runtime`. Statistic rows, partial rows and divergence codes are those of
+`memopd.ops._protocol`. Only plain pointer arithmetic is used (no block pointers) so the
+same source runs on Triton 3.4 .. 3.9.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from memopd.ops._protocol import Divergence, DistillParams, DistillStat, LinearHead, Partial, head_tensors
 
-# Divergence codes shared with memopd.ops.fused_distill.
-REVERSE_KL, FORWARD_KL, JSD = 0, 1, 2
+from .runtime import INTERPRET, NEG, USE_AUTOTUNE, dot_precision, or_dummy, upcast
 
-# Stats rows saved by the forward for the backward ([5, N] fp32, one contiguous row each;
-# built by memopd.ops.fused_distill from the merged online statistics).
-STAT_LSE_S, STAT_LSE_T, STAT_DLSE, STAT_AUX, STAT_ENT = range(5)
-NUM_STATS = 5
-
-# Finite "minus infinity" so that (m_old - m_new) * 0 stays 0, never NaN. A constexpr:
-# compiled Triton refuses plain Python globals inside kernels (the interpreter does not).
-_NEG = tl.constexpr(-1.0e30)
-
-
-def _gpu_driver_present() -> bool:
-    """True only with a real GPU driver (autotune and driver queries crash without one)."""
-    if INTERPRET:
-        return False
-    try:
-        if not torch.cuda.is_available():
-            return False
-        return triton.runtime.driver.active.get_current_target() is not None
-    except Exception:  # no driver, no device, or an old Triton without the query
-        return False
-
-
-AUTOTUNE = _gpu_driver_present()
+# Protocol values as constexprs: compiled Triton reads only constexpr globals in kernels.
+_REVERSE_KL = tl.constexpr(int(Divergence.REVERSE_KL))
+_FORWARD_KL = tl.constexpr(int(Divergence.FORWARD_KL))
+_LSE_S = tl.constexpr(int(DistillStat.LSE_S))
+_LSE_T = tl.constexpr(int(DistillStat.LSE_T))
+_DLSE = tl.constexpr(int(DistillStat.DLSE))
+_AUX = tl.constexpr(int(DistillStat.AUX))
+_ENTROPY = tl.constexpr(int(DistillStat.ENTROPY))
+NUM_PART = len(Partial)
+_P_M_S = tl.constexpr(int(Partial.M_S))
+_P_Z_S = tl.constexpr(int(Partial.Z_S))
+_P_A_S = tl.constexpr(int(Partial.A_S))
+_P_M_T = tl.constexpr(int(Partial.M_T))
+_P_Z_T = tl.constexpr(int(Partial.Z_T))
+_P_E_D = tl.constexpr(int(Partial.E_D))
+_P_M_J = tl.constexpr(int(Partial.M_J))
+_P_ZT_J = tl.constexpr(int(Partial.ZT_J))
+_P_DZ_J = tl.constexpr(int(Partial.DZ_J))
+_P_S_Y = tl.constexpr(int(Partial.S_Y))
 
 
 # ----------------------------------------------------------------------------------
@@ -134,7 +129,7 @@ def _jsd_u(delta, beta):
 
 @triton.jit
 def _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w,
-                 k_end, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                 k_end, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """Raw logits tile h[rows] @ w[cols]^T (+ b[cols]) in fp32, [BLOCK_N, BLOCK_V]."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
@@ -150,10 +145,7 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h,
         if UPCAST:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(h, tl.trans(w), acc)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + b[None, :]
@@ -163,15 +155,12 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h,
 # ----------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------
-NUM_PART = 10  # m_s, z_s, a_s, m_t, z_t, e_d, m_j, zt_j, dz_j, s_y  (per split, per row)
-
-
 @triton.jit
 def _distill_fwd_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr, order_ptr, count_ptr, part_ptr,
     N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, DIV: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr, HAS_TEACHER: tl.constexpr,
+    PREC_S: tl.constexpr, PREC_T: tl.constexpr, HAS_TEACHER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Online statistics of one token block over one vocabulary split.
@@ -202,14 +191,14 @@ def _distill_fwd_kernel(
     ks_end = tl.where(active, Hs, 0)
     kt_end = tl.where(active, Ht, 0)
 
-    m_s = tl.full([BLOCK_N], _NEG, tl.float32)   # running max of s
+    m_s = tl.full([BLOCK_N], NEG, tl.float32)   # running max of s
     z_s = tl.zeros([BLOCK_N], tl.float32)        # sum exp(s - m_s)
     a_s = tl.zeros([BLOCK_N], tl.float32)        # sum exp(s - m_s) * (s - m_s)  (entropy)
-    m_t = tl.full([BLOCK_N], _NEG, tl.float32)
+    m_t = tl.full([BLOCK_N], NEG, tl.float32)
     z_t = tl.zeros([BLOCK_N], tl.float32)
     e_d = tl.zeros([BLOCK_N], tl.float32)        # sum exp(s - m_s) * d  (reverse, JSD) or
                                                  # sum exp(t - m_t) * d  (forward)
-    m_j = tl.full([BLOCK_N], _NEG, tl.float32)   # joint max of s and t
+    m_j = tl.full([BLOCK_N], NEG, tl.float32)   # joint max of s and t
     zt_j = tl.zeros([BLOCK_N], tl.float32)       # sum exp(t - m_j)
     dz_j = tl.zeros([BLOCK_N], tl.float32)       # sum exp(s - m_j) - exp(t - m_j)
     s_y = tl.zeros([BLOCK_N], tl.float32)
@@ -221,8 +210,8 @@ def _distill_fwd_kernel(
         # Student tile first, folded into the student-only sums before the teacher tile
         # is computed: only the shifted tile `sc` stays live across the teacher's K-loop.
         s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
-                         stride_ws, ks_end, HAS_BS, UPCAST, IEEE_S, BLOCK_N, BLOCK_V, BLOCK_K)
-        s = tl.where(valid, s * inv_temp, _NEG)
+                         stride_ws, ks_end, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
+        s = tl.where(valid, s * inv_temp, NEG)
         s_y += tl.sum(tl.where(cols[None, :] == y[:, None], s, 0.0), axis=1)
         m_s_new = tl.maximum(m_s, tl.max(s, axis=1))
         alpha_s = tl.exp(m_s - m_s_new)
@@ -233,8 +222,8 @@ def _distill_fwd_kernel(
 
         if HAS_TEACHER:
             t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
-                             stride_wt, kt_end, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
-            t = tl.where(valid, t * inv_temp, _NEG)
+                             stride_wt, kt_end, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
+            t = tl.where(valid, t * inv_temp, NEG)
             m_t_new = tl.maximum(m_t, tl.max(t, axis=1))
             alpha_t = tl.exp(m_t - m_t_new)
             tc = t - m_t_new[:, None]
@@ -244,7 +233,7 @@ def _distill_fwd_kernel(
             # d = s - t from the shifted tiles (0 on padded columns)
             d = tl.where(valid, (sc - tc) + (m_s_new - m_t_new)[:, None], 0.0)
             es = tl.exp(sc)  # recomputed rather than kept live across the teacher dot
-            if DIV == 1:
+            if DIV == _FORWARD_KL:
                 e_d = alpha_t * e_d + tl.sum(et * d, axis=1)
             else:
                 e_d = alpha_s * e_d + tl.sum(es * d, axis=1)
@@ -263,20 +252,20 @@ def _distill_fwd_kernel(
 
         m_s = m_s_new
 
-    # part[stat, split, row]
+    # part[Partial row, split, token]
     base = part_ptr + pid_s * N + rows64
     step = n_split * N
-    tl.store(base + 0 * step, m_s, mask=in_range)
-    tl.store(base + 1 * step, z_s, mask=in_range)
-    tl.store(base + 2 * step, a_s, mask=in_range)
+    tl.store(base + _P_M_S * step, m_s, mask=in_range)
+    tl.store(base + _P_Z_S * step, z_s, mask=in_range)
+    tl.store(base + _P_A_S * step, a_s, mask=in_range)
     if HAS_TEACHER:
-        tl.store(base + 3 * step, m_t, mask=in_range)
-        tl.store(base + 4 * step, z_t, mask=in_range)
-        tl.store(base + 5 * step, e_d, mask=in_range)
-        tl.store(base + 6 * step, m_j, mask=in_range)
-        tl.store(base + 7 * step, zt_j, mask=in_range)
-        tl.store(base + 8 * step, dz_j, mask=in_range)
-    tl.store(base + 9 * step, s_y, mask=in_range)
+        tl.store(base + _P_M_T * step, m_t, mask=in_range)
+        tl.store(base + _P_Z_T * step, z_t, mask=in_range)
+        tl.store(base + _P_E_D * step, e_d, mask=in_range)
+        tl.store(base + _P_M_J * step, m_j, mask=in_range)
+        tl.store(base + _P_ZT_J * step, zt_j, mask=in_range)
+        tl.store(base + _P_DZ_J * step, dz_j, mask=in_range)
+    tl.store(base + _P_S_Y * step, s_y, mask=in_range)
 
 
 @triton.jit
@@ -284,7 +273,7 @@ def _jsd_pass_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, order_ptr, count_ptr, stats_ptr, part_ptr,
     N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp, beta,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr,
+    PREC_S: tl.constexpr, PREC_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Second JSD pass: partial KL(p || M) and KL(q || M) per split, once lse_s, lse_t are known."""
@@ -297,9 +286,9 @@ def _jsd_pass_kernel(
     row_ok = pos < count
     rows = tl.load(order_ptr + pos, mask=in_range, other=0)
     rows64 = rows.to(tl.int64)
-    lse_s = tl.load(stats_ptr + 0 * N + rows64, mask=row_ok, other=0.0)
-    lse_t = tl.load(stats_ptr + 1 * N + rows64, mask=row_ok, other=0.0)
-    dlse = tl.load(stats_ptr + 2 * N + rows64, mask=row_ok, other=0.0)
+    lse_s = tl.load(stats_ptr + _LSE_S * N + rows64, mask=row_ok, other=0.0)
+    lse_t = tl.load(stats_ptr + _LSE_T * N + rows64, mask=row_ok, other=0.0)
+    dlse = tl.load(stats_ptr + _DLSE * N + rows64, mask=row_ok, other=0.0)
     v_lo = pid_s * v_per_split
     v_hi = tl.minimum(v_lo + v_per_split, V)
     active = pid * BLOCK_N < count
@@ -311,9 +300,9 @@ def _jsd_pass_kernel(
         col_ok = cols < v_hi
         valid = col_ok[None, :]
         s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
-                         stride_ws, Hs, HAS_BS, UPCAST, IEEE_S, BLOCK_N, BLOCK_V, BLOCK_K)
+                         stride_ws, Hs, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
         t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
-                         stride_wt, Ht, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
+                         stride_wt, Ht, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
         s = s * inv_temp
         t = t * inv_temp
         p = tl.where(valid, tl.exp(s - lse_s[:, None]), 0.0)
@@ -337,7 +326,7 @@ def _distill_dlogits_kernel(
     N, Hs, Ht, V, c0, n_rows, stride_hs, stride_ws, stride_ht, stride_wt, stride_out,
     inv_temp, beta,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, DIV: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE_S: tl.constexpr, IEEE_T: tl.constexpr,
+    PREC_S: tl.constexpr, PREC_T: tl.constexpr,
     HAS_GDIV: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -358,9 +347,9 @@ def _distill_dlogits_kernel(
     valid = col_ok[None, :]
 
     s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
-                     stride_ws, ks_end, HAS_BS, UPCAST, IEEE_S, BLOCK_N, BLOCK_V, BLOCK_K)
+                     stride_ws, ks_end, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
     s = s * inv_temp
-    lse_s = tl.load(stats_ptr + 0 * N + rows64, mask=row_ok, other=0.0)
+    lse_s = tl.load(stats_ptr + _LSE_S * N + rows64, mask=row_ok, other=0.0)
     ls = s - lse_s[:, None]
     p = tl.where(valid, tl.exp(ls), 0.0)
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
@@ -371,23 +360,23 @@ def _distill_dlogits_kernel(
         acc += g_lp[:, None] * (onehot - p)
     if HAS_GENT:
         g_h = tl.load(gent_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
-        ent = tl.load(stats_ptr + 4 * N + rows64, mask=row_ok, other=0.0)
+        ent = tl.load(stats_ptr + _ENTROPY * N + rows64, mask=row_ok, other=0.0)
         acc -= g_h[:, None] * p * tl.where(valid, ls + ent[:, None], 0.0)
     if HAS_GDIV:
         g_d = tl.load(gdiv_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
-                         stride_wt, kt_end, HAS_BT, UPCAST, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
+                         stride_wt, kt_end, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
         t = t * inv_temp
-        dlse = tl.load(stats_ptr + 2 * N + rows64, mask=row_ok, other=0.0)
-        aux = tl.load(stats_ptr + 3 * N + rows64, mask=row_ok, other=0.0)
-        if DIV == 0:
+        dlse = tl.load(stats_ptr + _DLSE * N + rows64, mask=row_ok, other=0.0)
+        aux = tl.load(stats_ptr + _AUX * N + rows64, mask=row_ok, other=0.0)
+        if DIV == _REVERSE_KL:
             # d KL(p||q) / ds_v = p_v * ((ls_v - lt_v) - KL)
             delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
             acc += g_d[:, None] * p * (delta - aux[:, None])
-        elif DIV == 1:
+        elif DIV == _FORWARD_KL:
             # d KL(q||p) / ds_v = p_v - q_v = -p_v expm1(-δ_v): relative precision when
             # q ~ p; the plain difference where |δ| is large (no cancellation, no overflow)
-            lse_t = tl.load(stats_ptr + 1 * N + rows64, mask=row_ok, other=0.0)
+            lse_t = tl.load(stats_ptr + _LSE_T * N + rows64, mask=row_ok, other=0.0)
             q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
             delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
             small = tl.abs(delta) < 0.5
@@ -407,7 +396,7 @@ def _distill_dlogits_kernel(
 def _dh_kernel(
     g_ptr, w_ptr, order_ptr, count_ptr, dh_ptr,
     V, H, c0, n_rows, stride_g, stride_w, stride_dh,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dH[order[c0 + i]] = dlogits[i] @ W  (rows of masked tokens get zeros)."""
@@ -433,10 +422,7 @@ def _dh_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a.to(b.dtype), b, acc)
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
     tl.store(dh_ptr + rows[:, None] * stride_dh + hh[None, :], acc.to(dh_ptr.dtype.element_ty),
              mask=in_chunk[:, None] & h_ok[None, :])
 
@@ -445,7 +431,7 @@ def _dh_kernel(
 def _dw_kernel(
     g_ptr, h_ptr, order_ptr, count_ptr, dw_ptr,
     V, H, c0, n_rows, stride_g, stride_h, stride_dw,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dW32[v] += sum_i dlogits[i, v] * h[order[c0 + i]]  (fp32 buffer, fixed order)."""
@@ -471,10 +457,7 @@ def _dw_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(tl.trans(a.to(b.dtype)), b, acc)
+        acc = tl.dot(tl.trans(a.to(b.dtype)), b, acc, input_precision=PREC)
     out = dw_ptr + vv.to(tl.int64)[:, None] * stride_dw + hh[None, :]
     omask = v_ok[:, None] & h_ok[None, :]
     prev = tl.load(out, mask=omask, other=0.0)
@@ -490,14 +473,10 @@ def _cfg(bn, bv, bk, warps, stages):
 
 
 # Two [BLOCK_N, BLOCK_V] fp32 tiles (student, teacher) plus the online statistics are
-# live at once. These lists were checked by compiling every kernel variant for sm_90
-# (ptxas resource usage, with the 16-divisibility hints the launcher gives for real
-# shapes): the 16-bit KL lists do not spill at all with the ptxas of that check (a
-# later ptxas, CUDA 13.4 for sm_90a, reports 8 bytes of spill for the 64x64 / 4-warp
-# forward: autotune weighs it on a real GPU); a 128x128 forward tile does (over
-# 1 KB of stack per thread) and is only offered to the KL dlogits kernel. The JSD
-# (three-way log/exp per entry) needs 8 warps on 64x64 tiles or narrower; fp32 inputs
-# use FMA "ieee" dots, which need small tiles (a few bytes of spill remain there).
+# live at once, which bounds the tiles by register spills: a 128x128 tile is offered only
+# to the KL dlogits kernel, the JSD (three-way log/exp per entry) needs 8 warps on 64x64
+# tiles or narrower, and fp32 "ieee" dots need small tiles. The sm_90 resource checks
+# behind these lists are in docs/design.md §6.2.
 _KL16_CONFIGS = [
     _cfg(64, 64, 64, 4, 3),
     _cfg(64, 64, 64, 8, 3),
@@ -515,9 +494,8 @@ _FP32_CONFIGS = [
     _cfg(64, 64, 32, 8, 2),
     _cfg(32, 64, 32, 4, 2),
 ]
-# The teacher-less forward (HAS_TEACHER=False) keeps one tile live: with the ptxas of
-# CUDA 13.4 (Triton 3.9's ptxas-blackwell) for sm_90a, 64x64 needs 92 registers and
-# 128x128 (3 or 4 stages) fits in 255 without spilling, so the larger tiles are offered.
+# The teacher-less forward (HAS_TEACHER=False) keeps one tile live, so 128x128 fits
+# without spilling and the larger tiles are offered.
 _LPE16_FWD_CONFIGS = _KL16_CONFIGS + [
     _cfg(128, 128, 64, 8, 3),
     _cfg(128, 128, 64, 8, 4),
@@ -531,9 +509,9 @@ def _configs(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
         return _LPE16_FWD_CONFIGS
     if kind == "fwd":  # the forward kernel is the same for every divergence
         return _KL16_CONFIGS
-    if divergence == JSD:  # the JSD pass and the JSD dlogits
+    if divergence == Divergence.JSD:  # the JSD pass and the JSD dlogits
         return _JSD16_CONFIGS
-    if kind == "dlogits" and divergence == REVERSE_KL:
+    if kind == "dlogits" and divergence == Divergence.REVERSE_KL:
         return _KL16_CONFIGS + [_cfg(128, 128, 64, 8, 3)]
     return _KL16_CONFIGS
 
@@ -557,7 +535,7 @@ def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
     if INTERPRET:
         return _KERNELS[kind], dict(_LOSS_INTERP)
     cfgs = _configs(kind, divergence, fp32, has_teacher)
-    if not AUTOTUNE:
+    if not USE_AUTOTUNE:
         c = cfgs[0]
         return _KERNELS[kind], dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
     name = (kind, divergence, fp32, has_teacher)
@@ -570,15 +548,6 @@ def _gemm_meta(fp32: bool):
     if INTERPRET:
         return dict(_GEMM_INTERP)
     return dict(_GEMM_GPU_FP32 if fp32 else _GEMM_GPU)
-
-
-def _upcast(*dtypes) -> bool:
-    # The interpreter gets bf16 arithmetic / dot wrong: compute it in fp32 there.
-    return INTERPRET and any(d in (torch.bfloat16, torch.float16) for d in dtypes)
-
-
-def _ieee(dtype) -> bool:
-    return dtype == torch.float32
 
 
 def _compaction(keep: torch.Tensor):
@@ -616,7 +585,7 @@ def merge_partials(part: torch.Tensor, divergence: int, has_teacher: bool = True
     has_teacher=False: only the student rows (m_s, z_s, a_s, s_y) were written by the
     kernel; the teacher rows of the result are zeros.
     """
-    m_s, z_s, a_s, m_t, z_t, e_d, m_j, zt_j, dz_j, s_y = part.unbind(0)
+    m_s, z_s, a_s, m_t, z_t, e_d, m_j, zt_j, dz_j, s_y = part.unbind(0)  # rows in `Partial` order
     M_s = m_s.amax(0)
     w_s = torch.exp(m_s - M_s)
     if not has_teacher:
@@ -629,70 +598,79 @@ def merge_partials(part: torch.Tensor, divergence: int, has_teacher: bool = True
     w_j = torch.exp(m_j - M_j)
     return torch.stack([
         M_s, (w_s * z_s).sum(0), (w_s * (a_s + (m_s - M_s) * z_s)).sum(0),
-        M_t, (w_t * z_t).sum(0), ((w_t if divergence == FORWARD_KL else w_s) * e_d).sum(0),
+        M_t, (w_t * z_t).sum(0), ((w_t if divergence == Divergence.FORWARD_KL else w_s) * e_d).sum(0),
         M_j, (w_j * zt_j).sum(0), (w_j * dz_j).sum(0), s_y.sum(0),
     ])
 
 
-def _common(hs, ws, bs, ht, wt, bt):
-    # absent tensors (bias, or the whole teacher of the teacher-less op) are replaced by
-    # dummy pointers that the kernels never dereference (HAS_* constexprs)
-    if ht is None:
-        ht, wt = hs, ws
-    return (hs, ws, bs if bs is not None else ws, ht, wt, bt if bt is not None else wt)
+def _pointers(student: LinearHead, teacher: Optional[LinearHead]) -> tuple:
+    """The six head pointers (hs, ws, bs, ht, wt, bt) of a kernel call. Absent tensors (a
+    bias, or the whole teacher of the teacher-less op) become stand-ins the kernels never
+    dereference (their HAS_* constexprs are False)."""
+    hs, ws, bs = head_tensors(student)
+    ht, wt, bt = head_tensors(teacher)
+    ht, wt = or_dummy(ht, hs), or_dummy(wt, ws)
+    return hs, ws, or_dummy(bs, ws), ht, wt, or_dummy(bt, wt)
 
 
-def distill_forward(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_size, divergence):
-    """Launch the fused forward. Returns the merged online statistics [NUM_PART, N] fp32.
+def _precision_flags(hs: torch.Tensor, ht: torch.Tensor, *more: torch.dtype) -> dict:
+    return dict(UPCAST=upcast(hs.dtype, ht.dtype, *more), PREC_S=dot_precision(hs.dtype),
+                PREC_T=dot_precision(ht.dtype))
+
+
+def distill_forward(student: LinearHead, teacher: Optional[LinearHead], targets: torch.Tensor,
+                    keep: torch.Tensor, params: DistillParams) -> torch.Tensor:
+    """Launch the fused forward. Returns the merged online statistics [NUM_PART, N] fp32
+    (rows: `Partial`).
 
     The per-token outputs are finalised from these by `memopd.ops.fused_distill` (the same
-    code as its PyTorch path); the JSD then needs `jsd_second_pass`. `ht is None`
-    (then wt, bt are None too) runs the teacher-less kernel: only rows m_s, z_s, a_s
-    and s_y of the result are meaningful.
+    code as its PyTorch path); the JSD then needs `jsd_second_pass`. `teacher` None runs
+    the teacher-less kernel: only the student rows of the result are meaningful.
     """
-    has_teacher = ht is not None
+    has_teacher = teacher is not None
+    hs, ws, bs, ht, wt, bt = _pointers(student, teacher)
     N = hs.shape[0]
+    V = params.vocab_size
     dev = hs.device
     if N == 0:
         return torch.zeros((NUM_PART, 0), device=dev, dtype=torch.float32)
     order, count = _compaction(keep)
-    splits, per = _split_plan(N, vocab_size, dev)
+    splits, per = _split_plan(N, V, dev)
     part = torch.empty((NUM_PART, splits, N), device=dev, dtype=torch.float32)
-    args = _common(hs, ws, bs, ht, wt, bt)
-    ht_, wt_ = args[3], args[4]
-    fp32 = hs.dtype == torch.float32 or ht_.dtype == torch.float32
-    launch, meta = _launcher("fwd", divergence, fp32, has_teacher)
+    fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
+    launch, meta = _launcher("fwd", params.divergence, fp32, has_teacher)
     grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
     launch[grid](
-        *args, targets, order, count, part,
-        N, hs.shape[1], ht_.shape[1], vocab_size, per,
-        hs.stride(0), ws.stride(0), ht_.stride(0), wt_.stride(0), 1.0 / temperature,
-        HAS_BS=bs is not None, HAS_BT=bt is not None, DIV=divergence,
-        UPCAST=_upcast(hs.dtype, ht_.dtype), IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht_.dtype),
-        HAS_TEACHER=has_teacher, **meta,
+        hs, ws, bs, ht, wt, bt, targets, order, count, part,
+        N, hs.shape[1], ht.shape[1], V, per,
+        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / params.temperature,
+        HAS_BS=student.bias is not None, HAS_BT=has_teacher and teacher.bias is not None,
+        DIV=int(params.divergence), HAS_TEACHER=has_teacher, **_precision_flags(hs, ht), **meta,
     )
-    return part[:, 0] if splits == 1 else merge_partials(part, divergence, has_teacher)
+    return part[:, 0] if splits == 1 else merge_partials(part, params.divergence, has_teacher)
 
 
-def jsd_second_pass(hs, ws, bs, ht, wt, bt, keep, stats, temperature, vocab_size, beta):
-    """KL(p||M) and KL(q||M) per token ([2, N] fp32) from stats rows lse_s, lse_t, dlse."""
+def jsd_second_pass(student: LinearHead, teacher: LinearHead, keep: torch.Tensor, stats: torch.Tensor,
+                    params: DistillParams) -> torch.Tensor:
+    """KL(p||M) and KL(q||M) per token ([2, N] fp32) from `stats`, whose first rows are
+    DistillStat.LSE_S, LSE_T and DLSE."""
+    hs, ws, bs, ht, wt, bt = _pointers(student, teacher)
     N = hs.shape[0]
+    V = params.vocab_size
     dev = hs.device
     if N == 0:
         return torch.zeros((2, 0), device=dev, dtype=torch.float32)
     order, count = _compaction(keep)
-    splits, per = _split_plan(N, vocab_size, dev)
+    splits, per = _split_plan(N, V, dev)
     part = torch.empty((2, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
-    launch, meta = _launcher("jsd", JSD, fp32)
+    launch, meta = _launcher("jsd", Divergence.JSD, fp32)
     grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
     launch[grid](
-        *_common(hs, ws, bs, ht, wt, bt), order, count, stats, part,
-        N, hs.shape[1], ht.shape[1], vocab_size, per,
-        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / temperature, float(beta),
-        HAS_BS=bs is not None, HAS_BT=bt is not None,
-        UPCAST=_upcast(hs.dtype, ht.dtype), IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht.dtype),
-        **meta,
+        hs, ws, bs, ht, wt, bt, order, count, stats, part,
+        N, hs.shape[1], ht.shape[1], V, per,
+        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / params.temperature, float(params.beta),
+        HAS_BS=student.bias is not None, HAS_BT=teacher.bias is not None, **_precision_flags(hs, ht), **meta,
     )
     return part.sum(1)
 
@@ -709,17 +687,21 @@ def default_token_chunk(n_tokens: int, vocab_size: int, elem_bytes: int) -> int:
     return max(1, min(rows, n_tokens))
 
 
-def distill_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, stats,
-                     temperature, vocab_size, divergence, beta, need_dh, need_dw, need_db,
-                     token_chunk=0):
-    """Launch the backward. Returns (dh, dw, db); entries not needed are None.
+def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHead], targets: torch.Tensor,
+                     keep: torch.Tensor, stats: torch.Tensor, params: DistillParams, need: tuple) -> tuple:
+    """Launch the backward. `grads` = (g_div, g_lp, g_ent) ([N] fp32 or None), `need` =
+    (need_dh, need_dw, need_db). Returns (dh, dw, db); entries not needed are None.
 
-    Teacher-less op: `ht`, `wt`, `bt` and `g_div` are None (the teacher tile of the
-    dlogits kernel is compiled out by HAS_GDIV=False).
+    Teacher-less op: `teacher` and `g_div` are None (the teacher tile of the dlogits kernel
+    is compiled out by HAS_GDIV=False).
     """
-    if ht is None:
+    g_div, g_lp, g_ent = grads
+    need_dh, need_dw, need_db = need
+    if teacher is None:
         assert g_div is None, "the teacher-less op has no divergence gradient"
-        ht, wt = hs, ws  # dummies, never read
+    hs, ws, bs, ht, wt, bt = _pointers(student, teacher)
+    vocab_size, token_chunk = params.vocab_size, params.token_chunk
+    bias_dtype = ws.dtype if student.bias is None else student.bias.dtype
     N, Hs = hs.shape
     V_full = ws.shape[0]
     dev = hs.device
@@ -731,31 +713,30 @@ def distill_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, 
         if dh is not None:
             dh.zero_()
         return (dh, None if dw32 is None else dw32.to(ws.dtype),
-                None if db32 is None else db32.to(bs.dtype))
+                None if db32 is None else db32.to(bias_dtype))
     order, count = _compaction(keep)
     scratch_dtype = ws.dtype if ws.dtype in (torch.bfloat16, torch.float16) else torch.float32
     elem = torch.empty((), dtype=scratch_dtype).element_size()
     chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, vocab_size, elem)
     chunk = min(chunk, N)
     scratch = torch.empty((chunk, vocab_size), device=dev, dtype=scratch_dtype)
-    dummy = stats
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
-    launch, meta = _launcher("dlogits", divergence, fp32)
+    launch, meta = _launcher("dlogits", params.divergence, fp32)
     gm = _gemm_meta(scratch_dtype == torch.float32)
-    upcast = _upcast(hs.dtype, ht.dtype, scratch_dtype)
+    flags = _precision_flags(hs, ht, scratch_dtype)
+    gemm_prec = dot_precision(scratch_dtype)
     for c0 in range(0, N, chunk):
         n_rows = min(chunk, N - c0)
         grid = lambda m: (triton.cdiv(n_rows, m["BLOCK_N"]), triton.cdiv(vocab_size, m["BLOCK_V"]))  # noqa: E731
         launch[grid](
-            hs, ws, bs if bs is not None else ws, ht, wt, bt if bt is not None else wt,
+            hs, ws, bs, ht, wt, bt,
             targets, order, count, stats,
-            g_div if g_div is not None else dummy, g_lp if g_lp is not None else dummy,
-            g_ent if g_ent is not None else dummy, scratch,
+            or_dummy(g_div, stats), or_dummy(g_lp, stats), or_dummy(g_ent, stats), scratch,
             N, Hs, ht.shape[1], vocab_size, c0, n_rows,
             hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), scratch.stride(0),
-            1.0 / temperature, float(beta),
-            HAS_BS=bs is not None, HAS_BT=bt is not None, DIV=divergence, UPCAST=upcast,
-            IEEE_S=_ieee(hs.dtype), IEEE_T=_ieee(ht.dtype),
+            1.0 / params.temperature, float(params.beta),
+            HAS_BS=student.bias is not None, HAS_BT=teacher is not None and teacher.bias is not None,
+            DIV=int(params.divergence), **flags,
             HAS_GDIV=g_div is not None, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
             **meta,
         )
@@ -764,14 +745,14 @@ def distill_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, 
             _dh_kernel[grid_h](
                 scratch, ws, order, count, dh, vocab_size, Hs, c0, n_rows,
                 scratch.stride(0), ws.stride(0), dh.stride(0),
-                UPCAST=upcast, IEEE=scratch_dtype == torch.float32, **gm,
+                UPCAST=flags["UPCAST"], PREC=gemm_prec, **gm,
             )
         if need_dw:
             grid_w = (triton.cdiv(vocab_size, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
             _dw_kernel[grid_w](
                 scratch, hs, order, count, dw32, vocab_size, Hs, c0, n_rows,
                 scratch.stride(0), hs.stride(0), dw32.stride(0),
-                UPCAST=upcast, IEEE=scratch_dtype == torch.float32, **gm,
+                UPCAST=flags["UPCAST"], PREC=gemm_prec, **gm,
             )
         if need_db:
             # rows of masked tokens are zero in the scratch; torch's sum is deterministic
@@ -781,5 +762,5 @@ def distill_backward(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, 
         dw = dw32 if ws.dtype == torch.float32 else dw32.to(ws.dtype)
     db = None
     if need_db:
-        db = db32 if bs.dtype == torch.float32 else db32.to(bs.dtype)
+        db = db32 if bias_dtype == torch.float32 else db32.to(bias_dtype)
     return dh, dw, db

@@ -16,6 +16,7 @@ import torch
 from _fused_cases import CountMatmuls, LargestTensor, as64, make_inputs
 
 from memopd.ops import fused_linear_actor_loss, fused_linear_reverse_kl, reference_actor_loss
+from memopd.ops.dispatch import BackendError
 from memopd.trainer.ppo import policy_loss
 
 FIELDS = ("logprobs", "entropy", "kl", "ratio")
@@ -329,3 +330,31 @@ def test_weight_gradient_is_allocated_once(seed):
         out.loss.backward()
     assert len(mode.storages) == 1, len(mode.storages)
     assert inp["ws"].grad.untyped_storage().data_ptr() in mode.storages
+
+
+def test_backend_rule(seed, monkeypatch):
+    """memopd.ops.dispatch's rule (docs/design.md §6.3): MEMOPD_BACKEND replaces "auto", an
+    explicit backend wins over it, float64 is refused by "triton" and unknown names raise."""
+    import memopd.ops.actor_loss as al
+    import memopd.ops.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "interpreter_active", lambda: True)
+    chosen = []
+    choose = al.choose_op_backend
+    monkeypatch.setattr(al, "choose_op_backend", lambda *a: chosen.append(choose(*a)) or "torch")
+    inp = make_inputs(seed, N=12, V=40)
+    adv, old = ppo_inputs(seed, 12)
+    monkeypatch.setenv("MEMOPD_BACKEND", "triton")
+    call(fused_linear_actor_loss, inp, adv, old)
+    call(fused_linear_actor_loss, inp, adv, old, backend="torch")
+    monkeypatch.setenv("MEMOPD_BACKEND", "torch")
+    call(fused_linear_actor_loss, inp, adv, old, backend="auto")
+    monkeypatch.delenv("MEMOPD_BACKEND")
+    call(fused_linear_actor_loss, inp, adv, old)  # auto on CPU tensors
+    assert chosen == ["triton", "torch", "torch", "torch"]
+    with pytest.raises(BackendError, match="float64"):
+        call(fused_linear_actor_loss, as64(inp), adv.double(), old.double(), backend="triton")
+    monkeypatch.setenv("MEMOPD_BACKEND", "bogus")
+    with pytest.raises(BackendError, match="bogus"):
+        call(fused_linear_actor_loss, inp, adv, old)

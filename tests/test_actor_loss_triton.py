@@ -117,7 +117,7 @@ nw, ns = meta.pop("num_warps"), meta.pop("num_stages")
 logits = dict(h_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", order_ptr="*i32", count_ptr="*i32", out_ptr="*fp32",
               H="i32", V="i32", c0="i32", n_rows="i32", stride_h="i32", stride_w="i32", stride_out="i32",
               inv_temp="fp32")
-compile_kernel(k._scaled_logits_kernel, logits, dict(HAS_BIAS=True, UPCAST=False, IEEE=False, **meta), nw, ns)
+compile_kernel(k._scaled_logits_kernel, logits, dict(HAS_BIAS=True, UPCAST=False, PREC="tf32", **meta), nw, ns)
 done.append("logits")
 rows = dict(s_ptr="*fp32", t_ptr="*fp32", targets_ptr="*i64", adv_ptr="*fp32", old_ptr="*fp32", klkeep_ptr="*i1",
             order_ptr="*i32", count_ptr="*i32", stats_ptr="*fp32", part_ptr="*fp32", N="i32", V="i32", c0="i32",

@@ -28,6 +28,7 @@ from memopd.ops import (
     reference_linear_logprob_entropy,
     reference_linear_reverse_kl,
 )
+from memopd.ops.dispatch import BackendError
 
 DIVS = ["reverse_kl", "forward_kl", "jsd"]
 
@@ -639,3 +640,94 @@ def test_lpe_bad_inputs_raise(case):
     if "target" not in case and case != "backend":  # the reference validates the same way
         with pytest.raises(exc, match=match):
             reference_linear_logprob_entropy(a["h"], a["w"], a["y"], **kw)
+
+
+# ----------------------------------------------------------------------------------
+# backend choice: memopd.ops.dispatch's one rule (docs/design.md §6.2)
+# ----------------------------------------------------------------------------------
+@pytest.fixture
+def backend_calls(monkeypatch):
+    """Which implementation each call ran, with Triton made to look usable on CPU. The
+    'triton' entry is a stand-in that records the call and computes on the PyTorch path,
+    so these tests need neither Triton nor the interpreter."""
+    import memopd.ops.dispatch as dispatch
+    import memopd.ops.fused_distill as fd
+
+    calls = []
+    torch_forward = fd.torch_forward
+
+    def via_torch(student, teacher, targets, keep, params):
+        calls.append("torch")
+        return torch_forward(student, teacher, targets, keep, params)
+
+    def via_triton(student, teacher, targets, keep, params):
+        calls.append("triton")
+        return torch_forward(student, teacher, targets, keep, params)
+
+    monkeypatch.setattr(fd, "torch_forward", via_torch)
+    monkeypatch.setattr(fd, "_triton_forward", via_triton)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "interpreter_active", lambda: True)
+    monkeypatch.delenv("MEMOPD_BACKEND", raising=False)
+    return calls
+
+
+def _distill_call(inp, **kw):
+    return fused_linear_distill(inp["hs"].detach(), inp["ws"].detach(), inp["ht"], inp["wt"], inp["y"], **kw)
+
+
+def test_auto_backend_on_cpu_is_torch(seed, backend_calls):
+    inp = make_inputs(seed)
+    _distill_call(inp)
+    _distill_call(inp, backend="auto")
+    fused_linear_logprob_entropy(inp["hs"].detach(), inp["ws"].detach(), inp["y"])
+    assert backend_calls == ["torch"] * 3
+
+
+@pytest.mark.parametrize("env", ["torch", "triton"])
+def test_env_backend_is_honoured(seed, backend_calls, monkeypatch, env):
+    monkeypatch.setenv("MEMOPD_BACKEND", env)
+    inp = make_inputs(seed)
+    _distill_call(inp)
+    _distill_call(inp, backend="auto")  # "auto" is what the environment replaces
+    assert backend_calls == [env, env]
+
+
+@pytest.mark.parametrize("env,explicit", [("triton", "torch"), ("torch", "triton")])
+def test_explicit_backend_wins_over_env(seed, backend_calls, monkeypatch, env, explicit):
+    monkeypatch.setenv("MEMOPD_BACKEND", env)
+    inp = make_inputs(seed)
+    _distill_call(inp, backend=explicit)
+    fused_linear_logprob_entropy(inp["hs"].detach(), inp["ws"].detach(), inp["y"], backend=explicit)
+    assert backend_calls == [explicit, explicit]
+
+
+def test_unknown_env_backend_raises(seed, backend_calls, monkeypatch):
+    monkeypatch.setenv("MEMOPD_BACKEND", "bogus")
+    inp = make_inputs(seed)
+    with pytest.raises(BackendError, match="MEMOPD_BACKEND='bogus'"):
+        _distill_call(inp)
+    with pytest.raises(BackendError, match="MEMOPD_BACKEND='bogus'"):
+        fused_linear_logprob_entropy(inp["hs"].detach(), inp["ws"].detach(), inp["y"])
+    assert backend_calls == []
+
+
+def test_float64_triton_raises_and_auto_falls_back(seed, backend_calls):
+    inp = as64(make_inputs(seed))
+    with pytest.raises(BackendError, match="float64"):
+        _distill_call(inp, backend="triton")
+    with pytest.raises(BackendError, match="float64"):
+        fused_linear_logprob_entropy(inp["hs"].detach(), inp["ws"].detach(), inp["y"], backend="triton")
+    assert backend_calls == []
+    out = _distill_call(inp, backend="auto")
+    assert out.kl.dtype == torch.float64 and backend_calls == ["torch"]
+
+
+def test_triton_on_cpu_without_interpreter_raises(seed, monkeypatch):
+    import memopd.ops.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "interpreter_active", lambda: False)
+    inp = make_inputs(seed)
+    with pytest.raises(BackendError, match="TRITON_INTERPRET"):
+        _distill_call(inp, backend="triton")

@@ -36,7 +36,7 @@ _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
 _TRITON_COMPILED_LOADED = "triton" in sys.modules and _PREV_INTERPRET != "1"
 IN_PROCESS = _CHILD or (not _TRITON_COMPILED_LOADED and not torch.cuda.is_available())
 
-kern = None
+runtime = None
 if IN_PROCESS:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -44,7 +44,8 @@ if IN_PROCESS:
     except ImportError:  # pragma: no cover - triton is a test dependency on Linux
         IN_PROCESS = False
     else:
-        import memopd.kernels.fused_distill as kern
+        import memopd.kernels.fused_distill  # noqa: F401
+        import memopd.kernels.runtime as runtime
 
 from memopd.ops import (  # noqa: E402
     fused_linear_distill,
@@ -52,6 +53,7 @@ from memopd.ops import (  # noqa: E402
     reference_linear_distill,
     reference_linear_logprob_entropy,
 )
+from memopd.ops.dispatch import BackendError  # noqa: E402
 
 DIVS = ["reverse_kl", "forward_kl", "jsd"]
 inproc = pytest.mark.skipif(not IN_PROCESS, reason="interpreted Triton runs in a subprocess here "
@@ -104,7 +106,9 @@ def check(seed, inp, weights, kw, val_tol=(3e-5, 3e-5), grad_tol=(3e-5, 2e-4), *
 
 @inproc
 def test_runs_in_interpreter_mode():
-    assert kern.INTERPRET and not kern.AUTOTUNE
+    from memopd.ops.dispatch import interpreter_active
+
+    assert runtime.INTERPRET and not runtime.USE_AUTOTUNE and interpreter_active()
 
 
 @inproc
@@ -197,6 +201,7 @@ def test_triton_matches_torch_path(seed):
 # ----------------------------------------------------------------------------------
 _AOT_BODY = r"""
 import memopd.kernels.fused_distill as k
+from memopd.ops._protocol import Divergence
 
 loss = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16", wt_ptr="*bf16",
             bt_ptr="*bf16", tgt_ptr="*i64", order_ptr="*i32", count_ptr="*i32", div_ptr="*fp32",
@@ -211,18 +216,18 @@ done = []
 # (name, kernel, divergence, with teacher?, config index); the teacher-less variants
 # (fused_linear_logprob_entropy) compile with HAS_TEACHER=False / HAS_GDIV=False, the
 # forward at its largest (128x128) tile
-for name, fn, div, teacher, ci in (("fwd", k._distill_fwd_kernel, k.REVERSE_KL, True, 0),
-                                   ("jsd", k._jsd_pass_kernel, k.JSD, True, 0),
-                                   ("dlogits", k._distill_dlogits_kernel, k.JSD, True, 0),
-                                   ("fwd-no-teacher", k._distill_fwd_kernel, k.REVERSE_KL, False, -1),
-                                   ("dlogits-no-teacher", k._distill_dlogits_kernel, k.REVERSE_KL,
+for name, fn, div, teacher, ci in (("fwd", k._distill_fwd_kernel, Divergence.REVERSE_KL, True, 0),
+                                   ("jsd", k._jsd_pass_kernel, Divergence.JSD, True, 0),
+                                   ("dlogits", k._distill_dlogits_kernel, Divergence.JSD, True, 0),
+                                   ("fwd-no-teacher", k._distill_fwd_kernel, Divergence.REVERSE_KL, False, -1),
+                                   ("dlogits-no-teacher", k._distill_dlogits_kernel, Divergence.REVERSE_KL,
                                     False, 0)):
     kind = name.split("-")[0]
     cfg = k._configs(kind, div, False, teacher)[ci]
-    consts = dict(HAS_BS=True, HAS_BT=teacher, UPCAST=False, IEEE_S=False, IEEE_T=False,
+    consts = dict(HAS_BS=True, HAS_BT=teacher, UPCAST=False, PREC_S="tf32", PREC_T="tf32",
                   **cfg.kwargs)
     if kind != "jsd":
-        consts["DIV"] = div
+        consts["DIV"] = int(div)
     if kind == "fwd":
         consts["HAS_TEACHER"] = teacher
     if kind == "dlogits":
@@ -232,7 +237,7 @@ for name, fn, div, teacher, ci in (("fwd", k._distill_fwd_kernel, k.REVERSE_KL, 
 g = dict(k._GEMM_GPU)
 nw, ns = g.pop("num_warps"), g.pop("num_stages")
 for fn in (k._dh_kernel, k._dw_kernel):
-    compile_kernel(fn, gemm, dict(UPCAST=False, IEEE=False, **g), nw, ns)
+    compile_kernel(fn, gemm, dict(UPCAST=False, PREC="tf32", **g), nw, ns)
     done.append(fn.__name__)
 print(json.dumps(done))
 """
@@ -321,5 +326,5 @@ def test_lpe_all_masked_and_no_grad(seed):
 @inproc
 def test_lpe_float64_refused_on_triton():
     h, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
-    with pytest.raises(TypeError, match="float64"):
+    with pytest.raises(BackendError, match="float64"):
         fused_linear_logprob_entropy(h, w, torch.zeros(4, dtype=torch.long), backend="triton")

@@ -1,8 +1,9 @@
 """Public tensor ops: packed attention, the fused linear distillation losses and their
 teacher-less log-prob + entropy mode, references.
 
-Plain tensors in, plain tensors out. Each op dispatches by device: Triton kernels on
-CUDA, exact PyTorch on CPU. Names are resolved lazily so that importing `memopd.ops`
+Plain tensors in, plain tensors out. Each op picks its back end by one rule
+(`memopd.ops.dispatch`: Triton kernels on CUDA, PyTorch otherwise, `backend=` or
+MEMOPD_BACKEND to choose). Names are resolved lazily so that importing `memopd.ops`
 never imports Triton.
 """
 from __future__ import annotations
@@ -15,11 +16,11 @@ _EXPORTS = {
     "packed_attention": "memopd.ops.attention",
     "fused_linear_reverse_kl": "memopd.ops.fused_distill",
     "fused_linear_distill": "memopd.ops.fused_distill",
-    "reference_linear_reverse_kl": "memopd.ops.fused_distill",
-    "reference_linear_distill": "memopd.ops.fused_distill",
+    "reference_linear_reverse_kl": "memopd.ops.reference_distill",
+    "reference_linear_distill": "memopd.ops.reference_distill",
     "DistillOutput": "memopd.ops.fused_distill",
     "fused_linear_logprob_entropy": "memopd.ops.fused_distill",
-    "reference_linear_logprob_entropy": "memopd.ops.fused_distill",
+    "reference_linear_logprob_entropy": "memopd.ops.reference_distill",
     "fused_linear_actor_loss": "memopd.ops.actor_loss",
     "reference_actor_loss": "memopd.ops.actor_loss",
     "ActorLossOutput": "memopd.ops.actor_loss",

@@ -39,31 +39,29 @@ numbers. The PyTorch path spends that extra pass only on rows whose plain estima
 below 1e-2, where the plain form would lose digits; rows whose a' exceeds 30 anywhere
 use the plain log-sum-exp difference (expm1 would overflow).
 
-Back ends: the PyTorch path (any device, float64 capable) and on CUDA a Triton row
-kernel between cuBLAS matmuls (`memopd.kernels.actor_loss`). `reference_actor_loss`
-is the naive, materialising float64-capable reference (tests, benchmarks).
+Back ends: the PyTorch path (any device, float64 capable) and on CUDA the Triton
+kernels of `memopd.kernels.actor_loss`, chosen by `memopd.ops.dispatch` (docs/design.md
+§6.3). `reference_actor_loss` is the naive, materialising float64-capable reference
+(tests, benchmarks).
 """
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from .fused_distill import _check_target_range, _resolve_backend, _validate_head, _validate_temperature
+from ._protocol import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
+from ._validate import check_target_range, choose_op_backend, resolve_check_targets, validate_head, validate_temperature
 
 __all__ = ["ActorLossOutput", "fused_linear_actor_loss", "reference_actor_loss"]
 
 # Rows of one token block on the PyTorch path: ~8 Mi logits per [rows, vocab] piece (four
-# such pieces live at once), but never fewer than 128 rows: single-thread sgemm runs at
-# ~60 GFLOP/s with 64 rows and ~80 with 128 here, and at a 152k vocabulary the matmuls
-# are most of the time (128-row blocks of 78 MB pieces there).
+# such pieces live at once), but never fewer than 128 rows: a 64-row sgemm is markedly
+# slower on CPU, and at a 152k vocabulary the matmuls are most of the time.
 _BLOCK_ELEMS = 1 << 23
 _MIN_BLOCK_ROWS = 128
-_PRECISE_LIMIT = 30.0  # rows with max a' above this use the plain lse difference (no overflow)
-_STAT_ROWS = 5  # logprob, entropy, kl, ratio, clipped
 
 
 class ActorLossOutput(NamedTuple):
@@ -83,14 +81,14 @@ class ActorLossOutput(NamedTuple):
 
 def _validate(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_low, clip_high, dual_clip,
               temperature, vocab_size):
-    _validate_head(hs, ws, bs, ("student_hidden", "student_weight", "student_bias"))
+    validate_head(hs, ws, bs, ("student_hidden", "student_weight", "student_bias"))
     N = hs.shape[0]
     if (ht is None) != (wt is None):
         raise ValueError("pass teacher_hidden and teacher_weight together (or neither: no KL term)")
     if bt is not None and ht is None:
         raise ValueError("teacher_bias given without a teacher")
     if ht is not None:
-        _validate_head(ht, wt, bt, ("teacher_hidden", "teacher_weight", "teacher_bias"))
+        validate_head(ht, wt, bt, ("teacher_hidden", "teacher_weight", "teacher_bias"))
         if ht.shape[0] != N:
             raise ValueError(f"teacher_hidden has {ht.shape[0]} tokens, student_hidden has {N}")
         for name, x in (("teacher_hidden", ht), ("teacher_weight", wt), ("teacher_bias", bt)):
@@ -117,7 +115,7 @@ def _validate(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_
                          f"{clip_low}, {clip_high}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {dual_clip}")
-    temperature = _validate_temperature(temperature)
+    temperature = validate_temperature(temperature)
     rows = min(ws.shape[0], wt.shape[0]) if wt is not None else ws.shape[0]
     if vocab_size is None:
         if wt is not None and wt.shape[0] != ws.shape[0]:
@@ -190,8 +188,8 @@ def _reverse_kl(es, z_s, log_zs, et, z_t, a):
     if bool(close.any()):
         idx = close.nonzero().squeeze(1)
         a_c = a.index_select(0, idx)
-        ok = a_c.amax(1) <= _PRECISE_LIMIT
-        em1 = torch.expm1(a_c.clamp_max_(_PRECISE_LIMIT))
+        ok = a_c.amax(1) <= PRECISE_LIMIT
+        em1 = torch.expm1(a_c.clamp_max_(PRECISE_LIMIT))
         ratio_q = _rowdot(et.index_select(0, idx), em1) / z_t.index_select(0, idx)
         ok = ok & (ratio_q > -1.0)
         precise = torch.log1p(torch.where(ok, ratio_q, 0.0))
@@ -212,14 +210,19 @@ def _centred_logits(h_t: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float) -
     return s.sub_(m[:, None]), m
 
 
-def _torch_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high,
-                      dual_clip, entropy_coef, kl_coef, temperature, V, normalizer, kl_normalizer, need_grad,
-                      token_chunk):
+def _torch_actor_loss(student: LinearHead, teacher: Optional[LinearHead], targets, adv, old_lp, keep, kl_keep,
+                      params: ActorLossParams, need_grad: tuple, token_chunk: int):
+    """(loss, stats [len(ActorStat), N], dh | None, dw | None, db | None), gradients already
+    taken (the Triton path `memopd.kernels.actor_loss.actor_loss_forward` returns the same)."""
+    hs, ws, bs = student.hidden, student.weight, student.bias
+    ht, wt, bt = (None, None, None) if teacher is None else (teacher.hidden, teacher.weight, teacher.bias)
+    V, temperature = params.vocab_size, params.temperature
+    normalizer, kl_normalizer = params.normalizer, params.kl_normalizer
     N, Hs = hs.shape
     cdt = torch.float64 if hs.dtype == torch.float64 else torch.float32
     f = dict(device=hs.device, dtype=cdt)
-    stats = torch.zeros(_STAT_ROWS, N, **f)
-    stats[3] = 1.0
+    stats = torch.zeros(len(ActorStat), N, **f)
+    stats[ActorStat.RATIO] = 1.0
     total = torch.zeros((), **f)
     dh = torch.zeros(N, Hs, device=hs.device, dtype=hs.dtype) if need_grad[0] else None
     # the weights are read once per block: convert a half-precision head once (CPU path)
@@ -231,7 +234,7 @@ def _torch_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_kee
     db = torch.zeros(ws.shape[0], **f) if need_grad[2] else None
     kept = keep.nonzero().squeeze(1)
     inv_t = 1.0 / temperature
-    g_h = -entropy_coef / normalizer
+    g_h = -params.entropy_coef / normalizer
     rows_per_block = _block_rows(V, token_chunk)
     for r0 in range(0, kept.numel(), rows_per_block):
         rows = kept[r0:r0 + rows_per_block]
@@ -254,19 +257,20 @@ def _torch_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_kee
             kl, dlse = _reverse_kl(es, z_s, log_zs, et, z_t, a)
             del t, et
         pg, ratio, clipped, g_lp = _policy_terms(lp, old_lp.index_select(0, rows).to(cdt),
-                                                 adv.index_select(0, rows).to(cdt), clip_low, clip_high, dual_clip)
+                                                 adv.index_select(0, rows).to(cdt), params.clip_low, params.clip_high,
+                                                 params.dual_clip)
         g_pg = g_lp / normalizer
         part = pg.sum() / normalizer + g_h * ent.sum()
         g_kl = None
         if a is not None:
-            g_kl = kl_keep.index_select(0, rows).to(cdt) * (kl_coef / kl_normalizer)
+            g_kl = kl_keep.index_select(0, rows).to(cdt) * (params.kl_coef / kl_normalizer)
             part = part + (g_kl * kl).sum()
-            stats[2].index_copy_(0, rows, kl)
+            stats[ActorStat.KL].index_copy_(0, rows, kl)
         total += part
-        stats[0].index_copy_(0, rows, lp)
-        stats[1].index_copy_(0, rows, ent)
-        stats[3].index_copy_(0, rows, ratio)
-        stats[4].index_copy_(0, rows, clipped.to(cdt))
+        stats[ActorStat.LOGPROB].index_copy_(0, rows, lp)
+        stats[ActorStat.ENTROPY].index_copy_(0, rows, ent)
+        stats[ActorStat.RATIO].index_copy_(0, rows, ratio)
+        stats[ActorStat.CLIPPED].index_copy_(0, rows, clipped.to(cdt))
         if not any(need_grad):
             continue
         # dL/ds = p (A + B log p + g_kl a') + g_pg 1[v = y]   (δ - KL = a' - dlse - KL)
@@ -304,10 +308,12 @@ def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Optional[Te
                    backend: str, check_targets: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, stats [5, N], dh, dw, db); absent gradients are empty tensors."""
     if check_targets:
-        _check_target_range(targets, keep, vocab_size)
-    dual = None if dual_clip <= 0 else dual_clip
-    args = (hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high, dual, entropy_coef,
-            kl_coef, temperature, vocab_size, normalizer, kl_normalizer, (need_dh, need_dw, need_db), token_chunk)
+        check_target_range(targets, keep, vocab_size)
+    params = ActorLossParams(clip_low, clip_high, None if dual_clip <= 0 else dual_clip, entropy_coef, kl_coef,
+                             temperature, vocab_size, normalizer, kl_normalizer)
+    student = LinearHead(hs, ws, bs)
+    teacher = None if ht is None else LinearHead(ht, wt, bt)
+    args = (student, teacher, targets, adv, old_lp, keep, kl_keep, params, (need_dh, need_dw, need_db), token_chunk)
     if backend == "triton":
         from memopd.kernels import actor_loss as k
 
@@ -325,7 +331,7 @@ def _actor_loss_fake(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep
                      entropy_coef, kl_coef, temperature, vocab_size, normalizer, kl_normalizer, need_dh, need_dw,
                      need_db, token_chunk, backend, check_targets):
     dt = torch.float64 if hs.dtype == torch.float64 else torch.float32
-    return (hs.new_empty((), dtype=dt), hs.new_empty((_STAT_ROWS, hs.shape[0]), dtype=dt),
+    return (hs.new_empty((), dtype=dt), hs.new_empty((len(ActorStat), hs.shape[0]), dtype=dt),
             torch.empty_like(hs) if need_dh else hs.new_empty(0),
             torch.empty_like(ws) if need_dw else hs.new_empty(0),
             torch.empty_like(bs) if need_db else hs.new_empty(0))
@@ -422,8 +428,8 @@ def fused_linear_actor_loss(
         normalizer, kl_normalizer: the denominators of the two means (defaults: the local
             kept-token counts). Pass global counts for micro-batches and ranks.
         token_chunk_size: tokens per block (default: ~8 Mi logits per block).
-        backend: "auto" (Triton on CUDA, PyTorch elsewhere; env MEMOPD_DISTILL_BACKEND),
-            "torch" or "triton".
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere; env MEMOPD_BACKEND), "torch" or
+            "triton" (memopd.ops.dispatch).
 
     Returns `ActorLossOutput`: `loss` (scalar, differentiable w.r.t. the student hidden
     states, weight and bias) and detached per-token `logprobs`, `entropy`, `kl`,
@@ -434,20 +440,21 @@ def fused_linear_actor_loss(
         advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
         normalizer, kl_normalizer)
     dev = student_hidden.device
-    if check_targets is None:
-        check_targets = dev.type == "cpu" or os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
+    check_targets = resolve_check_targets(check_targets, dev)
     grad_on = torch.is_grad_enabled()
     need = (grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad,
             grad_on and student_bias is not None and student_bias.requires_grad)
-    backend = _resolve_backend(backend, dev)
+    backend = choose_op_backend("fused_linear_actor_loss", backend, dev, student_hidden.dtype,
+                                *(() if teacher_hidden is None else (teacher_hidden.dtype,)))
     loss, stats = _ActorLoss.apply(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
         targets.contiguous(), advantages.detach().contiguous(), old_logprobs.detach().contiguous(), keep.contiguous(),
         kl_keep.contiguous(), float(clip_eps), clip_high, float(dual_clip or 0.0), float(entropy_coef),
         float(kl_coef), temperature, V, normalizer, kl_normalizer, need[0], need[1], need[2],
-        int(token_chunk_size or 0), backend, bool(check_targets))
+        int(token_chunk_size or 0), backend, check_targets)
     stats = stats.detach()
-    return ActorLossOutput(loss, stats[0], stats[1], stats[2], stats[3], stats[4] > 0.5)
+    return ActorLossOutput(loss, stats[ActorStat.LOGPROB], stats[ActorStat.ENTROPY], stats[ActorStat.KL],
+                           stats[ActorStat.RATIO], stats[ActorStat.CLIPPED] > 0.5)
 
 
 # --------------------------------------------------------------------------- reference

@@ -1,0 +1,539 @@
+"""The PyTorch implementation of the fused distillation op and of its teacher-less mode
+(log-prob + entropy): blocked over kept tokens and vocabulary chunks, never [N, V]. It
+runs on CPU tensors and on any device with backend="torch"; the algorithm, the blocking
+and the costs are in docs/design.md §6.2.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._protocol import Divergence, DistillParams, DistillStat, LinearHead, head_tensors
+
+__all__ = ["compute_dtype", "torch_forward", "torch_backward", "student_outputs", "log1p_or_plain",
+           "kl_from_sums", "stack_stats"]
+
+_TORCH_TOKEN_CHUNK = 1024  # rows of a token block (PyTorch path)
+_TORCH_TILE_ELEMS = 1 << 20  # elements of one [rows, vocab chunk] piece (4 MiB fp32)
+_TORCH_ROW_ELEMS = 1 << 23  # elements of one [rows, V] block in full-row mode (JSD forward)
+_TORCH_MIN_ROWS = 64  # ... but at least this many rows (GEMM efficiency)
+_TORCH_CONVERT_ROWS = 4096  # full-row mode: a bf16/fp16 weight is converted this many rows at a time
+_NEG = -1.0e30
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    # fp32 statistics for fp32/bf16/fp16 inputs; float64 inputs keep float64 (PyTorch path).
+    return (torch.float64 if any(x is not None and x.dtype == torch.float64 for x in tensors)
+            else torch.float32)
+
+
+class _Workspace:
+    """Reusable scratch buffers of one call of the PyTorch path, viewed as [r, c] blocks.
+
+    A fresh multi-MiB tensor is a fresh mapping whose pages the kernel zero-fills on
+    first touch (~0.1 ms per 4 MiB on CPU: as much as the elementwise work on it), so
+    each named buffer is allocated once, at the largest block shape, and every chunk
+    uses a contiguous [r, c] prefix of it.
+    """
+
+    def __init__(self, rows: int, cols: int, device, dtype):
+        self.numel = rows * cols
+        self.f = dict(device=device, dtype=dtype)
+        self.bufs: dict = {}
+
+    def __call__(self, name: str, r: int, c: int) -> Tensor:
+        buf = self.bufs.get(name)
+        if buf is None:
+            buf = self.bufs[name] = torch.empty(self.numel, **self.f)
+        return buf[: r * c].view(r, c)
+
+
+def _logits(h: Tensor, wc: Tensor, b: Optional[Tensor], v0: int, v1: int, inv_t: float,
+            out: Tensor) -> Tensor:
+    """Logits / T of one vocabulary chunk into `out`, in h's dtype (fp32 / fp64).
+
+    `h` is already multiplied by 1/T (once per token block) and `wc` is the chunk's
+    weight rows already in h's dtype, so only the bias is scaled here.
+    """
+    if b is None:
+        return torch.mm(h, wc.t(), out=out)
+    return torch.addmm(b[v0:v1].to(h.dtype) * inv_t, h, wc.t(), out=out)
+
+
+def _weight_chunk(w: Tensor, v0: int, v1: int, dtype: torch.dtype) -> Tensor:
+    wc = w[v0:v1]
+    return wc if wc.dtype == dtype else wc.to(dtype)  # bf16 @ bf16 on CPU would round to bf16
+
+
+def _centre2(x: Tensor, m: Tensor) -> Tensor:
+    """In place: x <- (x - m)·log2(e), one pass; then exp2(x) = e^{x - m}.
+
+    exp2 is ~3x cheaper than exp on CPU, and the centring pass is needed anyway.
+    """
+    return torch.add((-_LOG2E * m)[:, None], x, alpha=_LOG2E, out=x)
+
+
+def _rowdot(a: Tensor, b: Tensor, tmp: Tensor) -> Tensor:
+    """Σ_v a[i, v] b[i, v], through the scratch block `tmp` (vecdot/einsum would allocate
+    a fresh [rows, chunk] product, or run as a slow batched matmul)."""
+    return torch.mul(a, b, out=tmp).sum(1)
+
+
+_SQRT_E = math.exp(0.5)
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+_CLOSE_KL = 1e-2  # full-row mode: rows whose plain KL estimate is below this get the precise dlse
+_JSD_CAP = 80.0  # -δ clamp of the JSD's expm1 (weights there are < e^-80: no effect, no overflow)
+
+
+def _any(flags: Tensor) -> bool:
+    """bool(flags.any()) on CPU; True elsewhere (a data-dependent skip would sync the device)."""
+    return flags.device.type != "cpu" or bool(flags.any())
+
+
+def _jsd_negw(neg_delta: Tensor, beta: float) -> Tensor:
+    """In place: -δ -> -(δ - u(δ)) = log1p(β expm1(-δ)), u = log(β + (1-β) e^δ) = log M - log q.
+
+    δ - u = -log(β e^{-δ} + 1 - β) exactly; the log1p/expm1 form keeps relative precision
+    where δ is tiny (p ≈ q) and cannot overflow (-δ is capped at 80, where the entry's
+    weight p = q e^{δ} < e^-80 q makes the cap invisible).
+    """
+    return neg_delta.clamp_max_(_JSD_CAP).expm1_().mul_(beta).log1p_()
+
+
+def _precise_dlse(d: Tensor, es: Tensor, et: Tensor, m_s: Tensor, m_t: Tensor,
+                  tmp: Optional[Tensor] = None):
+    """The difference of the two normalisers at a joint max, with relative precision.
+
+    With es = e^{s - m_s}, et = e^{t - m_t}, d = s - t, M = max(m_s, m_t),
+    c_S = e^{m_s - M}, c_T = e^{m_t - M}, returns (small, big) such that
+
+        Σ_v (e^{s_v - M} - e^{t_v - M}) = c_T·small + c_S·big,
+        small = Σ_v et_v expm1(min(d_v, 1/2)),  big = Σ_v relu(es_v - e^{m_t - m_s} √e et_v)
+
+    exactly (the relu is non-zero iff d_v > 1/2, where it restores the clamped part), with
+    no overflow and full relative precision where d is small. `big` is None when no
+    d_v exceeds 1/2 (then it is 0 and its three passes are skipped). Works in the scratch
+    block `tmp`, or without one in place (consuming `d`, and `es` when `big` is computed).
+    """
+    big = None
+    if _any(d.amax(1) > 0.5):
+        k = (torch.exp(m_t - m_s) * _SQRT_E).clamp_max(1e30)[:, None]
+        big = (es.addcmul_(k, et, value=-1.0) if tmp is None else
+               torch.addcmul(es, k, et, value=-1.0, out=tmp)).relu_().sum(1)
+    em1 = d.clamp_max_(0.5) if tmp is None else torch.clamp_max(d, 0.5, out=tmp)
+    small = em1.expm1_().mul_(et).sum(1)
+    return small, big
+
+
+def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk):
+    """Per-token outputs and stats of one token block (hidden rows already times 1/T).
+
+    One vocabulary chunk covering the row (`vchunk >= V`) takes the full-row route: exact
+    row maxima, one exp2 pass per distribution, the precise normaliser difference only on
+    rows whose plain KL estimate is small, and the JSD without a second matmul pass.
+    Otherwise the vocabulary is walked in chunks with online statistics. `wk` holds the
+    [rows, chunk] scratch blocks.
+
+    `ht_t is None` is the teacher-less mode: only the student sums (max, sum-exp, entropy
+    sum, target logit) are kept, no teacher logits are ever computed, and the divergence
+    and the teacher rows of the stats are zero.
+    """
+    if vchunk >= V:
+        return _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, wk)
+    return _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk)
+
+
+def student_outputs(m_s, z_s, a_s, s_y):
+    """log z_s, lse_s, entropy and log-prob from the student sums: max m_s, target logit
+    s_y, z_s = Σ e^{s - m_s} and a_s = Σ e^{s - m_s} (s - m_s) (both back ends)."""
+    log_zs = torch.log(z_s)
+    lse_s = m_s + log_zs
+    ent = log_zs - a_s / z_s
+    lp = s_y - lse_s
+    return log_zs, lse_s, ent, lp
+
+
+def log1p_or_plain(ratio: Tensor, plain: Tensor) -> Tensor:
+    """lse_s - lse_t = log1p(ratio) where the relative normaliser difference `ratio` is
+    small, else `plain` (both back ends)."""
+    near = ratio.abs() < 0.5  # False for NaN/inf (teacher mass underflowed at the joint max)
+    return torch.where(near, torch.log1p(torch.where(near, ratio, 0.0)), plain)
+
+
+def kl_from_sums(divergence: Divergence, e_d: Tensor, z_s: Tensor, z_t: Tensor, dlse: Tensor) -> Tensor:
+    """The per-token KL (before clamping at 0) from E_d = Σ e^{s - m_s} d (reverse) or
+    Σ e^{t - m_t} d (forward), d = s - t: E_p[d] - dlse, or dlse - E_q[d]."""
+    if divergence == Divergence.REVERSE_KL:
+        return e_d / z_s - dlse
+    return dlse - e_d / z_t
+
+
+def stack_stats(*, lse_s: Tensor, lse_t: Tensor, dlse: Tensor, aux: Tensor, entropy: Tensor) -> Tensor:
+    """The saved statistics, one row per `DistillStat`."""
+    rows = {DistillStat.LSE_S: lse_s, DistillStat.LSE_T: lse_t, DistillStat.DLSE: dlse,
+            DistillStat.AUX: aux, DistillStat.ENTROPY: entropy}
+    return torch.stack([rows[r] for r in DistillStat])
+
+
+def _log1p_ratio(d, es, et, m_s, m_t, z_t, plain, tmp=None):
+    """lse_s - lse_t = log1p(Σ (e^{s-M} - e^{t-M}) / Σ e^{t-M}) per row (see
+    `_precise_dlse`); `plain` where the ratio is not small (or not finite)."""
+    small, big = _precise_dlse(d, es, et, m_s, m_t, tmp)
+    m_j = torch.maximum(m_s, m_t)
+    c_t = torch.exp(m_t - m_j)
+    num = c_t * small
+    if big is not None:
+        num = num + torch.exp(m_s - m_j) * big
+    return log1p_or_plain(num / (c_t * z_t), plain)
+
+
+def _full_logits(h: Tensor, w: Tensor, b: Optional[Tensor], V: int, inv_t: float,
+                 out: Tensor) -> Tensor:
+    """Logits / T of whole vocabulary rows into `out` [rows, V]; a half-precision weight is
+    converted (and multiplied) in slices of _TORCH_CONVERT_ROWS rows, never whole."""
+    if w.dtype == h.dtype:
+        return _logits(h, w[:V], b, 0, V, inv_t, out)
+    for v0 in range(0, V, _TORCH_CONVERT_ROWS):
+        v1 = min(V, v0 + _TORCH_CONVERT_ROWS)
+        _logits(h, w[v0:v1].to(h.dtype), b, v0, v1, inv_t, out[:, v0:v1])
+    return out
+
+
+def _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, wk):
+    n = hs_t.shape[0]
+    f = dict(device=hs_t.device, dtype=hs_t.dtype)
+    s = _full_logits(hs_t, ws, bs, V, inv_t, wk("s", n, V))
+    s_y = s.gather(1, y[:, None])[:, 0]
+    m_s = s.amax(1)
+    if ht_t is not None:
+        t = _full_logits(ht_t, wt, bt, V, inv_t, wk("t", n, V))
+        m_t = t.amax(1)
+        d = torch.sub(s, t, out=wk("d", n, V))  # before centring: exact where s ≈ t
+    s2 = _centre2(s, m_s)
+    es = torch.exp2(s2, out=wk("e", n, V))
+    z_s = es.sum(1)
+    log_zs, lse_s, ent, lp = student_outputs(m_s, z_s, s2.mul_(es).sum(1) * _LN2, s_y)
+    if ht_t is None:
+        zero = torch.zeros(n, **f)
+        return zero, lp, ent, stack_stats(lse_s=lse_s, lse_t=zero, dlse=zero, aux=zero, entropy=ent)
+    tmp = s  # free from here on
+    et = _centre2(t, m_t).exp2_()
+    z_t = et.sum(1)
+    log_zt = torch.log(z_t)
+    lse_t = m_t + log_zt
+    plain = (m_s - m_t) + (log_zs - log_zt)  # lse_s - lse_t
+    e_pd = _rowdot(es, d, tmp) / z_s if div_code == Divergence.REVERSE_KL else None  # E_p[s - t]
+    e_qd = _rowdot(et, d, tmp) / z_t if div_code != Divergence.REVERSE_KL else None  # E_q[s - t]
+    # the precise lse_s - lse_t (log1p of the relative normaliser difference) only on rows
+    # where p ≈ q, i.e. whose plain KL estimate is small (elsewhere plain is exact enough)
+    close = ((e_pd - plain) if div_code == Divergence.REVERSE_KL else (plain - e_qd)) < _CLOSE_KL
+    n_close = int(close.sum()) if close.device.type == "cpu" else n
+    dlse = plain
+    if 2 * n_close > n:  # mostly close (typical of distillation): whole block, no gathering
+        dlse = torch.where(close, _log1p_ratio(d, es, et, m_s, m_t, z_t, plain, tmp), plain)
+    elif n_close:  # a few close rows: only those (copies, consumed in place)
+        idx = close.nonzero().squeeze(1)
+        sub = [x.index_select(0, idx) for x in (d, es, et, m_s, m_t, z_t, plain)]
+        dlse = plain.index_copy(0, idx, _log1p_ratio(*sub))
+    if div_code == Divergence.REVERSE_KL:
+        aux = e_pd - dlse
+        div = aux.clamp_min(0.0)
+    elif div_code == Divergence.FORWARD_KL:
+        aux = dlse - e_qd
+        div = aux.clamp_min(0.0)
+    else:
+        # JSD on the resident block: -δ = dlse - (s - t), KL(p‖M) = Σ p w, KL(q‖M) = Σ q (w - δ)
+        negw = _jsd_negw(torch.sub(dlse[:, None], d, out=d), beta)
+        kl_pm = -_rowdot(es, negw, tmp) / z_s
+        kl_qm = (dlse - e_qd) - et.mul_(negw).sum(1) / z_t
+        aux = kl_pm
+        div = (beta * kl_qm + (1.0 - beta) * kl_pm).clamp_min(0.0)
+    return div, lp, ent, stack_stats(lse_s=lse_s, lse_t=lse_t, dlse=dlse, aux=aux, entropy=ent)
+
+
+def _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk):
+    """Online statistics over vocabulary chunks (running maxima, rescaled sums)."""
+    n = hs_t.shape[0]
+    has_teacher = ht_t is not None
+    cdt = hs_t.dtype
+    f = dict(device=hs_t.device, dtype=cdt)
+    m_s = torch.full((n,), _NEG, **f)
+    z_s = torch.zeros(n, **f)
+    a_s = torch.zeros(n, **f)
+    s_y = torch.zeros(n, **f)
+    if has_teacher:
+        m_t = torch.full((n,), _NEG, **f)
+        z_t = torch.zeros(n, **f)
+        e_d = torch.zeros(n, **f)
+        m_j = torch.full((n,), _NEG, **f)
+        zt_j = torch.zeros(n, **f)
+        dz_j = torch.zeros(n, **f)
+    for v0 in range(0, V, vchunk):
+        v1 = min(V, v0 + vchunk)
+        c = v1 - v0
+        s = _logits(hs_t, _weight_chunk(ws, v0, v1, cdt), bs, v0, v1, inv_t, wk("s", n, c))
+        in_c = (y >= v0) & (y < v1)
+        s_y += torch.where(in_c, s.gather(1, (y - v0).clamp(0, c - 1)[:, None])[:, 0], 0.0)
+        m_s_new = torch.maximum(m_s, s.amax(1))
+        alpha_s = torch.exp(m_s - m_s_new)
+        if has_teacher:
+            t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t, wk("t", n, c))
+            m_t_new = torch.maximum(m_t, t.amax(1))
+            alpha_t = torch.exp(m_t - m_t_new)
+            d = torch.sub(s, t, out=wk("d", n, c))  # before centring: exact where s ≈ t
+        s2 = _centre2(s, m_s_new)
+        es = torch.exp2(s2, out=wk("e", n, c))
+        es_sum = es.sum(1)
+        a_s = alpha_s * (a_s + (m_s - m_s_new) * _LOG2E * z_s) + s2.mul_(es).sum(1)
+        z_s = alpha_s * z_s + es_sum
+        if not has_teacher:
+            m_s = m_s_new
+            continue
+        tmp = s  # free from here on
+        et = _centre2(t, m_t_new).exp2_()
+        et_sum = et.sum(1)
+        z_t = alpha_t * z_t + et_sum
+        if div_code == Divergence.REVERSE_KL:
+            e_d = alpha_s * e_d + _rowdot(es, d, tmp)
+        elif div_code == Divergence.FORWARD_KL:
+            e_d = alpha_t * e_d + _rowdot(et, d, tmp)
+        m_j_new = torch.maximum(m_s_new, m_t_new)
+        r_j = torch.exp(m_j - m_j_new)
+        c_t = torch.exp(m_t_new - m_j_new)
+        small, big = _precise_dlse(d, es, et, m_s_new, m_t_new)
+        zt_j = r_j * zt_j + c_t * et_sum
+        dz_j = r_j * dz_j + c_t * small
+        if big is not None:
+            dz_j += torch.exp(m_s_new - m_j_new) * big
+        m_s, m_t, m_j = m_s_new, m_t_new, m_j_new
+    log_zs, lse_s, ent, lp = student_outputs(m_s, z_s, a_s * _LN2, s_y)
+    if not has_teacher:
+        zero = torch.zeros(n, **f)
+        return zero, lp, ent, stack_stats(lse_s=lse_s, lse_t=zero, dlse=zero, aux=zero, entropy=ent)
+    log_zt = torch.log(z_t)
+    lse_t = m_t + log_zt
+    plain = (m_s - m_t) + (log_zs - log_zt)
+    dlse = log1p_or_plain(dz_j / zt_j, plain)
+    if div_code != Divergence.JSD:
+        aux = kl_from_sums(div_code, e_d, z_s, z_t, dlse)
+        div = aux.clamp_min(0.0)
+    else:
+        # JSD: second pass with normalised log-probs, KL(p‖M) and KL(q‖M) per token
+        kl_pm = torch.zeros(n, **f)
+        kl_qm = torch.zeros(n, **f)
+        for v0 in range(0, V, vchunk):
+            v1 = min(V, v0 + vchunk)
+            c = v1 - v0
+            s = _logits(hs_t, _weight_chunk(ws, v0, v1, cdt), bs, v0, v1, inv_t, wk("s", n, c))
+            t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t, wk("t", n, c))
+            nd = torch.sub(s, t, out=wk("d", n, c))
+            nd = torch.sub(dlse[:, None], nd, out=nd)  # -δ = log q - log p
+            p = _centre2(s, lse_s).exp2_()
+            q = _centre2(t, lse_t).exp2_()
+            tmp = wk("e", n, c)
+            kl_qm += _rowdot(q, nd, tmp)
+            negw = _jsd_negw(nd, beta)
+            kl_pm -= _rowdot(p, negw, tmp)
+            kl_qm -= q.mul_(negw).sum(1)
+        aux = kl_pm
+        div = (beta * kl_qm + (1.0 - beta) * kl_pm).clamp_min(0.0)
+    return div, lp, ent, stack_stats(lse_s=lse_s, lse_t=lse_t, dlse=dlse, aux=aux, entropy=ent)
+
+
+def _block_plan(n_rows: int, V: int, chunk_size: int, token_chunk: int,
+                full_rows: bool) -> tuple[int, int]:
+    """(rows per token block, vocabulary columns per chunk) of the PyTorch path.
+
+    Default: token blocks of at most _TORCH_TOKEN_CHUNK rows (split evenly) and chunks of
+    about _TORCH_TILE_ELEMS elements per [rows, chunk] piece; explicit `token_chunk_size`
+    / `chunk_size` take precedence. `full_rows` (the JSD forward with an automatic
+    `chunk_size`): whole vocabulary rows, blocks of about _TORCH_ROW_ELEMS elements.
+    """
+    if full_rows:
+        rows = token_chunk if token_chunk > 0 else max(_TORCH_MIN_ROWS, _TORCH_ROW_ELEMS // V)
+        return max(1, min(rows, n_rows)), V
+    if token_chunk > 0:
+        rows = token_chunk
+    else:
+        n_blocks = -(-n_rows // _TORCH_TOKEN_CHUNK)
+        rows = -(-n_rows // n_blocks)
+    rows = max(1, min(rows, n_rows))
+    if chunk_size > 0:
+        return rows, chunk_size
+    c = max(128, _TORCH_TILE_ELEMS // rows)
+    return rows, min(V, (c // 64) * 64)
+
+
+def torch_forward(student: LinearHead, teacher: Optional[LinearHead], targets: Tensor, keep: Tensor,
+                  params: DistillParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(divergence, logprobs, entropy, stats) per token; `teacher` None is the teacher-less op."""
+    hs, ws, bs = head_tensors(student)
+    ht, wt, bt = head_tensors(teacher)
+    V, div_code, beta = params.vocab_size, params.divergence, params.beta
+    temperature, chunk_size, token_chunk = params.temperature, params.chunk_size, params.token_chunk
+    N = hs.shape[0]
+    cdt = compute_dtype(hs, ht)
+    f = dict(device=hs.device, dtype=cdt)
+    div = torch.zeros(N, **f)
+    lp = torch.zeros(N, **f)
+    ent = torch.zeros(N, **f)
+    stats = torch.zeros(len(DistillStat), N, **f)
+    kept = keep.nonzero().squeeze(1)  # the CPU path may sync: masked rows never reach a matmul
+    n_kept = kept.numel()
+    if n_kept == 0:
+        return div, lp, ent, stats
+    # the JSD needs normalised distributions: with whole rows resident it is one matmul pass
+    full_rows = ht is not None and div_code == Divergence.JSD and not (chunk_size and chunk_size > 0)
+    rows_per_block, vchunk = _block_plan(n_kept, V, int(chunk_size or 0), int(token_chunk or 0),
+                                         full_rows)
+    inv_t = 1.0 / temperature
+    wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
+    for r0 in range(0, n_kept, rows_per_block):
+        rows = kept[r0:r0 + rows_per_block]
+        hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
+        ht_t = None if ht is None else ht.index_select(0, rows).to(cdt).mul_(inv_t)
+        y = targets.index_select(0, rows).long()
+        d_, l_, e_, st_ = _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code,
+                                              beta, vchunk, wk)
+        div.index_copy_(0, rows, d_)
+        lp.index_copy_(0, rows, l_)
+        ent.index_copy_(0, rows, e_)
+        stats.index_copy_(1, rows, st_)
+    return div, lp, ent, stats
+
+
+def torch_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHead], targets: Tensor,
+                   keep: Tensor, stats: Tensor, params: DistillParams, need: tuple) -> tuple:
+    """Recompute the chunks and reduce dL/ds (s = logits / T) into dH, dW, db.
+
+    `grads` = (g_div, g_lp, g_ent), each [N] or None; `need` = (need_dh, need_dw, need_db).
+    Returns (dh, dw, db), None where not needed.
+
+    Each recomputed student chunk is centred on the saved log-sum-exp in base 2 in one
+    pass, ls2 = log2 p = (s - lse_s)·log2(e), so p = exp2(ls2). Per token, with
+    δ = log p - log q = (s - t) - dlse (s - t straight from the two logit chunks, exact
+    where p ≈ q; dlse the forward's precise lse_s - lse_t):
+      log-prob:  g_lp (1[v=y] - p)
+      entropy:   -g_H p (ls + H)
+      reverse:   g_kl p (δ - KL)
+      forward:   g_kl (p - q) = -g_kl (p expm1(min(-δ, 1/2)) + relu(q - √e p))   (exact,
+                 relative precision where q ≈ p, no overflow)
+      JSD:       (1-β) g_kl p ((δ - u(δ)) - KL(p‖M)),  δ - u = -log1p(β expm1(-δ))
+    so dL/ds = p ⊙ (A + B·ls2 + D·X) (+ the forward-KL relu term and the one-hot) with
+    per-token A, B, D and one divergence tensor X per chunk (s - t, or a function of -δ):
+    a handful of [rows, chunk] passes and one exp2 (two for the forward KL). Working with
+    s - t and centred logits rather than raw logits keeps the O(|s|) parts from
+    cancelling for the dominant tokens. Hidden rows are pre-multiplied by 1/T, so
+    dW = (dL/ds)^T (h/T) needs no extra scaling and dH, db get one 1/T at the end.
+    """
+    g_div, g_lp, g_ent = grads
+    need_dh, need_dw, need_db = need
+    hs, ws, bs = head_tensors(student)
+    ht, wt, bt = head_tensors(teacher)
+    V, div_code, beta = params.vocab_size, params.divergence, params.beta
+    temperature, chunk_size, token_chunk = params.temperature, params.chunk_size, params.token_chunk
+    N, Hs = hs.shape
+    dev = hs.device
+    cdt = compute_dtype(hs, ht)
+    f = dict(device=dev, dtype=cdt)
+    dh = torch.zeros_like(hs) if need_dh else None
+    dw32 = torch.zeros(ws.shape, **f) if need_dw else None
+    db32 = torch.zeros(ws.shape[0], **f) if need_db else None
+    kept = keep.nonzero().squeeze(1)
+    n_kept = kept.numel()
+    if n_kept > 0 and (g_div is not None or g_lp is not None or g_ent is not None):
+        rows_per_block, vchunk = _block_plan(n_kept, V, int(chunk_size or 0),
+                                             int(token_chunk or 0), False)
+        inv_t = 1.0 / temperature
+        wk = _Workspace(rows_per_block, vchunk, dev, cdt)
+        for r0 in range(0, n_kept, rows_per_block):
+            rows = kept[r0:r0 + rows_per_block]
+            n = rows.numel()
+            hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
+            ht_t = ht.index_select(0, rows).to(cdt).mul_(inv_t) if g_div is not None else None
+            y = targets.index_select(0, rows).long()
+            st = stats.index_select(1, rows).to(cdt)
+            lse_s, lse_t, dlse, aux, ent = (st[r] for r in DistillStat)
+            # per-token coefficients of dL/ds = p ⊙ (A + B ls2 + D X) + g_lp 1[v=y] (+ relu)
+            A = torch.zeros(n, **f)
+            B = D = glp = None
+            if g_lp is not None:
+                glp = g_lp.index_select(0, rows).to(cdt)
+                A -= glp
+            if g_ent is not None:
+                gh = g_ent.index_select(0, rows).to(cdt)
+                A -= gh * ent
+                B = (-_LN2 * gh)[:, None]  # -g_H ls = -g_H ln2 ls2
+            if g_div is not None:
+                gd = g_div.index_select(0, rows).to(cdt)
+                if div_code == Divergence.REVERSE_KL:  # X = s - t:  g_kl p (X - dlse - KL)
+                    A -= gd * (dlse + aux)
+                    D = gd[:, None]
+                elif div_code == Divergence.FORWARD_KL:  # X = expm1(min(-δ, 1/2))
+                    D = (-gd)[:, None]
+                else:  # X = -(δ - u)
+                    A -= (1.0 - beta) * gd * aux
+                    D = (-(1.0 - beta) * gd)[:, None]
+            A = A[:, None]
+            dh32 = torch.zeros(n, Hs, **f) if need_dh else None
+            for v0 in range(0, V, vchunk):
+                v1 = min(V, v0 + vchunk)
+                c = v1 - v0
+                wc = _weight_chunk(ws, v0, v1, cdt)
+                s = _logits(hs_t, wc, bs, v0, v1, inv_t, wk("s", n, c))
+                X = q = None
+                if D is not None:
+                    t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t,
+                                wk("t", n, c))
+                    X = torch.sub(s, t, out=wk("d", n, c))
+                    if div_code != Divergence.REVERSE_KL:
+                        X = torch.sub(dlse[:, None], X, out=X)  # -δ
+                    if div_code == Divergence.JSD:
+                        X = _jsd_negw(X, beta)
+                    elif div_code == Divergence.FORWARD_KL:
+                        if _any(X.amax(1) > 0.5):  # some q > √e p: the relu term is needed
+                            q = _centre2(t, lse_t).exp2_()
+                        X = X.clamp_max_(0.5).expm1_()
+                ls2 = _centre2(s, lse_s)  # log2 p
+                if X is not None:
+                    ds = torch.addcmul(A, D, X, out=X)
+                    if B is not None:
+                        ds.addcmul_(B, ls2)
+                elif B is not None:
+                    ds = torch.addcmul(A, B, ls2, out=wk("d", n, c))
+                else:
+                    ds = None
+                p = ls2.exp2_()
+                if ds is None:
+                    ds = p.mul_(A)  # log-prob gradient only: -g_lp p
+                else:
+                    ds.mul_(p)
+                    if q is not None:
+                        ds.addcmul_(D, q.add_(p, alpha=-_SQRT_E).relu_())
+                del s, ls2, p, X, q
+                if glp is not None:
+                    in_c = (y >= v0) & (y < v1)
+                    col = (y - v0).clamp(0, c - 1)[:, None]
+                    ds.scatter_add_(1, col, torch.where(in_c, glp, 0.0)[:, None])
+                if need_dh:
+                    dh32.addmm_(ds, wc)
+                if need_dw:
+                    dw32[v0:v1].addmm_(ds.t(), hs_t)
+                if need_db:
+                    db32[v0:v1] += ds.sum(0)
+                del ds, wc
+            if need_dh:
+                dh.index_copy_(0, rows, dh32.mul_(inv_t).to(dh.dtype))
+        if need_db:
+            db32.mul_(inv_t)
+    dw = None if dw32 is None else (dw32 if ws.dtype == cdt else dw32.to(ws.dtype))
+    db = None if db32 is None else (db32 if bs.dtype == cdt else db32.to(bs.dtype))
+    return dh, dw, db
+
+
+# ----------------------------------------------------------------------------------
+# custom ops + autograd
