@@ -1,18 +1,22 @@
-"""Tiny Hugging Face causal LMs built from a config (random init, no download).
+"""Tiny Hugging Face causal LMs built from a config (random init, no download), and
+checks and loading of local checkpoint directories.
 
-Used by the audit's embedded default, the tests and the CPU benchmarks. Every model is
-a normal transformers model: save it with `save_pretrained` and it is a checkpoint dir.
+`tiny_causal_lm_config` / `tiny_causal_lm` are the one place a small shape becomes a
+Hugging Face config and a seeded model: the audit's embedded default, the SFT teacher and
+student (`memopd.env.sft.make_model`), the tests and the CPU benchmarks all build theirs
+here. Every model is a normal transformers model: `save_pretrained` makes a checkpoint dir.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["tiny_causal_lm", "ARCHS", "model_dir_problem", "check_model_dir", "load_local_model"]
+__all__ = ["tiny_causal_lm", "tiny_causal_lm_config", "ARCHS", "model_dir_problem", "check_model_dir",
+           "load_local_model"]
 
 ARCHS = ("qwen2", "llama")
 
 
-def tiny_causal_lm(
+def tiny_causal_lm_config(
     arch: str = "qwen2",
     *,
     vocab_size: int = 256,
@@ -24,15 +28,16 @@ def tiny_causal_lm(
     max_positions: int = 4096,
     tie_word_embeddings: bool = False,
     initializer_range: float = 0.02,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
 ):
-    """A random-init Qwen2 or Llama causal LM (GQA when num_kv_heads < num_heads).
+    """The Qwen2 or Llama config of a small causal LM (GQA when num_kv_heads < num_heads).
 
-    A larger `initializer_range` (e.g. 0.2) gives sharp, context-sensitive
-    distributions, which is what an audit needs from an untrained model.
+    `intermediate_size` defaults to 2 * hidden_size. A special-token id left at None keeps
+    the architecture's own default (Llama's bos/eos are 1/2, Qwen2 has none).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, Qwen2Config
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -48,11 +53,33 @@ def tiny_causal_lm(
         initializer_range=initializer_range,
         attention_dropout=0.0,
     )
+    for name, value in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+        if value is not None:
+            kw[name] = value
+    return (Qwen2Config if arch == "qwen2" else LlamaConfig)(**kw)
+
+
+def tiny_causal_lm(
+    arch: str = "qwen2",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **shape,
+):
+    """A random-init causal LM of `tiny_causal_lm_config(arch, **shape)`, in eval mode.
+
+    The weights are a function of the shape and `seed` alone (the global torch RNG is
+    seeded here). A larger `initializer_range` (e.g. 0.2) gives sharp, context-sensitive
+    distributions, which is what an audit needs from an untrained model.
+    `attn_implementation` (e.g. "eager", "sdpa"): None keeps transformers' default.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_causal_lm_config(arch, **shape)
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kw))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model = AutoModelForCausalLM.from_config(config, **kw)
     return model.to(dtype).eval()
 
 

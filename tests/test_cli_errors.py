@@ -227,13 +227,10 @@ def test_audit_model_dir_errors(capsys, tmp_path):
 
 
 def test_model_dir_without_weights(tmp_path):
-    from transformers import Qwen2Config
-
     from memopd.errors import UserError
-    from memopd.models import load_local_model
+    from memopd.models import load_local_model, tiny_causal_lm_config
 
-    Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    tiny_causal_lm_config(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1).save_pretrained(tmp_path)
     with pytest.raises(UserError, match=r"teacher: cannot load the model in '.*'"):
         load_local_model(tmp_path, what="teacher")
 

@@ -7,7 +7,18 @@ import pytest
 from memopd.env import QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
 from memopd.cli import main as cli_main
 from memopd.env.cli import eval_main, sft_main
-from memopd.env.sft import checkpoint_exists, read_env_meta, sft_examples
+from memopd.env.sft import (
+    MODEL_PRESETS,
+    ModelSpec,
+    SFTConfig,
+    checkpoint_exists,
+    copy_warmup_examples,
+    make_model,
+    read_env_meta,
+    sft_examples,
+    train_sft,
+)
+from memopd.errors import UserError
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,6 +34,72 @@ def test_sft_examples_are_the_recorded_states():
     assert len(ex) == len(calls)
     for (ids, n), inv in zip(ex, calls):
         assert ids[:n] == inv.prefix_ids + inv.context_ids and ids[n:] == inv.action_ids
+
+
+@pytest.fixture(scope="module")
+def world_tokenizer():
+    world = World.generate(WorldConfig(seed=0, n_entities=16))
+    return build_tokenizer(world.vocabulary_texts(), kind="word")
+
+
+@pytest.mark.parametrize("role", sorted(MODEL_PRESETS))
+def test_make_model_is_the_qwen2_built_by_hand(world_tokenizer, role):
+    """The SFT models come from `memopd.models`; they must stay the Qwen2 models that a
+    hand-written config and the same seed give, weight for weight (cached checkpoints and
+    recorded results depend on it)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok, spec = world_tokenizer, MODEL_PRESETS[role]
+    by_hand = Qwen2Config(vocab_size=len(tok), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                          num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+                          num_key_value_heads=spec.num_key_value_heads,
+                          max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
+                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(5)
+    want = Qwen2ForCausalLM._from_config(by_hand, attn_implementation="eager")
+    got = make_model(spec, tok, seed=5)
+    assert got.config.to_dict() == want.config.to_dict()
+    assert got.state_dict().keys() == want.state_dict().keys()
+    for name, w in want.state_dict().items():
+        assert torch.equal(got.state_dict()[name], w), name
+    other = make_model(spec, tok, seed=6)
+    assert not torch.equal(other.model.embed_tokens.weight, got.model.embed_tokens.weight)
+
+
+def test_sft_uses_the_trainer_optimizer_and_schedule(world_tokenizer):
+    """Warm-up then cosine to min_lr_ratio (float64 reference), decay on matrices only."""
+    import math
+
+    import torch
+
+    tok = world_tokenizer
+    model = make_model(ModelSpec(16, 1, 2, 1, 32, max_position_embeddings=128), tok, seed=0)
+    examples = copy_warmup_examples(len(tok), 64, first_id=20, max_len=8, max_gap=4, bos_id=tok.bos_token_id)
+    cfg = SFTConfig(steps=9, warmup=3, lr=1e-2, min_lr_ratio=0.2, weight_decay=0.1, batch_tokens=128, threads=None)
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(opt, *a, **k):
+        seen.append([(g["lr"], g["weight_decay"], {p.ndim for p in g["params"]}) for g in opt.param_groups])
+        return step(opt, *a, **k)
+
+    torch.optim.AdamW.step = recording_step
+    try:
+        stats = train_sft(model, examples, cfg, pad_id=tok.pad_token_id, progress=False)
+    finally:
+        torch.optim.AdamW.step = step
+    assert stats["steps"] == 9 and math.isfinite(stats["final_loss"]) and len(seen) == 9
+    for s, groups in enumerate(seen):
+        if s < cfg.warmup:
+            want = cfg.lr * (s + 1) / cfg.warmup
+        else:
+            cos = 0.5 * (1 + math.cos(math.pi * (s - cfg.warmup) / (cfg.steps - cfg.warmup)))
+            want = cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+        assert [g[0] for g in groups] == pytest.approx([want, want], rel=1e-12), s
+        assert [(g[1], g[2]) for g in groups] == [(0.1, {2}), (0.0, {1})]  # biases and norm gains never decay
+    with pytest.raises(UserError, match="steps >= 1"):
+        train_sft(model, examples, SFTConfig(steps=0), pad_id=tok.pad_token_id, progress=False)
 
 
 def test_tiny_sft_cache_and_eval(tmp_path, capsys):

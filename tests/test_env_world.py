@@ -77,10 +77,10 @@ def test_tokenizer_special_tokens_and_hf_roundtrip(tmp_path):
     assert tok.decode(tok.encode(odd, add_special_tokens=False)) == odd
     # A checkpoint directory (Qwen2 config + tokenizer): AutoTokenizer rebuilds it as a
     # Qwen2Tokenizer, which must encode exactly as the tokenizer we built.
-    from transformers import Qwen2Config
+    from memopd.models import tiny_causal_lm_config
 
     tok.save_pretrained(tmp_path)
-    Qwen2Config(vocab_size=len(tok)).save_pretrained(tmp_path)
+    tiny_causal_lm_config("qwen2", vocab_size=len(tok)).save_pretrained(tmp_path)
     tok2 = load_tokenizer(tmp_path)
     assert type(tok2).__name__ == "Qwen2Tokenizer"
     for d in w.documents[:50]:

@@ -7,6 +7,7 @@ every field. Unknown keys are errors, not silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,23 +16,34 @@ import yaml
 from memopd.errors import UserError
 from memopd.packing import ACTION_DOMAINS
 
-__all__ = ["TrainConfig", "ARMS", "ARM_SPECS", "Arm", "ConfigError"]
+__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError"]
 
-@dataclass(frozen=True)
-class Arm:
-    """What distinguishes the arms: the layout the teacher scores (None: no teacher)."""
 
-    teacher_layout: str | None
+class Arm(str, enum.Enum):
+    """The trainer's arms (docs/design.md §7.1): they differ only in what the teacher scores.
+
+    A config holds the plain string (`arm: memopd`); `TrainConfig.arm_spec` is its `Arm`.
+    """
+
+    PPO = "ppo"
+    PERSISTENT = "persistent"  # the matched control: the teacher scores the flattened persistent history
+    MEMOPD = "memopd"  # the teacher scores the restored aligned calls
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def teacher_layout(self) -> str | None:
+        """The `memopd.pack` layout the teacher scores; None: no teacher."""
+        return _TEACHER_LAYOUTS[self]
 
     @property
     def uses_teacher(self) -> bool:
         return self.teacher_layout is not None
 
 
-# ppo: no teacher; persistent: the teacher scores the flattened persistent history (the
-# matched control); memopd: the teacher scores the restored aligned calls
-ARM_SPECS = {"ppo": Arm(None), "persistent": Arm("flatten"), "memopd": Arm("aligned")}
-ARMS = tuple(ARM_SPECS)
+_TEACHER_LAYOUTS = {Arm.PPO: None, Arm.PERSISTENT: "flatten", Arm.MEMOPD: "aligned"}
+ARMS = tuple(a.value for a in Arm)
 
 
 class ConfigError(UserError, ValueError):
@@ -103,7 +115,7 @@ class TrainConfig:
 
     @property
     def arm_spec(self) -> Arm:
-        return ARM_SPECS[self.arm]
+        return Arm(self.arm)
 
     def validate(self) -> "TrainConfig":
         _check_fields(self)  # the type (and choices) of every field, before any range check

@@ -1,18 +1,11 @@
 """The training loop: rollouts -> scoring -> PPO + OPD update, with run management.
 
-Each step: sample question sets, roll out `group_size` episodes per set with the
-student (every call recorded exactly), score them (old/ref log-probs, values, teacher
-hidden states under the arm's layout, GAE), then `ppo_epochs` x `minibatches` optimiser
-steps. Arms: `ppo` (no teacher), `persistent` (teacher scores the flattened persistent
-history: the matched control), `memopd` (teacher scores the restored aligned calls).
-
-Everything random is a pure function of (seed, step, rank): task sampling, the
-sampler's seeds and the minibatch shuffles. So a resumed run only needs the weights,
-optimiser and scheduler state, and continues with exactly the next steps of an
-uninterrupted run. Checkpoints: RUN_DIR/checkpoints/step_N/{actor,critic}/, complete once
-their manifest is written (+ "latest"); the lock, checks and resume rules of a run
-directory are in rundir.py. Metrics: RUN_DIR/metrics.jsonl (one line per step; eval lines carry "eval/..." keys),
-and with `tensorboard=true` the same scalars as TensorBoard events under RUN_DIR/tb.
+`Trainer` runs the steps of docs/design.md §7.2 for one arm (§7.1): sample question
+sets, roll them out with the student, score, update, then log metrics (§7.7), checkpoint
+and evaluate. Everything random is a pure function of (seed, step, rank), so a resumed
+run continues exactly as an uninterrupted one. `prepare` / `train` build the models,
+environment and run directory from a `TrainConfig`; the run-directory rules are in
+rundir.py and the README ("Run directories").
 """
 from __future__ import annotations
 

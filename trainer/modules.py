@@ -1,28 +1,12 @@
 """Actor and critic as modules whose forward takes a `PackedBatch`.
 
-Keeping the lm_head use inside `Actor.forward` matters for ZeRO-3: DeepSpeed gathers a
-module's parameters around its forward, and the fused op reads `lm_head.weight`
-directly, so the actor registers that weight as an external parameter of itself when
-running under ZeRO-3.
-
-- `Actor(lm, scoring=Scoring(temperature, vocab_size))(batch, teacher_hidden,
-  teacher_head)` -> `DistillOutput` per action token (student log-prob of the sampled
-  id, student entropy, reverse KL to the teacher), from one fused pass over the
-  vocabulary. Without a teacher the KL is zero and the teacher-less op
-  (`fused_linear_logprob_entropy`) does only the student's matmuls.
-- `token_logprobs(lm, hidden, targets, scoring)`: the same log-probs without gradients
-  (old and reference log-probs).
-- `Critic(lm)(batch)` -> value per action token, read at its prediction position (the
-  state in which the token was chosen).
-
-Every distribution here is the one the sampler drew from (`Scoring`): the logits at
-the sampling temperature, over the first `vocab_size` rows of the head (the ids the
-tokenizer can emit: rows past it, e.g. the padding of Qwen2.5's 151,936-row lm_head
-over a 151,665-id tokenizer, are masked out of sampling and of every log-prob). The
-teacher is scored on the same rows at the same temperature: the reverse KL between the
-two tempered distributions is zero exactly when the untempered ones agree, so the
-temperature changes the weighting of the signal, not its optimum. A head's constant
-logit scale (`memopd.hf.head_of`) is folded into the temperature.
+`Actor(lm, scoring)(batch, teacher_hidden, teacher_head)` gives, per action token, the
+student's log-prob of the sampled id, its entropy and the reverse KL to the teacher, from
+one fused pass over the vocabulary; `token_logprobs` gives the same log-probs without
+gradients (old and reference); `Critic(lm)(batch)` gives a value per action token, read
+at its prediction position. `Scoring` is the sampler's distribution (temperature, the
+first `vocab_size` head rows): docs/design.md §7.6. The lm_head use stays inside
+`Actor.forward` so that ZeRO-3 gathers the weight the fused op reads (docs/deepspeed.md §4).
 """
 from __future__ import annotations
 

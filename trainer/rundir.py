@@ -1,27 +1,11 @@
 """Run-directory integrity for `memopd train`: runs never lose or mix data.
 
-A run directory is owned by one process at a time and every record in it is either
-complete or absent:
-
-- `RunDirLock`: an exclusive `fcntl.flock` on RUN_DIR/.lock (pid, host, start time and
-  command inside), taken by rank 0 for the whole run. The kernel drops it when its
-  holder dies, so a killed run never blocks the next one.
-- `atomic_write_text` / `atomic_write_json`: temp file in the same directory, fsync,
-  `os.replace`, fsync of the directory. Used for every pointer and record (config.yaml,
-  checkpoints/latest, report.json, checkpoint manifests, the rewritten metrics.jsonl).
-- `write_manifest` / `verify_manifest`: MANIFEST (size + sha256 of every file of a
-  directory), written last and atomically; a checkpoint (or SFT cache entry) is complete
-  only when its manifest exists and every file still matches it.
-- `newest_complete_checkpoint`: what `--resume` continues from (damaged or incomplete
-  newer checkpoints are skipped, with the reason); `truncate_metrics` cuts
-  metrics.jsonl back to that step.
-- `check_resume_config`: a resumed run must have the stored config, except for the keys
-  in `SAFE_RESUME_KEYS`.
-- `check_writable_dir` / `RunDir.open`: every output location is a writable directory,
-  checked before any model is loaded or trained; a used run directory needs `--resume`
-  or `--overwrite`.
-- `rank0_decides`: with several ranks, rank 0 alone decides (and writes); every rank
-  gets its answer, or its error, so all of them load the same checkpoint or stop.
+An exclusive lock per run directory (`RunDirLock`), atomic writes of every pointer and
+record, manifests (size + sha256 of every file) that mark a checkpoint or SFT cache
+entry complete, the choice of the checkpoint `--resume` continues from and the config
+keys it may change, writability checks before anything is loaded or trained, and
+`rank0_decides` so all ranks act on rank 0's decision. The rules, as a user sees them,
+are in the README ("Run directories").
 """
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
 """One PPO + OPD update on a batch of recorded trajectories.
 
-`score(...)` runs the no-grad passes once per rollout batch: the student's log-probs of
-the sampled tokens (logp_old, under the aligned layout, i.e. the restored sampling
-states), the reference model's (for the KL penalty), the critic's values, the teacher's
-last hidden states (aligned for the `memopd` arm, flattened persistent history for the
-`persistent` arm), then token rewards and GAE advantages.
-
-`update(...)` runs `ppo_epochs` passes over shuffled minibatches of trajectories, each
-packed with `memopd.pack` (aligned, group-shared prefixes) and cut into micro-batches
-under the token budget:
-
-    L_actor  = mean_act[ PPO clip loss ] - alpha * mean_act[ H ] + lambda * mean_T[ KL ]
-    L_critic = mean_act[ clipped value loss ]
-
-The entries are the action tokens (`action_domain="exact"`), or for the ablation the
-naive domain that adds re-encoded copies of model output inside later contexts
-(`"naive"`, see `memopd.packing`): every loss, value and advantage then covers them.
-The actor loss of each micro-batch is one fused op over the vocabulary
-(`memopd.ops.fused_linear_actor_loss`: surrogate, entropy bonus and reverse KL, with the
-gradients computed in its forward). Means are over the whole minibatch (all
-micro-batches, all ranks): each micro-batch contributes sum / global count * world.
+`score(...)` runs the no-grad passes once per rollout batch (old and reference
+log-probs, values, the teacher's hidden states under the arm's layout, token rewards,
+GAE: docs/design.md §7.3); `update(...)` runs `ppo_epochs` passes over shuffled
+minibatches, each packed and cut into micro-batches under the token budget, with the
+fused actor loss and the clipped value loss (§7.4), normalised over the whole minibatch
+on all ranks (§7.5).
 """
 from __future__ import annotations
 

@@ -1,35 +1,16 @@
 """Supervised fine-tuning of tiny agents on scripted-expert episodes (`memopd sft`).
 
-- `MODEL_PRESETS`: the HF Qwen2 shapes of the teacher and the (smaller) student.
-- `copy_warmup_examples(...)`: a brief synthetic copy pre-training run before SFT
-  (random strings of the vocabulary, shown once and repeated, loss on the repeat). It
-  seeds the induction heads the agent needs to copy entities, markers and notes from
-  far back in its context; without it, tiny randomly initialised models take several
-  times more SFT steps before they copy at all (in a probe of the "copy the word after
-  a question marker" step, a 128x2 model was right 1% of the time after 600 SFT steps
-  without warm-up, 95% after 600 warm-up + 600 SFT steps).
-- `sft_examples(trajectories)`: one example per recorded call, the restored state
-  `[q, x_t, a_t]` exactly as the expert saw it and acted; the loss covers only the
-  action ids `a_t` (the context is given, not predicted).
-- `train_sft(model, examples, cfg)`: AdamW, warm-up + cosine, length-bucketed batches
-  under a token budget, progress bar (`memopd.progress`); returns training statistics.
-- `run_sft(out_dir, ...)`: build the world, tokenizer and expert data, train the
-  requested roles, and save each as a normal HF checkpoint directory (weights, config,
-  tokenizer) plus `memopd_env.json` (world + environment settings, so `memopd eval`
-  rebuilds the same environment) and a manifest of every file's size and sha256. An
-  existing checkpoint is reused unless `force`, and only when its manifest verifies and
-  it was trained with the settings asked for; otherwise it is retrained.
-  Roles train in parallel processes, one torch thread each.
-
-Presets (`memopd sft` defaults), measured on 2 CPU cores: teacher 128x2 (0.47M params,
-1000 warm-up + 3000 SFT steps, ~180 s CPU), student 64x2 (0.14M, 1000 + 1000 steps,
-~42 s CPU); both together ~4 min wall. Greedy held-out EM: teacher Q2 1.00, Q8 1.00,
-Q16 0.84; student (weak on purpose) 0.20 / 0.26 / 0.10.
+Builds the teacher and student (`MODEL_PRESETS`, via `memopd.models`), their training
+data (`expert_examples`: one example per recorded expert call, loss on the action ids
+only; `copy_warmup_examples`: the synthetic copy pre-training before SFT), trains them
+(`train_sft`, with the trainer's AdamW and LR schedule) and saves each role as a Hugging
+Face checkpoint directory with its environment metadata and manifest (`run_sft`, which
+reuses a cached checkpoint only when it verifies and matches the settings asked for).
+Recipe, presets and their measured cost: docs/design.md §10.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
@@ -37,6 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
+
+from memopd.errors import UserError
 
 from .data import DataError
 from .expert import expert_trajectories
@@ -129,26 +112,27 @@ SFT_PRESETS: dict[str, SFTConfig] = {
 
 
 def make_model(spec: ModelSpec, tokenizer, *, seed: int = 0, attn_implementation: str = "eager"):
-    """A randomly initialised Qwen2 causal LM sized by `spec` for `tokenizer`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A randomly initialised Qwen2 causal LM sized by `spec` for `tokenizer` (tied
+    embeddings, the tokenizer's pad/bos/eos ids), built by `memopd.models.tiny_causal_lm`."""
+    from memopd.models import tiny_causal_lm
 
     tk = ProtocolTokens.from_tokenizer(tokenizer)
-    cfg = Qwen2Config(
+    return tiny_causal_lm(
+        "qwen2",
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
+        num_layers=spec.num_hidden_layers,
+        num_heads=spec.num_attention_heads,
+        num_kv_heads=spec.num_key_value_heads,
+        max_positions=spec.max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tk.pad,
         bos_token_id=tk.bos,
         eos_token_id=tk.eos,
+        seed=seed,
+        attn_implementation=attn_implementation,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
-    return model
 
 
 def sft_examples(trajectories) -> list[tuple[list[int], int]]:
@@ -248,6 +232,8 @@ def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, 
     """
     if not examples:
         raise DataError("no SFT examples")
+    if cfg.steps < 1:
+        raise UserError(f"SFT needs steps >= 1, got {cfg.steps}")
     old_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -259,12 +245,14 @@ def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, 
 
 def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc: str,
            position: int | None) -> dict[str, Any]:
+    from memopd.trainer.backend import build_lr_lambda, build_optimizer
+
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    # the trainer's AdamW and schedule (docs/deepspeed.md §6): linear warm-up, then cosine
+    # down to min_lr_ratio * lr
+    opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, build_lr_lambda(cfg.warmup, cfg.steps, "cosine", cfg.min_lr_ratio))
     batches = _batches(examples, cfg.batch_tokens, rng)
     bar = None
     if progress:
@@ -276,14 +264,6 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
     ema_loss, ema_acc, tokens = None, None, 0
     history = []
     for step in range(cfg.steps):
-        # Linear warm-up, then cosine down to min_lr_ratio * lr.
-        if step < cfg.warmup:
-            lr = cfg.lr * (step + 1) / cfg.warmup
-        else:
-            prog = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-            lr = cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
-        for g in opt.param_groups:
-            g["lr"] = lr
         ids, labels = _collate(examples, next(batches), pad_id)
         logits = model(input_ids=ids).logits[:, :-1].float()
         tgt = labels[:, 1:]
@@ -293,6 +273,7 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        sched.step()
         with torch.no_grad():
             m = tgt != -100
             acc = (logits.argmax(-1)[m] == tgt[m]).float().mean().item()
