@@ -1,0 +1,270 @@
+"""verl / OpenRLHF actor hooks on memopd's fused ops, in their `[B, R]` response layout.
+
+A verl actor (`dp_actor.DataParallelPPOActor`) runs the model on the padded batch
+`input_ids [B, L]` (prompt left-padded, response right-padded, `R` response columns at
+the end), slices the logits of the positions that predict the response,
+`logits[:, -R-1:-1] / temperature`, and takes log-softmax and entropy over the full
+vocabulary: `[B, R, V]` tensors. The hooks here take the last hidden states and the
+lm_head instead and never form them:
+
+- `compute_log_prob(hidden_states [B, L, H], weight, responses [B, R], response_mask)`
+  -> `(log_probs [B, R], entropy [B, R] | None)`: what `compute_log_prob` /
+  `_forward_micro_batch` return (0 where `response_mask` is 0, where verl leaves values
+  the loss masks out anyway).
+- `policy_loss(...)` -> `(loss, metrics)`: `update_policy`'s actor loss, verl's vanilla
+  PPO surrogate (log-ratio clamped to [-20, 20], ratio clipped to
+  [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip `clip_ratio_c` for negative
+  advantages) minus `entropy_coeff` x entropy, aggregated by `loss_agg_mode` exactly as
+  verl's `agg_loss` ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+  "seq-mean-token-sum-norm"); optionally plus `kl_coef` x the full-vocabulary reverse
+  KL to a frozen teacher, aggregated the same way (memopd's on-policy distillation term).
+- `packed_log_prob(model, input_ids, attention_mask, position_ids, responses,
+  response_mask)`: the same `[B, R]` log-probs (and entropy) from a padded (multi-turn)
+  batch, computed by memopd's packed forward: the real tokens of every row go into one
+  stream, one segment per row with its own position ids (`memopd.hf.packed_forward`,
+  docs/design.md §9.1), so no compute is spent on padding.
+
+verl need not be installed: these functions only follow its tensor conventions.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["LOSS_AGG_MODES", "agg_loss", "compute_log_prob", "policy_loss", "packed_log_prob", "padded_to_packed"]
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _response_hidden(hidden_states: Tensor, responses: Tensor) -> Tensor:
+    """[B, R, H] hidden states of the positions that predict the R response tokens."""
+    if hidden_states.dim() != 3 or responses.dim() != 2:
+        raise ValueError(f"expected hidden_states [B, L, H] and responses [B, R], got {tuple(hidden_states.shape)} "
+                         f"and {tuple(responses.shape)}")
+    B, L, _ = hidden_states.shape
+    R = responses.shape[1]
+    if responses.shape[0] != B or not 0 < R < L:
+        raise ValueError(f"responses {tuple(responses.shape)} must be [B={B}, R] with 0 < R < L={L}: the response is "
+                         f"the last R tokens of the sequence and position t predicts token t + 1")
+    return hidden_states[:, L - R - 1:L - 1]
+
+
+def _response_mask(response_mask: Optional[Tensor], responses: Tensor) -> Tensor:
+    if response_mask is None:
+        return torch.ones_like(responses, dtype=torch.bool)
+    if response_mask.shape != responses.shape:
+        raise ValueError(f"response_mask {tuple(response_mask.shape)} must match responses {tuple(responses.shape)}")
+    return response_mask.to(torch.bool)
+
+
+def compute_log_prob(
+    hidden_states: Tensor,
+    weight: Tensor,
+    responses: Tensor,
+    response_mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    vocab_size: Optional[int] = None,
+):
+    """Response log-probs and entropy `[B, R]` from last hidden states `[B, L, H]` and
+    the lm_head `weight [V, H]` (+ `bias`), at the sampling `temperature`.
+
+    Differentiable (use it inside `update_policy` too); under `torch.no_grad()` it keeps
+    nothing for a backward. Positions where `response_mask` is 0 hold 0. `vocab_size`:
+    the rows of the head that form the distribution (default all).
+    """
+    from memopd.ops import fused_linear_logprob_entropy
+
+    h = _response_hidden(hidden_states, responses)
+    mask = _response_mask(response_mask, responses)
+    B, R = responses.shape
+    out = fused_linear_logprob_entropy(h.reshape(B * R, -1), weight, responses.reshape(-1), bias=bias,
+                                       mask=mask.reshape(-1), temperature=temperature, vocab_size=vocab_size,
+                                       ignore_index=None)
+    entropy = out.entropy.view(B, R) if calculate_entropy else None
+    return out.logprobs.view(B, R), entropy
+
+
+def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
+    """verl's aggregation of a `[B, R]` per-token loss into a scalar."""
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
+    m = loss_mask.to(loss_mat.dtype)
+    token_sum = (loss_mat * m).sum(-1)
+    if loss_agg_mode == "token-mean":
+        return token_sum.sum() / (m.sum() + 1e-8)  # verl's masked_mean
+    if loss_agg_mode == "seq-mean-token-sum":
+        return token_sum.mean()
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (token_sum / m.sum(-1)).mean()
+    return token_sum.sum() / loss_mask.shape[-1]  # seq-mean-token-sum-norm: the response width
+
+
+def policy_loss(
+    hidden_states: Tensor,
+    weight: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: Optional[float] = None,
+    clip_ratio_high: Optional[float] = None,
+    clip_ratio_c: float = 3.0,
+    entropy_coeff: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    teacher_hidden_states: Optional[Tensor] = None,
+    teacher_weight: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+):
+    """verl's actor loss of one micro-batch from hidden states: `(loss, metrics)`.
+
+    `old_log_prob`, `advantages`: `[B, R]`, as verl's batch holds them. With
+    `teacher_hidden_states [B, L, Ht]` and `teacher_weight` (frozen), `kl_coef` x the
+    per-token reverse KL(student || teacher) over the full vocabulary is added, with the
+    same aggregation. `metrics` holds detached `pg_loss`, `pg_clipfrac`, `ppo_kl`,
+    `pg_clipfrac_lower`, `entropy` and (with a teacher) `kl` as verl logs them.
+    """
+    from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy
+
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (verl's dual clip), got {clip_ratio_c}")
+    if old_log_prob.shape != responses.shape or advantages.shape != responses.shape:
+        raise ValueError(f"old_log_prob {tuple(old_log_prob.shape)} and advantages {tuple(advantages.shape)} must be "
+                         f"[B, R] = {tuple(responses.shape)}")
+    if (teacher_hidden_states is None) != (teacher_weight is None):
+        raise ValueError("pass teacher_hidden_states and teacher_weight together (or neither)")
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    mask = _response_mask(response_mask, responses)
+    B, R = responses.shape
+    h = _response_hidden(hidden_states, responses).reshape(B * R, -1)
+    common = dict(mask=mask.reshape(-1), temperature=temperature, vocab_size=vocab_size, ignore_index=None)
+    kl = None
+    if teacher_hidden_states is None:
+        out = fused_linear_logprob_entropy(h, weight, responses.reshape(-1), bias=bias, **common)
+    else:
+        h_t = _response_hidden(teacher_hidden_states, responses).reshape(B * R, -1).detach()
+        out = fused_linear_distill(h, weight, h_t, teacher_weight.detach(), responses.reshape(-1), student_bias=bias,
+                                   teacher_bias=None if teacher_bias is None else teacher_bias.detach(),
+                                   reduction="none", **common)
+        kl = out.kl.view(B, R)
+    log_prob = out.logprobs.view(B, R)
+    entropy = out.entropy.view(B, R)
+
+    adv = advantages.to(log_prob.dtype)
+    log_ratio = torch.clamp(log_prob - old_log_prob.to(log_prob.dtype), -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    pg_clip = torch.maximum(unclipped, clipped)
+    dual = torch.minimum(-adv * clip_ratio_c, pg_clip)
+    pg_losses = torch.where(adv < 0, dual, pg_clip)
+
+    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode)
+    entropy_loss = agg_loss(entropy, mask, loss_agg_mode)
+    loss = pg_loss - entropy_coeff * entropy_loss
+    metrics = {}
+    if kl is not None:
+        kl_loss = agg_loss(kl, mask, loss_agg_mode)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl"] = kl_loss.detach()
+    with torch.no_grad():
+        m = mask.to(log_prob.dtype)
+
+        def token_mean(x):
+            return (x * m).sum() / (m.sum() + 1e-8)
+
+        metrics.update(
+            pg_loss=pg_loss.detach(),
+            pg_clipfrac=token_mean(torch.gt(clipped, unclipped).to(m.dtype)),
+            ppo_kl=token_mean(-log_ratio),
+            pg_clipfrac_lower=token_mean((torch.gt(pg_clip, -adv * clip_ratio_c) & (adv < 0)).to(m.dtype)),
+            entropy=entropy_loss.detach(),
+        )
+    return loss, metrics
+
+
+def padded_to_packed(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, responses: Tensor,
+                     response_mask: Optional[Tensor] = None):
+    """A verl padded batch as a memopd `PackedBatch`: the real tokens of each row form one
+    segment (at the row's own position ids) of a single packed row, and the actions are
+    the response tokens where `response_mask` is set, each predicted from the token before
+    it. Also returns the `[B, R]` bool mask of those actions (row-major order)."""
+    from memopd.layout import AttentionMeta, PackedBatch, SegmentKind
+
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be [B, L], got {tuple(input_ids.shape)} and "
+                         f"{tuple(attention_mask.shape)}")
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(f"position_ids must be [B, L] = {tuple(input_ids.shape)}, got {tuple(position_ids.shape)} "
+                         f"(multi-axis rope position ids, e.g. [B, 3, L], are not supported)")
+    B, L = input_ids.shape
+    R = responses.shape[1] if responses.dim() == 2 else -1
+    if responses.dim() != 2 or responses.shape[0] != B or not 0 < R < L:
+        raise ValueError(f"responses must be [B={B}, R] with 0 < R < L={L}, got {tuple(responses.shape)}")
+    real = attention_mask.to(torch.bool)
+    if not torch.equal(input_ids[:, L - R:][real[:, L - R:]], responses[real[:, L - R:]]):
+        raise ValueError("responses differ from the last R columns of input_ids at real tokens")
+    # packed index of every padded position (valid only where the token is real)
+    packed_at = torch.cumsum(real.reshape(-1).long(), 0).view(B, L) - 1
+    pred_pos = torch.arange(L - R - 1, L - 1, device=input_ids.device)
+    acts = _response_mask(response_mask, responses) & real[:, L - R:] & real[:, pred_pos]
+    lens = real.sum(1)
+    cu = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)]).cpu()
+    meta = AttentionMeta.from_segments(cu, [-1] * B, [SegmentKind.CALL] * B)
+    T = int(cu[-1])
+    rows, cols = acts.nonzero(as_tuple=True)
+    pred_index = packed_at[:, pred_pos][rows, cols]
+    action_index = packed_at[:, L - R:][rows, cols]
+    A = int(rows.numel())
+    dev = input_ids.device
+    batch = PackedBatch(
+        layout="padded_rows", input_ids=input_ids[real], position_ids=position_ids[real].long(), attn=meta.to(dev),
+        cu_rows=torch.tensor([0, T], dtype=torch.int32, device=dev),
+        action_mask=torch.zeros(T, dtype=torch.bool, device=dev).index_fill_(0, action_index, True),
+        action_index=action_index, pred_index=pred_index, target_ids=responses[rows, cols],
+        sample_logprobs=torch.full((A,), float("nan"), device=dev), teacher_mask=torch.ones(A, dtype=torch.bool, device=dev),
+        traj_index=rows, call_index=torch.zeros_like(rows), token_index=cols,
+        segment_traj=torch.arange(B, device=dev), segment_call=torch.zeros(B, dtype=torch.long, device=dev),
+        num_trajectories=B)
+    return batch, acts
+
+
+def packed_log_prob(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    responses: Tensor,
+    response_mask: Optional[Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    vocab_size: Optional[int] = None,
+    attention_backend: str = "auto",
+):
+    """`[B, R]` response log-probs (and entropy) of a Hugging Face causal LM on a verl
+    padded batch, through memopd's packed forward and the fused op: no padded token is
+    computed and no `[tokens x vocab]` logits are formed. 0 where no action (masked
+    response tokens, padding)."""
+    from memopd.hf import head_of, packed_forward
+    from memopd.ops import fused_linear_logprob_entropy
+
+    batch, acts = padded_to_packed(input_ids, attention_mask, position_ids, responses, response_mask)
+    h = packed_forward(model, batch, output="hidden", attention_backend=attention_backend)
+    head = head_of(model)
+    out = fused_linear_logprob_entropy(h, head.weight, batch.target_ids, bias=head.bias,
+                                       temperature=temperature / head.scale, vocab_size=vocab_size, ignore_index=None)
+    log_probs = out.logprobs.new_zeros(acts.shape).masked_scatter(acts, out.logprobs)
+    entropy = out.entropy.new_zeros(acts.shape).masked_scatter(acts, out.entropy) if calculate_entropy else None
+    return log_probs, entropy
