@@ -63,23 +63,20 @@ its resident k/v tiles), plus one extra launch per kernel whose programs read BL
 compiled offline for sm_90 (bf16, D=64/128), the plain launches keep their register use
 (+-10) and their loops' spills (none where there were none), configuration by configuration.
 
-Triton compatibility: plain pointer arithmetic only (no block pointers, no descriptors), so
-the same source runs on Triton 3.4-3.9. Under TRITON_INTERPRET=1 (CPU tests) bf16 loads are
-upcast to fp32 through a constexpr switch, because the interpreter's bf16 arithmetic is
-wrong, and small fixed blocks are used; `@triton.autotune` is only applied when a real GPU
-is present, since it needs a driver. Without a GPU at hand the kernels were also compiled
-offline for sm_90 (Triton 3.9 + ptxas, see test_kernels_compile_for_hopper): wgmma, cp.async
-pipelining, shared memory and register use of the configurations below come from there;
-their speed on an H100/H200 has not been measured yet.
+Interpreter, autotuning and dot-precision policy come from `memopd.kernels.runtime`;
+Triton compatibility and what has been checked on which hardware: docs/design.md §6.1 and §8.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ..ops.attention import TRITON_DTYPES as _SUPPORTED_DTYPES
+from ..ops.attention import TRITON_HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from .runtime import INTERPRET, GPU_DRIVER_PRESENT, LOG2E, USE_AUTOTUNE, dot_precision, helper, upcast
 
 __all__ = [
     "INTERPRET",
@@ -90,19 +87,9 @@ __all__ = [
     "check_triton_inputs",
 ]
 
-# Read once: the choice between interpreted and compiled kernels is made by triton.jit at
-# import time, so a later change of the variable would not take effect anyway.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_USE_AUTOTUNE = (not INTERPRET) and torch.cuda.is_available()
-
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-# The kernels work in base 2 (exp2/log2 are the fast hardware ops): scores are scaled by
-# softmax_scale * log2(e); the stored LSE is converted back to natural log. Inside the
-# kernels, 1 << 30 is the "no range" sentinel of integer min-reductions (far above any
-# token index, far below 2^31).
-_LOG2E = 1.4426950408889634
+# Inside the kernels, 1 << 30 is the "no range" sentinel of integer min-reductions (far
+# above any token index, far below 2^31). The kernels work in base 2: scores are scaled by
+# softmax_scale * LOG2E, and the stored LSE is converted back to natural log.
 
 # Interpreter block sizes: tl.dot needs every dimension >= 16.
 _INTERP_BLOCK = 16
@@ -111,15 +98,8 @@ _INTERP_BLOCK = 16
 # --------------------------------------------------------------------------------------
 # shared helpers (inlined by Triton)
 # --------------------------------------------------------------------------------------
-# The interpreter re-patches triton.language on every call of a @triton.jit device function
-# (about 0.3 ms each). These helpers run once per (query block, key block) pair, which made
-# that patching most of the test time; under TRITON_INTERPRET=1 they are therefore plain
-# Python functions (the interpreter runs kernels as Python anyway, with tl already patched),
-# and compiled, inlined device functions everywhere else.
-_helper = (lambda fn: fn) if INTERPRET else triton.jit
-
-
-@_helper
+# per-tile helpers: plain Python under the interpreter (see runtime.helper)
+@helper
 def _row_meta(SEG, PST, PEND, offs_m, T, valid):
     """Per query row: own range [own_lo, own_hi] (inclusive) and prefix range [pre_lo, pre_hi).
 
@@ -139,7 +119,7 @@ def _row_meta(SEG, PST, PEND, offs_m, T, valid):
     return own_lo, own_hi, pre_lo, pre_hi, row_ok
 
 
-@_helper
+@helper
 def _block_class(own_lo, own_hi, pre_lo, pre_hi, row_ok, n0, BLOCK_N: tl.constexpr):
     """(does any row see a key of [n0, n0+BLOCK_N), does every row see all of it)."""
     n_last = n0 + BLOCK_N - 1
@@ -156,21 +136,21 @@ def _block_class(own_lo, own_hi, pre_lo, pre_hi, row_ok, n0, BLOCK_N: tl.constex
     return any_blk, full_blk
 
 
-@_helper
+@helper
 def _visible(own_lo, own_hi, pre_lo, pre_hi, offs_n):
     """Element mask [BM, BN] of the rows (their ranges from `_row_meta`) over keys offs_n."""
     n = offs_n[None, :]
     return ((n >= pre_lo[:, None]) & (n < pre_hi[:, None])) | ((n >= own_lo[:, None]) & (n <= own_hi[:, None]))
 
 
-@_helper
+@helper
 def _visible_t(own_lo, own_hi, pre_lo, pre_hi, offs_n):
     """The same mask transposed, [BN, BM] (keys x rows), built directly in that layout."""
     n = offs_n[:, None]
     return ((n >= pre_lo[None, :]) & (n < pre_hi[None, :])) | ((n >= own_lo[None, :]) & (n <= own_hi[None, :]))
 
 
-@_helper
+@helper
 def _ranges_to_blocks(lo, hi, BLOCK: tl.constexpr):
     """Token range [lo, hi) -> block range [b0, b1); empty ranges become (0, 0)."""
     nonempty = hi > lo
@@ -182,7 +162,7 @@ def _ranges_to_blocks(lo, hi, BLOCK: tl.constexpr):
 # --------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------
-@_helper
+@helper
 def _fwd_step(
     acc, l_i, m_i, q, K_head, V_head, stride_kt, stride_vt,
     own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
@@ -283,7 +263,7 @@ def _fwd_pass(
     return acc, l_i, m_i
 
 
-@_helper
+@helper
 def _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N: tl.constexpr):
     """Key block ranges of a query block: A (prefix intervals) and B (own segments), and
     whether A is gap-free (all rows that have a prefix share the same interval)."""
@@ -369,7 +349,7 @@ def _fwd_kernel(
 # --------------------------------------------------------------------------------------
 # backward: dK/dV (+ atomic dQ)
 # --------------------------------------------------------------------------------------
-@_helper
+@helper
 def _bwd_kv_step(
     dk, dv, k, v, Q, DO, DQ, LSE, DELTA, head_r,
     own_lo, own_hi, pre_lo, pre_hi, row_ok, rows, offs_n, full_blk,
@@ -611,7 +591,7 @@ def _bwd_dkdv_kernel(
 # --------------------------------------------------------------------------------------
 # backward: deterministic dQ (query-major, recomputes P)
 # --------------------------------------------------------------------------------------
-@_helper
+@helper
 def _bwd_dq_step(
     dq, q, do, lse2, delta, K_head, V_head, stride_kt, stride_vt,
     own_lo, own_hi, pre_lo, pre_hi, T, n0, full_blk, qk_scale,
@@ -832,12 +812,12 @@ _BWD_DQ_PRUNE = _make_prune("M", 1)
 
 # Autotuning (GPU only; it needs a driver) can be switched off with
 # MEMOPD_TRITON_AUTOTUNE=0 or by setting this flag: the first surviving candidate is used.
-AUTOTUNE = _USE_AUTOTUNE and os.environ.get("MEMOPD_TRITON_AUTOTUNE", "1") != "0"
+AUTOTUNE = USE_AUTOTUNE
 # Test hook: launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages) forced on every
 # launch, which also bypasses autotuning. In the interpreter only the block sizes matter.
 _FIXED: dict = {}
 
-if _USE_AUTOTUNE:
+if GPU_DRIVER_PRESENT:
     _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=["HEAD_DIM", "GROUP", "PREC"],
                                  prune_configs_by={"early_config_prune": _FWD_PRUNE})(_fwd_kernel)
     # DQ is accumulated with atomics: the tuner must re-zero it between its trial runs
@@ -915,10 +895,7 @@ def _meta_arrays(seg_start, prefix_start, prefix_end, device):
 
 
 def _flags(dtype):
-    upcast = INTERPRET and dtype == torch.bfloat16  # interpreter bf16 arithmetic is wrong
-    # fp32 inputs must stay exact (the RCE audit compares fp32 logits at ~1e-4): no TF32
-    prec = "ieee" if dtype == torch.float32 else "tf32"
-    return upcast, prec
+    return upcast(dtype), dot_precision(dtype)
 
 
 def key_query_ranges(seg_start: torch.Tensor, prefix_start: torch.Tensor, prefix_end: torch.Tensor) -> torch.Tensor:
@@ -1018,7 +995,7 @@ def packed_attention_fwd(
         _fwd_kernel, kernel, params, T, Hq, "BLOCK_M",
         ((q, k, v, out, lse, ss, ps, pe),
          (T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-          out.stride(0), out.stride(1), scale * _LOG2E)),
+          out.stride(0), out.stride(1), scale * LOG2E)),
         dict(GROUP=Hq // Hkv, HEAD_DIM=D, UPCAST=upcast, PREC=prec),
     )
     return out, lse
@@ -1080,7 +1057,7 @@ def packed_attention_bwd(
         ((q, k, v, do, dq_acc, dk, dv, lse, delta, ss, ps, pe, kqr),
          (T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
           do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1),
-          dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * _LOG2E)),
+          dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * LOG2E)),
         dict(GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, UPCAST=upcast, PREC=prec, ATOMIC_DQ=not deterministic),
     )
     if deterministic:
@@ -1089,7 +1066,7 @@ def packed_attention_bwd(
             _bwd_dq_kernel, kernel, params, T, Hq, "BLOCK_M",
             ((q, k, v, do, dq_acc, lse, delta, ss, ps, pe),
              (T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-              do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1), scale, scale * _LOG2E)),
+              do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1), scale, scale * LOG2E)),
             dict(GROUP=group, HEAD_DIM=D, UPCAST=upcast, PREC=prec),
         )
         return dq_acc, dk, dv

@@ -71,14 +71,10 @@ def memopd_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    if backend == "reference":
-        from .ops.reference_attention import reference_packed_attention
+    # looked up at call time (not imported at module level): importing memopd.hf stays light
+    from .ops import attention
 
-        out = reference_packed_attention(q, k, v, meta, softmax_scale=scaling)
-    else:
-        from .ops.attention import packed_attention
-
-        out = packed_attention(q, k, v, meta, softmax_scale=scaling, backend=backend)
+    out = attention.packed_attention(q, k, v, meta, softmax_scale=scaling, backend=backend)
     return out.unsqueeze(0), None
 
 

@@ -146,5 +146,7 @@ def test_requested_attention_backend_reaches_the_op(monkeypatch):
     monkeypatch.setattr(pa, "packed_attention", spy)
     model = tiny_causal_lm("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
     batch = pack(random_trajectories("summary", 2, vocab_size=64, seed=0, calls=(2, 2)), layout="aligned")
-    packed_forward(model, batch, attention_backend="torch")
-    assert seen and set(seen) == {"torch"}
+    for backend in ("torch", "reference"):
+        seen.clear()
+        packed_forward(model, batch, attention_backend=backend)
+        assert seen and set(seen) == {backend}

@@ -1,5 +1,5 @@
 """`memopd.ops.attention`: the exact PyTorch path against the float64 dense-mask
-oracle (values and gradients), dispatch, and input validation. A CUDA-only test at the end
+oracle (values and gradients), its per-layout plan cache, dispatch, and input validation. A CUDA-only test at the end
 checks the compiled Triton kernels against the PyTorch path (skipped without a GPU); the
 interpreter tests of the kernels live in test_packed_attention_triton.py.
 """
@@ -12,7 +12,8 @@ import torch
 
 from memopd.layout import AttentionMeta, SegmentKind
 from memopd.ops import packed_attention as op_entry
-from memopd.ops.attention import packed_attention, plan_runs, select_backend
+from memopd.ops.attention import packed_attention, plan_runs, resolve_backend
+from memopd.ops.dispatch import BackendError
 # (memopd.ops exports the function under the module's own name, so `import ... as` would
 # return the function: take the module from sys.modules)
 pa_mod = sys.modules["memopd.ops.attention"]
@@ -99,7 +100,7 @@ def test_auto_dispatch_uses_torch_on_cpu(monkeypatch):
     assert op_entry is packed_attention  # memopd.ops exports this op
     meta = random_meta(2, 100)
     q, k, v, _ = make_inputs(meta.num_tokens, 2, 2, 16, torch.float32, 2)
-    assert select_backend(q) == "torch"
+    assert resolve_backend(q) == "torch"
     calls = []
     orig = pa_mod._torch_packed_attention
 
@@ -111,6 +112,73 @@ def test_auto_dispatch_uses_torch_on_cpu(monkeypatch):
     out = packed_attention(q, k, v, meta)
     assert calls == [1]
     torch.testing.assert_close(out, packed_attention(q, k, v, meta, backend="reference"), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_environment_variable(monkeypatch):
+    """MEMOPD_BACKEND replaces "auto"; an explicit backend still wins; a bad value is an error."""
+    meta = random_meta(2, 60)
+    q, k, v, _ = make_inputs(meta.num_tokens, 2, 1, 16, torch.float32, 2)
+    monkeypatch.setenv("MEMOPD_BACKEND", "torch")
+    assert resolve_backend(q) == "torch"
+    assert resolve_backend(q, "reference") == "reference"
+    monkeypatch.setenv("MEMOPD_BACKEND", "reference")  # not a choice for every op: refused
+    with pytest.raises(BackendError, match="MEMOPD_BACKEND"):
+        packed_attention(q, k, v, meta)
+
+
+def test_triton_refuses_what_the_kernels_do_not_take(monkeypatch):
+    """With the interpreter on (faked here), an explicit "triton" still refuses float64 and
+    odd head dims with a BackendError naming the reason; "auto" never picks it on CPU."""
+    import memopd.ops.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "interpreter_active", lambda: True)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    meta = random_meta(2, 60)
+    T = meta.num_tokens
+    with pytest.raises(BackendError, match="torch.float64 inputs"):
+        packed_attention(*(torch.randn(T, 2, 16, dtype=torch.float64) for _ in range(3)), meta, backend="triton")
+    with pytest.raises(BackendError, match="head dim 48"):
+        packed_attention(*(torch.randn(T, 2, 48) for _ in range(3)), meta, backend="triton")
+    assert resolve_backend(torch.randn(T, 2, 16)) == "torch"
+    assert resolve_backend(torch.randn(T, 2, 16), "triton") == "triton"
+
+
+def test_plan_is_built_once_per_layout(monkeypatch):
+    """The torch path plans a layout once (forward, backward and later calls share it) and
+    plans again after an in-place change of the metadata."""
+    calls = []
+    build = pa_mod._build_plan
+
+    def counting(*args):
+        calls.append(1)
+        return build(*args)
+
+    monkeypatch.setattr(pa_mod, "_build_plan", counting)
+    meta = random_meta(11, 200)
+    q, k, v, do = make_inputs(meta.num_tokens, 2, 2, 16, torch.float64, 11)
+    first = run("torch", q, k, v, do, meta)
+    second = run("torch", q, k, v, do, meta)
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    # one query row becomes blind (a row that sees nothing): a new plan, and a new result
+    row = int(meta.prefix_end.argmax())
+    meta.seg_start[row] = row + 1
+    meta.prefix_end[row] = meta.prefix_start[row]
+    third = run("torch", q, k, v, do, meta)
+    assert len(calls) == 2
+    assert (third[0][row] == 0).all() and not torch.equal(third[0], first[0])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), third, oracle(q, k, v, do, meta)):
+        assert_close(name, a, b, torch.float64)
+
+
+def test_backward_without_the_autograd_guard(monkeypatch):
+    """Where torch lacks the private dispatch-key guard, the torch backward falls back to
+    torch.func.vjp: same gradients."""
+    monkeypatch.setattr(pa_mod, "_INCLUDE_AUTOGRAD", None)
+    meta = random_meta(12, 150, shuffle=True)
+    q, k, v, do = make_inputs(meta.num_tokens, 4, 2, 16, torch.float64, 12)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run("torch", q, k, v, do, meta), oracle(q, k, v, do, meta)):
+        assert_close(name, a, b, torch.float64)
 
 
 def test_empty_stream():
@@ -137,7 +205,7 @@ def test_bad_inputs():
         packed_attention(q, kv.double(), kv.double(), meta)
     with pytest.raises(ValueError, match="devices differ"):
         packed_attention(q, kv, kv, meta.to("meta"))
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(BackendError, match="unknown backend 'flash'"):
         packed_attention(q, kv, kv, meta, backend="flash")
     with pytest.raises(TypeError, match="AttentionMeta"):
         packed_attention(q, kv, kv, meta.seg_start)
@@ -154,7 +222,8 @@ def test_triton_on_cpu_needs_the_interpreter():
         "from memopd.ops.attention import packed_attention\n"
         "meta = random_meta(1, 40)\n"
         "q = torch.randn(meta.num_tokens, 2, 16)\n"
-        "with pytest.raises(RuntimeError, match='TRITON_INTERPRET'):\n"
+        "from memopd.ops.dispatch import BackendError\n"
+        "with pytest.raises(BackendError, match='TRITON_INTERPRET'):\n"
         "    packed_attention(q, q, q, meta, backend='triton')\n"
         "print('raised')\n"
     )
@@ -178,7 +247,7 @@ def test_cuda_triton_matches_torch_path(dtype, D, Hq, Hkv, monkeypatch):
     monkeypatch.setattr(kern, "AUTOTUNE", False)
     meta = random_meta(40 + D, 2000, shuffle=D == 128).to("cuda")
     q, k, v, do = make_inputs(meta.num_tokens, Hq, Hkv, D, dtype, D, device="cuda")
-    assert select_backend(q) == "triton"
+    assert resolve_backend(q) == "triton"
     want = oracle(q, k, v, do, meta)
     for det in (False, True):
         got = run("auto", q, k, v, do, meta, deterministic=det)

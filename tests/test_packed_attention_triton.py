@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 import memopd.kernels.packed_attention as kern  # noqa: E402
 from memopd.layout import AttentionMeta, SegmentKind  # noqa: E402
 from memopd.ops.attention import packed_attention  # noqa: E402
+from memopd.ops.dispatch import BackendError  # noqa: E402
 
 import _attention_cases as _cases  # noqa: E402
 from _attention_cases import assert_close, oracle, random_meta, random_token_meta  # noqa: E402
@@ -336,10 +337,12 @@ def test_errors():
     T = meta.num_tokens
     dmeta = meta.to(DEVICE)
     q = torch.randn(T, 2, 48, device=DEVICE)
-    with pytest.raises(ValueError, match="head dims"):
+    with pytest.raises(BackendError, match="head dim 48"):
         packed_attention(q, q, q, dmeta, backend="triton")
+    with pytest.raises(ValueError, match="head dims"):  # the kernels' own check, for direct callers
+        kern.packed_attention_fwd(q, q, q, dmeta.seg_start, dmeta.prefix_start, dmeta.prefix_end)
     q = torch.randn(T, 2, 16, dtype=torch.float64, device=DEVICE)
-    with pytest.raises(ValueError, match="float16, bfloat16 and float32"):
+    with pytest.raises(BackendError, match="float16, bfloat16 and float32"):
         packed_attention(q, q, q, dmeta, backend="triton")
     q = torch.randn(T, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="devices differ"):

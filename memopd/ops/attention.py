@@ -5,47 +5,52 @@ Visibility is that of docs/design.md §3.1, read from the O(T) metadata of
 `seg_start[i] <= j <= i` or `prefix_start[i] <= j < prefix_end[i]`; rows that see nothing
 (padding) give zeros. q is `[T, Hq, D]`, k/v `[T, Hkv, D]` with Hq a multiple of Hkv (GQA).
 
-Backends (keyword `backend`):
-  "auto"      Triton on CUDA tensors (when dtype/head dim are supported), "torch" otherwise.
-  "triton"    the Triton kernels of `memopd.kernels.packed_attention` (forward + backward,
-              through a `torch.autograd.Function`). On CPU tensors this works only when
-              TRITON_INTERPRET=1 was set before that module was imported (tests).
-  "torch"     exact PyTorch: rows are split into runs that share their key set (in a packed
-              layout: one run per segment); runs of similar shape are batched into one
-              padded `scaled_dot_product_attention` call over keys [prefix, own segment]
-              with each run's bottom-right-aligned causal mask; padding rows are zeros.
-              Differentiable by autograd (prefix dK/dV summed over its calls by the
-              gather's backward); works on any device.
-  "reference" the dense [T, T]-mask oracle (`reference_packed_attention`), O(T^2).
+Backends (`backend=`, chosen by `memopd.ops.dispatch.choose_backend`, so MEMOPD_BACKEND
+applies and an explicit backend that cannot run is a `BackendError`):
+  "auto"      "triton" on CUDA tensors whose dtype and head dim the kernels take, else "torch".
+  "triton"    the kernels of `memopd.kernels.packed_attention` (on CPU tensors only under
+              TRITON_INTERPRET=1 set before that module is imported: tests).
+  "torch"     exact PyTorch on any device: runs of rows that share a key set are batched
+              into padded `scaled_dot_product_attention` calls over keys [prefix, own segment].
+  "reference" the dense [T, T]-mask oracle (`reference_packed_attention`), O(T^2), plain autograd.
+What each backend does with NaN/inf inputs and how the torch path batches its runs: docs/design.md §6.1.
 
-Non-finite inputs stay where they belong on the "torch" and "reference" backends: a NaN or
-inf in a key or value row reaches exactly the rows that can see it (as NaN in the heads
-concerned), never a masked row, another segment or another trajectory. The metadata is
-checked once per object at entry (`AttentionMeta.validate`): a contradiction (e.g.
-prefix_end > T, a negative seg_start) is a ValueError naming the field.
-
-On a CPU shape of T=4096 tokens (3 prefixes x 10 calls + padding, 34 segments), 8 heads,
-D=64, fp32, one thread, the torch path measured ~22x faster than the dense reference
-forward (0.12 s vs 2.7 s) and ~13x for forward+backward (0.38 s vs 4.8 s); with 4 x 14 calls
-(61 segments): 0.10 s vs 2.3 s and 0.31 s vs 5.0 s. So it is the CPU default
-(`benchmarks/bench_packed_attention.py` repeats the comparison).
+torch.compile: "torch" and "triton" both run inside one opaque custom op,
+`memopd::packed_attention_fwd` (returns the output and what its backward needs), with a
+fake implementation and an autograd formula whose backward is the custom op
+`memopd::packed_attention_bwd`. The wrapper in front of it only reads shapes, dtypes, devices
+and the "checked" mark of the metadata, so `torch.compile(fullgraph=True)` traces it without
+a graph break. The torch path's host-side work (splitting the stream into runs and building
+the gather indices of each padded SDPA call) happens inside the op, where a compiler never
+looks, and is cached on the metadata tensors themselves (keyed by their version counters), so
+the layers of one forward and their backward plan a layout once, and nothing of it is baked
+into a compiled graph as constants (which would recompile for every new batch). On CPU
+tensors planning reads host memory only; on CUDA tensors with backend="torch" it costs one
+device-to-host copy per metadata object. The torch backward replays the forward under
+autograd (`_torch_recompute_vjp`), trading one more forward for not keeping the padded
+per-run copies of q/k/v alive between forward and backward. Second derivatives are not
+supported on these two backends.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..layout import AttentionMeta
+from .dispatch import choose_backend
 from .reference_attention import check_attention_inputs, reference_packed_attention
 
-__all__ = ["packed_attention", "select_backend", "plan_runs", "BACKENDS"]
+__all__ = ["packed_attention", "resolve_backend", "plan_runs", "BACKENDS", "TRITON_HEAD_DIMS", "TRITON_DTYPES"]
 
-BACKENDS = ("auto", "triton", "torch", "reference")
-_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("auto", "torch", "triton", "reference")
+# what the Triton kernels take (kernels/packed_attention.py checks against the same tuples)
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # SDPA grew `enable_gqa` in torch 2.5; older versions get K/V heads repeated by hand
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -66,34 +71,35 @@ def packed_attention(
     of atomics (bitwise reproducible); the other backends are deterministic anyway.
     Returns [T, Hq, D] in q's dtype; differentiable w.r.t. q, k, v on every backend.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if not isinstance(meta, AttentionMeta):
         raise TypeError(f"meta must be an AttentionMeta; got {type(meta).__name__}")
     check_attention_inputs(q, k, v, meta)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    if backend == "auto":
-        backend = select_backend(q)
+    backend = resolve_backend(q, backend)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":
-        return reference_packed_attention(q, k, v, meta, softmax_scale)
-    if backend == "torch":
-        return _torch_packed_attention(q, k, v, meta, softmax_scale)
-    return _TritonPackedAttention.apply(
-        q, k, v, meta.seg_start, meta.prefix_start, meta.prefix_end, float(softmax_scale), bool(deterministic)
-    )
+        return reference_packed_attention(q, k, v, meta, scale)
+    if backend == "triton":
+        # the kernels want rows contiguous: copy here (differentiably), so that the op saves
+        # the copies for its backward instead of copying again there
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, _ = _fwd_op(q, k, v, meta.seg_start, meta.prefix_start, meta.prefix_end, scale, bool(deterministic), backend)
+    return out
 
 
-def select_backend(q: torch.Tensor) -> str:
-    """The backend "auto" resolves to for these inputs."""
-    if q.is_cuda and q.shape[-1] in _TRITON_HEAD_DIMS and q.dtype in _TRITON_DTYPES:
-        return "triton"
-    return "torch"
+def resolve_backend(q: torch.Tensor, backend: str | None = "auto") -> str:
+    """The backend that runs packed attention on inputs like q ("auto" and MEMOPD_BACKEND
+    resolved); raises `BackendError` for a backend that cannot run them."""
+    return choose_backend("packed_attention", backend, q.device, backends=BACKENDS, triton_refusal=_triton_refusal(q))
 
 
-# --------------------------------------------------------------------------------------
-# Triton backend
-# --------------------------------------------------------------------------------------
+def _triton_refusal(q: torch.Tensor) -> str | None:
+    if q.dtype not in TRITON_DTYPES:
+        return f"{q.dtype} inputs (it takes float16, bfloat16 and float32)"
+    if q.shape[-1] not in TRITON_HEAD_DIMS:
+        return f"head dim {q.shape[-1]} (it takes head dims {TRITON_HEAD_DIMS})"
+    return None
+
+
 def _kernels():
     # imported lazily: importing memopd.ops must never import Triton
     from ..kernels import packed_attention as kern
@@ -101,27 +107,75 @@ def _kernels():
     return kern
 
 
-class _TritonPackedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, seg_start, prefix_start, prefix_end, scale, deterministic):
-        kern = _kernels()
-        # the kernels want [T, H, D] rows contiguous; copy once here and keep the copies
-        # for the backward instead of copying again there
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = kern.packed_attention_fwd(q, k, v, seg_start, prefix_start, prefix_end, scale)
-        ctx.save_for_backward(q, k, v, out, lse, seg_start, prefix_start, prefix_end)
-        ctx.scale = scale
-        ctx.deterministic = deterministic
-        return out
+# --------------------------------------------------------------------------------------
+# custom ops + autograd (both "torch" and "triton")
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op("memopd::packed_attention_fwd", mutates_args=())
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, seg_start: Tensor, prefix_start: Tensor, prefix_end: Tensor,
+            scale: float, deterministic: bool, backend: str) -> tuple[Tensor, Tensor]:
+    """(out [T, Hq, D], lse): lse is the kernels' fp32 [Hq, T] log-sum-exp on "triton" and
+    empty on "torch", whose backward recomputes the forward instead."""
+    if backend == "triton":
+        return _kernels().packed_attention_fwd(q, k, v, seg_start, prefix_start, prefix_end, scale)
+    out = _torch_packed_attention(q, k, v, seg_start, prefix_start, prefix_end, scale)
+    return out, q.new_empty((0,), dtype=torch.float32)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse, seg_start, prefix_start, prefix_end = ctx.saved_tensors
-        dq, dk, dv = _kernels().packed_attention_bwd(
-            dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end, ctx.scale, ctx.deterministic
-        )
-        return dq, dk, dv, None, None, None, None, None
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, seg_start, prefix_start, prefix_end, scale, deterministic, backend):
+    lse_shape = (q.shape[1], q.shape[0]) if backend == "triton" else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("memopd::packed_attention_bwd", mutates_args=())
+def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg_start: Tensor,
+            prefix_start: Tensor, prefix_end: Tensor, scale: float, deterministic: bool,
+            backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        return _kernels().packed_attention_bwd(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end,
+                                               scale, deterministic)
+    return tuple(g.contiguous() for g in _torch_recompute_vjp(dout, q, k, v, seg_start, prefix_start, prefix_end, scale))
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end, scale, deterministic, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# A custom op's kernel runs with the autograd dispatch key excluded: plain autograd records
+# nothing there. This (private) guard lifts the exclusion, so the torch backward can replay
+# the forward under ordinary autograd (the SDPA calls keep their fused CPU kernels);
+# `torch.func.vjp` works without it but routes SDPA through slower code (~3x the backward).
+_INCLUDE_AUTOGRAD = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+
+
+def _torch_recompute_vjp(dout, q, k, v, seg_start, prefix_start, prefix_end, scale):
+    """(dq, dk, dv) of the torch path, by running its forward again with autograd on."""
+    def forward(q_, k_, v_):
+        return _torch_packed_attention(q_, k_, v_, seg_start, prefix_start, prefix_end, scale)
+
+    if _INCLUDE_AUTOGRAD is None:
+        return torch.func.vjp(forward, q, k, v)[1](dout)
+    with torch.enable_grad(), _INCLUDE_AUTOGRAD(torch._C.DispatchKey.AutogradFunctionality, False):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(forward(*leaves), leaves, dout)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, seg_start, prefix_start, prefix_end, scale, deterministic, backend = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], seg_start, prefix_start, prefix_end)
+    ctx.scalars = (scale, deterministic, backend)
+
+
+def _backward(ctx, dout, _dlse):
+    if not any(ctx.needs_input_grad[:3]):
+        return (None,) * 9
+    dq, dk, dv = _bwd_op(dout, *ctx.saved_tensors, *ctx.scalars)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 6
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------
@@ -149,9 +203,13 @@ def plan_runs(meta: AttentionMeta) -> list[Run]:
     """Split the token stream into maximal runs of rows with the same seg_start and prefix
     interval (padding rows that see nothing are merged into zero runs). For a layout built
     by `AttentionMeta.from_segments` the runs are exactly the non-padding segments. O(T)."""
-    ss = meta.seg_start.detach().to("cpu", torch.int64)
-    ps = meta.prefix_start.detach().to("cpu", torch.int64)
-    pe = meta.prefix_end.detach().to("cpu", torch.int64)
+    return _runs(meta.seg_start, meta.prefix_start, meta.prefix_end)
+
+
+def _runs(seg_start: Tensor, prefix_start: Tensor, prefix_end: Tensor) -> list[Run]:
+    ss = seg_start.detach().to("cpu", torch.int64)
+    ps = prefix_start.detach().to("cpu", torch.int64)
+    pe = prefix_end.detach().to("cpu", torch.int64)
     T = ss.shape[0]
     if T == 0:
         return []
@@ -222,14 +280,109 @@ def _buckets(runs: list[Run]) -> list[list[Run]]:
     return out
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """One padded SDPA call over n runs: [n, H, Lq, Lk]."""
+
+    n: int
+    lq: int
+    lk: int
+    q_rows: Tensor  # [n * Lq] query token of each batched row (padding rows: token 0)
+    k_rows: Tensor  # [n * Lk] key token of each batched key (padding keys: token 0)
+    mask: Tensor  # [n, 1, Lq, Lk] bool
+    keep: Tensor  # positions of the real query rows among the n * Lq outputs
+
+
+@dataclass(frozen=True)
+class _Overlap:
+    """A run whose prefix interval intersects its own range: one SDPA call over keys [lo, hi)."""
+
+    start: int
+    stop: int
+    lo: int
+    hi: int
+    mask: Tensor  # [stop - start, hi - lo] bool
+
+
+@dataclass(frozen=True)
+class _TorchPlan:
+    batches: list[_Batch]
+    overlaps: list[_Overlap]
+    tokens: Tensor | None  # query token of each computed output row, in the order they are produced
+
+
+def _build_plan(seg_start: Tensor, prefix_start: Tensor, prefix_end: Tensor) -> _TorchPlan:
+    """Gather indices and masks of every SDPA call of the torch path, on the metadata's device.
+
+    A bucket of n runs becomes one call over [n, H, Lq, Lk] (queries and keys gathered and
+    padded) whose mask is the bottom-right-aligned causal mask of each run's keys
+    [prefix, own]: row r sees all P prefix keys and its own keys up to itself, i.e. key c iff
+    c <= r + Lk - Lq. Few large calls instead of one per segment: less Python and far fewer
+    thread-pool rounds, which matters most when the CPU is shared."""
+    dev = seg_start.device
+    runs = _runs(seg_start, prefix_start, prefix_end)
+    batches, overlaps, tokens = [], [], []
+    for bucket in _buckets([r for r in runs if not r.zero and not r.overlap]):
+        n = len(bucket)
+        lq = [r.stop - r.start for r in bucket]
+        keys = [[i for a, b in _key_ranges(r) for i in range(a, b)] for r in bucket]
+        lk = [len(x) for x in keys]
+        Lq, Lk = max(lq), max(lk)
+        q_rows = torch.tensor([list(range(r.start, r.stop)) + [0] * (Lq - n_) for r, n_ in zip(bucket, lq)], device=dev)
+        k_rows = torch.tensor([x + [0] * (Lk - len(x)) for x in keys], device=dev)
+        lq_t = torch.tensor(lq, device=dev).view(n, 1, 1)
+        lk_t = torch.tensor(lk, device=dev).view(n, 1, 1)
+        p_t = torch.tensor([r.prefix_end - r.prefix_start for r in bucket], device=dev).view(n, 1, 1)
+        rr = torch.arange(Lq, device=dev).view(1, Lq, 1)
+        cc = torch.arange(Lk, device=dev).view(1, 1, Lk)
+        # (the prefix term only matters for rows whose own range is empty); padded query
+        # rows (r >= Lq_b) see every real key, so no row is fully masked
+        mask = (cc < lk_t) & ((cc < p_t) | (cc <= rr + (lk_t - lq_t)))
+        keep = (torch.arange(Lq, device=dev).view(1, Lq) < lq_t.view(n, 1)).flatten().nonzero().squeeze(1)
+        batches.append(_Batch(n, Lq, Lk, q_rows.flatten(), k_rows.flatten(), mask.unsqueeze(1), keep))
+        tokens.append(q_rows.flatten().index_select(0, keep))
+    for r in runs:
+        if r.overlap:
+            # malformed but representable: each row's visible set is one interval; take the
+            # merged key span and mask it
+            lo, hi = min(r.prefix_start, r.seg_start), max(r.prefix_end, r.stop)
+            j = torch.arange(lo, hi, device=dev)
+            i = torch.arange(r.start, r.stop, device=dev).unsqueeze(1)
+            mask = ((j >= r.prefix_start) & (j < r.prefix_end)) | ((j >= r.seg_start) & (j <= i))
+            overlaps.append(_Overlap(r.start, r.stop, lo, hi, mask))
+            tokens.append(torch.arange(r.start, r.stop, device=dev))
+    return _TorchPlan(batches, overlaps, torch.cat(tokens) if tokens else None)
+
+
+def _versions(*ts: Tensor):
+    # inference tensors have no version counter: such metadata is simply not cached
+    return None if any(t.is_inference() for t in ts) else tuple(t._version for t in ts)
+
+
+def _plan_of(seg_start: Tensor, prefix_start: Tensor, prefix_end: Tensor) -> _TorchPlan:
+    """The plan of these metadata tensors, built on first use and kept on `seg_start` (it dies
+    with the metadata; an in-place change of any of the three tensors invalidates it)."""
+    versions = _versions(seg_start, prefix_start, prefix_end)
+    cached = getattr(seg_start, "_memopd_attention_plan", None)
+    if cached is not None and versions is not None:
+        ps_ref, pe_ref, seen, plan = cached
+        if ps_ref() is prefix_start and pe_ref() is prefix_end and seen == versions:
+            return plan
+    plan = _build_plan(seg_start, prefix_start, prefix_end)
+    if versions is not None:
+        seg_start._memopd_attention_plan = (weakref.ref(prefix_start), weakref.ref(prefix_end), versions, plan)
+    return plan
+
+
 def _all_finite(*xs: torch.Tensor) -> bool:
-    """One cheap reduction per tensor and one host sync: a sum is finite iff every element is
-    (or, in float32 accumulation, the sum overflows: then the exact slow path runs anyway)."""
+    """One cheap reduction per tensor and one host read (a sync on CUDA, where "torch" is not
+    the default): a sum is finite iff every element is (or, in float32 accumulation, the sum
+    overflows: then the exact slow path runs anyway)."""
     sums = [x.detach().sum(dtype=torch.float32 if x.element_size() < 4 else None) for x in xs]
     return bool(torch.isfinite(torch.stack([t.to(sums[0].dtype) for t in sums])).all())
 
 
-def _torch_packed_attention(q, k, v, meta, scale):
+def _torch_packed_attention(q, k, v, seg_start, prefix_start, prefix_end, scale):
     """Exact PyTorch path with isolation of non-finite inputs.
 
     A dense product gives a masked key weight 0, and 0 * NaN = NaN: one NaN in a key or
@@ -239,20 +392,20 @@ def _torch_packed_attention(q, k, v, meta, scale):
     then exactly the rows that see a non-finite key or value (or have a non-finite query)
     are set to NaN in the heads concerned; every other row is bitwise the clean result,
     and gets no gradient from the poisoned rows."""
+    plan = _plan_of(seg_start, prefix_start, prefix_end)
     if _all_finite(q, k, v):
-        return _torch_packed_attention_finite(q, k, v, meta, scale)
+        return _torch_packed_attention_finite(q, k, v, plan, scale)
     qf, kf, vf = torch.isfinite(q), torch.isfinite(k), torch.isfinite(v)
     zero = q.new_zeros(())
     out = _torch_packed_attention_finite(
-        torch.where(qf, q, zero), torch.where(kf, k, zero), torch.where(vf, v, zero), meta, scale
+        torch.where(qf, q, zero), torch.where(kf, k, zero), torch.where(vf, v, zero), plan, scale
     )
     T, Hq, _ = q.shape
     rep = Hq // k.shape[1]
-    dev = q.device
     bad_kv = ~(kf.all(-1) & vf.all(-1))  # [T, Hkv]: key j of kv head g is non-finite
     csum = torch.cat([bad_kv.new_zeros(1, bad_kv.shape[1], dtype=torch.long), bad_kv.long().cumsum(0)])
-    i = torch.arange(T, device=dev)
-    ss, ps, pe = meta.seg_start.long(), meta.prefix_start.long(), meta.prefix_end.long()
+    i = torch.arange(T, device=q.device)
+    ss, ps, pe = seg_start.long(), prefix_start.long(), prefix_end.long()
     own = ss <= i
     has_pre = pe > ps
     n_own = torch.where(own.unsqueeze(1), csum[i + 1] - csum[ss.clamp(0, T)], 0)
@@ -262,55 +415,22 @@ def _torch_packed_attention(q, k, v, meta, scale):
     return torch.where(poison.unsqueeze(-1), out.new_full((), float("nan")), out)
 
 
-def _torch_packed_attention_finite(q, k, v, meta, scale):
-    """Exact PyTorch path (finite inputs). Runs of rows with the same key set shape are batched: a bucket of
-    n runs becomes one SDPA call over [n, H, Lq, Lk] (queries and keys gathered and padded),
-    whose mask is the bottom-right-aligned causal mask of each run's keys [prefix, own]:
-    row i sees all P prefix keys and its own keys up to i, i.e. key c iff c <= r + Lk - Lq.
-    Few large calls instead of one per segment: less Python and far fewer thread-pool
-    rounds, which matters most when the CPU is shared."""
+def _torch_packed_attention_finite(q, k, v, plan: _TorchPlan, scale):
+    """The SDPA calls of `plan` on finite inputs; rows no call computes (they see nothing) are zeros."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    dev = q.device
-    runs = plan_runs(meta)
-    regular = [r for r in runs if not r.zero and not r.overlap]
-    tokens, values = [], []
-    for bucket in _buckets(regular):
-        n = len(bucket)
-        lq = [r.stop - r.start for r in bucket]
-        keys = [[i for a, b in _key_ranges(r) for i in range(a, b)] for r in bucket]
-        lk = [len(x) for x in keys]
-        Lq, Lk = max(lq), max(lk)
-        q_idx = torch.tensor([list(range(r.start, r.stop)) + [0] * (Lq - n_) for r, n_ in zip(bucket, lq)], device=dev)
-        k_idx = torch.tensor([x + [0] * (Lk - len(x)) for x in keys], device=dev)
-        lq_t = torch.tensor(lq, device=dev).view(n, 1, 1)
-        lk_t = torch.tensor(lk, device=dev).view(n, 1, 1)
-        p_t = torch.tensor([r.prefix_end - r.prefix_start for r in bucket], device=dev).view(n, 1, 1)
-        rr = torch.arange(Lq, device=dev).view(1, Lq, 1)
-        cc = torch.arange(Lk, device=dev).view(1, 1, Lk)
-        # (the prefix term only matters for rows whose own range is empty); padded query
-        # rows (r >= Lq_b) see every real key, so no row is fully masked
-        mask = (cc < lk_t) & ((cc < p_t) | (cc <= rr + (lk_t - lq_t)))
-        qb = q.index_select(0, q_idx.flatten()).view(n, Lq, Hq, D).transpose(1, 2)
-        kb = k.index_select(0, k_idx.flatten()).view(n, Lk, Hkv, D).transpose(1, 2)
-        vb = v.index_select(0, k_idx.flatten()).view(n, Lk, Hkv, D).transpose(1, 2)
-        ob = _sdpa(qb, kb, vb, attn_mask=mask.unsqueeze(1), scale=scale)
-        keep = (torch.arange(Lq, device=dev).view(1, Lq) < lq_t.view(n, 1)).flatten().nonzero().squeeze(1)
-        values.append(ob.transpose(1, 2).reshape(n * Lq, Hq, D).index_select(0, keep))
-        tokens.append(q_idx.flatten().index_select(0, keep))
+    values = []
+    for b in plan.batches:
+        qb = q.index_select(0, b.q_rows).view(b.n, b.lq, Hq, D).transpose(1, 2)
+        kb = k.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
+        vb = v.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
+        ob = _sdpa(qb, kb, vb, attn_mask=b.mask, scale=scale)
+        values.append(ob.transpose(1, 2).reshape(b.n * b.lq, Hq, D).index_select(0, b.keep))
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    for r in runs:
-        if r.overlap:
-            # the prefix interval intersects the own range (malformed, but representable):
-            # each row's visible set is one interval; take the merged key span and mask it
-            lo, hi = min(r.prefix_start, r.seg_start), max(r.prefix_end, r.stop)
-            j = torch.arange(lo, hi, device=dev)
-            i = torch.arange(r.start, r.stop, device=dev).unsqueeze(1)
-            mask = ((j >= r.prefix_start) & (j < r.prefix_end)) | ((j >= r.seg_start) & (j <= i))
-            o = _sdpa(qh[:, r.start : r.stop], kh[:, lo:hi], vh[:, lo:hi], attn_mask=mask, scale=scale)
-            values.append(o.transpose(0, 1))
-            tokens.append(torch.arange(r.start, r.stop, device=dev))
-    out = q.new_zeros(T, Hq, D)  # rows that see nothing stay zero
+    for o in plan.overlaps:
+        ov = _sdpa(qh[:, o.start : o.stop], kh[:, o.lo : o.hi], vh[:, o.lo : o.hi], attn_mask=o.mask, scale=scale)
+        values.append(ov.transpose(0, 1))
+    out = q.new_zeros(T, Hq, D)
     if not values:
         return out
-    return out.index_copy(0, torch.cat(tokens), torch.cat(values))
+    return out.index_copy(0, plan.tokens, torch.cat(values))
