@@ -1,18 +1,31 @@
-"""Build script: compiles the C++ core `memopd._C` with CMake (see CMakeLists.txt).
+"""Build script: the package list and the C++ core `memopd._C`, compiled with CMake (see
+CMakeLists.txt).
 
-Package metadata lives in pyproject.toml. `kernels/` and `trainer/` at the repository
-root are installed as `memopd.kernels` and `memopd.trainer` (memopd/kernels and
-memopd/trainer are symbolic links to them, so the source tree imports the same way).
+Metadata and dependencies live in pyproject.toml. `kernels/` and `trainer/` at the
+repository root are installed as `memopd.kernels` and `memopd.trainer` through the
+package mapping below (trainer/configs/*.json, the DeepSpeed examples, as package data);
+a source checkout imports them the same way through memopd's import hook
+(memopd/__init__.py).
 """
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+# packages whose sources sit at the repository root instead of under memopd/
+ROOT_PACKAGES = {"memopd.kernels": "kernels", "memopd.trainer": "trainer"}
+
+
+def package_list() -> list[str]:
+    """memopd and its subpackages, plus each root package and its own subpackages."""
+    packages = find_packages(where=str(ROOT), include=["memopd", "memopd.*"])
+    for name, folder in ROOT_PACKAGES.items():
+        packages += [name] + [f"{name}.{sub}" for sub in find_packages(where=str(ROOT / folder))]
+    return packages
 
 
 class CMakeExtension(Extension):
@@ -45,6 +58,9 @@ class CMakeBuild(build_ext):
 
 
 setup(
+    packages=package_list(),
+    package_dir=ROOT_PACKAGES,
+    package_data={"memopd.trainer": ["configs/*.json"]},
     ext_modules=[CMakeExtension("memopd._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -3,10 +3,22 @@
 Records (`Invocation`, `Trajectory`), memory policies, the pack compiler (`pack`,
 `PackedBatch`), the ops (`memopd.ops`), the HF packed forward, the RCE audit and the
 trainer are all reachable from here. Heavy submodules load on first use.
+
+`memopd.kernels` and `memopd.trainer` live at the repository root (kernels/, trainer/);
+the build maps them into the package (setup.py). When this `memopd/` is a source
+checkout (e.g. `python -m pytest` from the repository root puts it first on sys.path,
+even after a non-editable `pip install .`), `_CheckoutFinder` resolves exactly those two
+subpackages to the checkout's kernels/ and trainer/, and `memopd._C`, when it was not
+built in place, to the compiled core of an installed copy.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
 
 from .records import (
     Invocation,
@@ -30,6 +42,57 @@ from .memory import (
     make_policy,
     random_trajectories,
 )
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# subpackages whose sources sit at the repository root, next to memopd/ (setup.py maps them)
+_ROOT_PACKAGES = {"memopd.kernels": "kernels", "memopd.trainer": "trainer"}
+
+
+def _installed_copy_file(wanted) -> str | None:
+    """Path of the first file of an installed memopd distribution, outside this directory,
+    for which `wanted(relative_path)` holds; None when there is none. The checkout's own
+    build metadata (memopd.egg-info, found first from the root) lists files that live in
+    this directory, and an editable install lists none of the package's files."""
+    import importlib.metadata
+
+    for dist in importlib.metadata.distributions(name="memopd"):
+        for f in dist.files or ():
+            if not wanted(str(f).replace("\\", "/")):
+                continue
+            path = os.path.abspath(str(dist.locate_file(f)))
+            if os.path.isfile(path) and not path.startswith(_HERE + os.sep):
+                return path
+    return None
+
+
+def _is_compiled_core(name: str) -> bool:
+    return name.startswith("memopd/_C.") and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+class _CheckoutFinder(importlib.abc.MetaPathFinder):
+    """Finds `memopd.kernels`, `memopd.trainer` and `memopd._C` when they are not inside
+    this `memopd/` (a source checkout). It runs after the standard finders, so a module
+    that exists in place (an installed copy, a core built with `pip install -e .`) wins."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in _ROOT_PACKAGES:
+            init = os.path.join(os.path.dirname(_HERE), _ROOT_PACKAGES[fullname], "__init__.py")
+            if not os.path.isfile(init):
+                wanted = fullname.replace(".", "/") + "/__init__.py"
+                init = _installed_copy_file(lambda name: name == wanted)
+            if init is None:
+                return None
+            return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[os.path.dirname(init)])
+        if fullname == "memopd._C":
+            core = _installed_copy_file(_is_compiled_core)
+            return None if core is None else importlib.util.spec_from_file_location(fullname, core)
+        return None
+
+
+# an installed copy holds kernels/ and trainer/ itself and needs no finder
+if not os.path.isdir(os.path.join(_HERE, "kernels")) and not any(type(f).__name__ == "_CheckoutFinder" for f in sys.meta_path):
+    sys.meta_path.append(_CheckoutFinder())
+
 
 __version__ = "0.1.0"
 

@@ -172,6 +172,59 @@ def _one_line(msg: object) -> str:
     return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip()) or type(msg).__name__
 
 
+# the optional dependencies (pyproject.toml extras) by import name: (pip package, extra)
+_OPTIONAL = {
+    "transformers": ("transformers", "train"),
+    "tokenizers": ("tokenizers", "train"),
+    "safetensors": ("safetensors", "train"),
+    "bm25s": ("bm25s", "train"),
+    "tqdm": ("tqdm", "train"),
+    "yaml": ("pyyaml", "train"),
+    "matplotlib": ("matplotlib", "plot"),
+    "tensorboard": ("tensorboard", "plot"),
+    "deepspeed": ("deepspeed", "deepspeed"),
+    "triton": ("triton", "triton"),
+}
+_TRAIN_MODULES = tuple(m for m, (_, extra) in _OPTIONAL.items() if extra == "train")
+# checked before a command starts: train and sft run parts of the job in worker processes,
+# which would otherwise be the first to meet a missing package
+_COMMAND_NEEDS = {
+    "train": _TRAIN_MODULES, "sft": _TRAIN_MODULES, "eval": _TRAIN_MODULES, "compare": _TRAIN_MODULES,
+    "audit": ("transformers",), "plot": ("matplotlib",),
+}
+
+
+def _missing_for(command: str) -> tuple[str, str] | None:
+    """(package, extra) of the first optional dependency `command` needs that is not installed."""
+    import importlib.util
+
+    for module in _COMMAND_NEEDS.get(command, ()):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken or blocked installation counts as missing
+            found = False
+        if not found:
+            return _OPTIONAL[module]
+    return None
+
+
+def _missing_extra(e: BaseException) -> tuple[str, str] | None:
+    """(package, extra) when `e`, or an error it was raised from, is the import of an
+    optional dependency that is not installed; None otherwise (a bug)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ModuleNotFoundError) and e.name and e.name.split(".")[0] in _OPTIONAL:
+            return _OPTIONAL[e.name.split(".")[0]]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _install_hint(package: str, extra: str) -> str:
+    return (f"this command needs {package}, which is not installed: "
+            f"pip install 'memopd[{extra}]' (in a checkout: pip install '.[{extra}]')")
+
+
 # OS errors about a path the user named (a missing input file, an unwritable output) are
 # bad input, not bugs
 _PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
@@ -216,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the last resort of the command line
+        missing = _missing_extra(e) if isinstance(e, ImportError) else None
+        if missing is not None:  # an optional dependency, not a bug
+            if debug:
+                traceback.print_exc()
+            print(f"{prog}: error: {_install_hint(*missing)}", file=sys.stderr)
+            return UserError.exit_code
         traceback.print_exc()
         print(f"{prog}: internal error ({type(e).__name__}): this is a bug in memopd; "
               "please report it with the traceback above", file=sys.stderr)
@@ -234,6 +293,11 @@ def _end_process_group(orderly: bool) -> None:
 
 
 def _dispatch(argv: list[str]) -> int:
+    from .errors import UserError
+
+    missing = _missing_for(argv[0]) if argv else None
+    if missing is not None:
+        raise UserError(_install_hint(*missing))
     for name, module, func, _ in _EXTERNAL:
         if argv and argv[0] == name:
             import importlib

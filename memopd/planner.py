@@ -21,45 +21,16 @@ __all__ = ["plan_rows", "rows_from_assignment"]
 
 
 def _core():
+    # in a source checkout without a core built in place, memopd's import hook supplies an
+    # installed copy's core (memopd/__init__.py, _CheckoutFinder)
     try:
         from . import _C
     except ImportError as e:
-        _C = _installed_core()
-        if _C is None:
-            raise ImportError(
-                "memopd._C (the C++ planner) is not built. Install the package with "
-                "`pip install .` or `pip install -e .` so the extension compiles."
-            ) from e
+        raise ImportError(
+            "memopd._C (the C++ planner) is not built. Install the package with "
+            "`pip install .` or `pip install -e .` so the extension compiles."
+        ) from e
     return _C
-
-
-def _installed_core():
-    """The compiled core of an installed memopd, when this `memopd` is a source checkout
-    that shadows it (e.g. `python -m pytest` from the repository root puts the checkout
-    first on sys.path after a non-editable `pip install .`)."""
-    import importlib.machinery
-    import importlib.metadata
-    import importlib.util
-    import os
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    # every distribution of that name: the checkout's own build metadata (memopd.egg-info,
-    # found first from the root) lists no compiled file; the installed one does
-    for dist in importlib.metadata.distributions(name="memopd"):
-        for f in dist.files or ():
-            name = str(f).replace("\\", "/")
-            if not (name.startswith("memopd/_C") and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))):
-                continue
-            path = os.path.abspath(str(dist.locate_file(f)))
-            if os.path.dirname(path) == here or not os.path.isfile(path):
-                continue
-            spec = importlib.util.spec_from_file_location("memopd._C", path)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            sys.modules["memopd._C"] = mod
-            return mod
-    return None
 
 
 def plan_rows(

@@ -278,27 +278,3 @@ def test_empty():
     assert plan_rows([], [], [], 10) == []
     assert plan_rows([], [], [5, 6], 10) == []
 
-
-def test_installed_core_is_found_when_a_checkout_shadows_it(monkeypatch):
-    """A source checkout without a built `_C` (first on sys.path, e.g. `python -m pytest`
-    from the repository root after `pip install .`) uses the installed compiled core."""
-    import importlib.metadata
-    import sys
-
-    import memopd._C as real
-    import memopd.planner as planner
-
-    so = real.__file__
-
-    class Dist:  # an installed distribution whose file list holds the compiled core
-        files = ["memopd/" + so.rsplit("/", 1)[1]]
-
-        @staticmethod
-        def locate_file(f):
-            return so
-
-    monkeypatch.setattr(importlib.metadata, "distributions", lambda name: iter([Dist()]))
-    monkeypatch.delitem(sys.modules, "memopd._C")
-    monkeypatch.setattr(planner, "__file__", "/nonexistent/checkout/memopd/planner.py")
-    mod = planner._installed_core()
-    assert mod is not None and mod.plan_rows([3, 4], [-1, -1], [], 10) == [0, 0]

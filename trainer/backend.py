@@ -543,8 +543,17 @@ class PlainBackend(TrainBackend):
 
 
 def _load_config(config: dict | str | os.PathLike) -> dict:
+    """A deep copy of the config dict, or the parsed JSON file. A path that does not exist
+    but names a bundled example, `ds_zero2.json` or `trainer/configs/ds_zero2.json` (likewise
+    ds_zero3), is that example: it ships as package data next to this module, so the README's
+    command works from any directory and from an installed package."""
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
+        path = os.path.normpath(os.fspath(config))
+        base = os.path.basename(path)
+        example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", base)
+        if path in (base, os.path.join("trainer", "configs", base)) and not os.path.exists(path) and os.path.isfile(example):
+            path = example
+        with open(path) as f:
             config = json.load(f)
     if not isinstance(config, dict):
         raise TypeError(f"deepspeed_config must be a dict or a JSON path, got {type(config).__name__}")

@@ -346,10 +346,9 @@ def resolve_vocab_size(cfg: TrainConfig, env, student_lm, teacher_lm=None) -> in
 
 
 def _zero_stage(ds) -> int:
-    if isinstance(ds, str):
-        with open(ds) as f:
-            ds = json.load(f)
-    return int(ds.get("zero_optimization", {}).get("stage", 0))
+    from .backend import _load_config  # the bundled example configs resolve as in the backend
+
+    return int(_load_config(ds).get("zero_optimization", {}).get("stage", 0))
 
 
 def _load_lm(path: str):

@@ -17,7 +17,6 @@ module is imported (tests; docs/design.md §8).
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
@@ -35,9 +34,12 @@ class BackendError(ValueError):
     """A requested backend cannot run these inputs (or does not exist)."""
 
 
-@functools.lru_cache(maxsize=None)
+# looked up once: a constant to torch.compile (a cached function would be traced each time)
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def interpreter_active() -> bool:

@@ -1,0 +1,221 @@
+"""The package layout: `kernels/` and `trainer/` at the repository root are `memopd.kernels`
+and `memopd.trainer`, installed (setup.py's package mapping) or imported from a source
+checkout (memopd's import hook), each module exactly once; the DeepSpeed examples ship as
+package data; a command whose optional dependency is missing names the extra to install.
+
+Runs against whichever memopd this interpreter imports: the checkout (editable install,
+or `python -m pytest` from the repository root) or an installed copy (`pip install .`)."""
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import memopd
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = Path(memopd.__file__).resolve().parent
+FROM_CHECKOUT = PACKAGE == REPO / "memopd"
+
+
+def _expected_dir(subpackage: str) -> Path:
+    return REPO / subpackage if FROM_CHECKOUT else PACKAGE / subpackage
+
+
+def test_no_symlinks_in_the_package_tree():
+    assert not (REPO / "memopd" / "kernels").exists() and not (REPO / "memopd" / "kernels").is_symlink()
+    assert not (REPO / "memopd" / "trainer").exists() and not (REPO / "memopd" / "trainer").is_symlink()
+    links = [p for p in (REPO / "memopd").rglob("*") if p.is_symlink()]
+    assert links == []
+
+
+@pytest.mark.parametrize("subpackage", ["kernels", "trainer"])
+def test_root_packages_resolve_to_their_sources(subpackage):
+    mod = importlib.import_module(f"memopd.{subpackage}")
+    assert Path(mod.__file__).resolve() == _expected_dir(subpackage) / "__init__.py"
+    assert [Path(p).resolve() for p in mod.__path__] == [_expected_dir(subpackage)]
+
+
+def test_each_module_is_loaded_once():
+    import memopd._C  # noqa: F401
+    import memopd.kernels  # noqa: F401
+    import memopd.trainer.backend  # noqa: F401
+    import memopd.trainer.config  # noqa: F401
+
+    by_file = {}
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if f and (name == "memopd" or name.startswith("memopd.")):
+            by_file.setdefault(os.path.realpath(f), set()).add(name)
+    twice = {f: names for f, names in by_file.items() if len(names) > 1}
+    assert twice == {}
+    # the repository root is on sys.path under `python -m pytest`: nothing may import the
+    # sources as top-level `trainer` / `kernels` modules. transformers' probe for the Hub
+    # `kernels` package imports a top-level `kernels` it finds (its __init__ only, no
+    # version: judged unusable), so kernels/__init__.py must stay free of imports.
+    top_level = [n for n in sys.modules if n.split(".")[0] == "trainer" or n.startswith("kernels.")]
+    assert top_level == []
+    init = ast.parse((REPO / "kernels" / "__init__.py").read_text())
+    assert not [node for node in ast.walk(init) if isinstance(node, (ast.Import, ast.ImportFrom))
+                and not (isinstance(node, ast.ImportFrom) and node.module == "__future__")]
+
+
+def test_deepspeed_examples_ship_with_the_trainer(tmp_path, monkeypatch):
+    import memopd.trainer
+    from memopd.trainer.backend import _load_config
+
+    configs = Path(memopd.trainer.__file__).resolve().parent / "configs"
+    for name, stage in (("ds_zero2.json", 2), ("ds_zero3.json", 3)):
+        assert json.loads((configs / name).read_text())["zero_optimization"]["stage"] == stage
+    # the README's spelling, from a directory that holds no copy of them
+    monkeypatch.chdir(tmp_path)
+    assert _load_config("trainer/configs/ds_zero2.json")["zero_optimization"]["stage"] == 2
+    assert _load_config("ds_zero3.json")["zero_optimization"]["stage"] == 3
+    with pytest.raises(FileNotFoundError):
+        _load_config("elsewhere/ds_zero2.json")  # another folder is the user's path, not the example
+    (tmp_path / "ds_zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert _load_config("ds_zero2.json")["zero_optimization"]["stage"] == 1  # an existing file wins
+
+
+def test_imports_from_the_repository_root():
+    """What `python -c` (sys.path[0] = '') sees from the root: the checkout's memopd."""
+    code = (
+        "import json, importlib.util, memopd, memopd._C, memopd.kernels, memopd.trainer.backend\n"
+        "out = {n: __import__(n, fromlist=['_']).__file__ for n in ('memopd', 'memopd.kernels', 'memopd.trainer')}\n"
+        "out['plan'] = memopd._C.plan_rows([3, 4], [-1, -1], [], 10)\n"
+        "if importlib.util.find_spec('triton') is not None:\n"
+        "    import memopd.kernels.fused_distill as k\n"
+        "    out['triton'] = k.__file__\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(got["memopd"]).resolve() == REPO / "memopd" / "__init__.py"
+    assert Path(got["memopd.kernels"]).resolve() == REPO / "kernels" / "__init__.py"
+    assert Path(got["memopd.trainer"]).resolve() == REPO / "trainer" / "__init__.py"
+    assert got["plan"] == [0, 0]
+    if "triton" in got:
+        assert Path(got["triton"]).resolve() == REPO / "kernels" / "fused_distill.py"
+
+
+class _InstalledCopy:
+    """An installed distribution whose file list maps names to the given real files."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files = list(files)
+        self._where = files
+
+    def locate_file(self, f):
+        return self._where[f]
+
+
+def test_checkout_finder_takes_the_installed_compiled_core(monkeypatch):
+    """A checkout whose core is not built in place (a fresh clone after `pip install .`)
+    imports the installed copy's `_C`."""
+    import importlib.metadata
+
+    import memopd._C as built
+
+    name = "memopd/" + os.path.basename(built.__file__)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **_: iter([_InstalledCopy({name: built.__file__})]))
+    monkeypatch.setattr(memopd, "_HERE", "/nonexistent/checkout/memopd")
+    spec = memopd._CheckoutFinder().find_spec("memopd._C")
+    assert spec is not None and Path(spec.origin).resolve() == Path(built.__file__).resolve()
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.plan_rows([3, 4], [-1, -1], [], 10) == [0, 0]
+
+
+def test_checkout_finder_ignores_the_checkouts_own_files_and_other_names(monkeypatch):
+    import importlib.metadata
+
+    import memopd._C as built
+
+    # the only listed core lies in this very directory (the checkout's egg-info): not a copy
+    here = os.path.dirname(os.path.abspath(built.__file__))
+    name = "memopd/" + os.path.basename(built.__file__)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **_: iter([_InstalledCopy({name: built.__file__})]))
+    monkeypatch.setattr(memopd, "_HERE", here)
+    assert memopd._CheckoutFinder().find_spec("memopd._C") is None
+    for other in ("memopd.tests", "memopd.setup", "memopd.benchmarks", "kernels", "trainer"):
+        assert memopd._CheckoutFinder().find_spec(other) is None
+
+
+def test_checkout_finder_falls_back_to_the_installed_subpackage(monkeypatch, tmp_path):
+    """A memopd/ with no kernels/ beside it takes an installed copy's memopd.kernels."""
+    import importlib.metadata
+
+    installed = tmp_path / "site" / "memopd" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    lonely = tmp_path / "lonely" / "memopd"
+    lonely.mkdir(parents=True)
+    monkeypatch.setattr(importlib.metadata, "distributions",
+                        lambda **_: iter([_InstalledCopy({"memopd/kernels/__init__.py": str(installed / "__init__.py")})]))
+    monkeypatch.setattr(memopd, "_HERE", str(lonely))
+    spec = memopd._CheckoutFinder().find_spec("memopd.kernels")
+    assert Path(spec.origin) == installed / "__init__.py"
+    assert spec.submodule_search_locations == [str(installed)]
+    assert memopd._CheckoutFinder().find_spec("memopd.trainer") is None  # not installed, not beside it
+
+
+_BLOCKER = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class Missing(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == {module!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+for name in [m for m in sys.modules if m.split(".")[0] == {module!r}]:
+    del sys.modules[name]
+from memopd.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("command, module, package, extra", [
+    (["train", "steps=1"], "transformers", "transformers", "train"),
+    (["train", "steps=1"], "yaml", "pyyaml", "train"),
+    (["sft", "--help"], "transformers", "transformers", "train"),
+    (["eval", "--help"], "transformers", "transformers", "train"),
+    (["compare", "--help"], "yaml", "pyyaml", "train"),
+    (["audit"], "transformers", "transformers", "train"),
+    (["plot", "runs/x"], "matplotlib", "matplotlib", "plot"),
+])
+def test_missing_extra_is_one_line_and_exit_2(tmp_path, command, module, package, extra):
+    """Checked before the command starts: nothing is loaded, trained or written."""
+    code = _BLOCKER.format(module=module, argv=command)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-4000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert lines[0] == (f"memopd {command[0]}: error: this command needs {package}, which is not installed: "
+                        f"pip install 'memopd[{extra}]' (in a checkout: pip install '.[{extra}]')")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_deepspeed_wrapped_by_the_backend_names_its_extra():
+    from memopd.cli import _missing_extra
+
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")
+        except ImportError as e:
+            raise ImportError("deepspeed_config given but deepspeed is not installed") from e
+    except ImportError as wrapped:
+        assert _missing_extra(wrapped) == ("deepspeed", "deepspeed")
+    assert _missing_extra(ModuleNotFoundError("No module named 'memopd.nope'", name="memopd.nope")) is None
+    assert _missing_extra(ImportError("cannot import name 'x' from 'transformers'")) is None
