@@ -102,15 +102,14 @@ def test_auto_dispatch_uses_torch_on_cpu(monkeypatch):
     q, k, v, _ = make_inputs(meta.num_tokens, 2, 2, 16, torch.float32, 2)
     assert resolve_backend(q) == "torch"
     calls = []
-    orig = pa_mod._torch_packed_attention
+    for name in ("_torch_packed_attention", "_fused_cpu_forward"):  # the torch path's two forwards
+        def spy(*args, _orig=getattr(pa_mod, name), _name=name):
+            calls.append(_name)
+            return _orig(*args)
 
-    def spy(*args):
-        calls.append(1)
-        return orig(*args)
-
-    monkeypatch.setattr(pa_mod, "_torch_packed_attention", spy)
+        monkeypatch.setattr(pa_mod, name, spy)
     out = packed_attention(q, k, v, meta)
-    assert calls == [1]
+    assert calls == ["_fused_cpu_forward"]
     torch.testing.assert_close(out, packed_attention(q, k, v, meta, backend="reference"), atol=1e-5, rtol=1e-5)
 
 
@@ -175,10 +174,40 @@ def test_backward_without_the_autograd_guard(monkeypatch):
     """Where torch lacks the private dispatch-key guard, the torch backward falls back to
     torch.func.vjp: same gradients."""
     monkeypatch.setattr(pa_mod, "_INCLUDE_AUTOGRAD", None)
+    monkeypatch.setattr(pa_mod, "_fused_cpu_ok", lambda *a: False)  # the replaying backward
     meta = random_meta(12, 150, shuffle=True)
     q, k, v, do = make_inputs(meta.num_tokens, 4, 2, 16, torch.float64, 12)
     for name, a, b in zip(("out", "dq", "dk", "dv"), run("torch", q, k, v, do, meta), oracle(q, k, v, do, meta)):
         assert_close(name, a, b, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_cpu_backward_equals_the_replaying_one(dtype, monkeypatch):
+    """On CPU the torch path keeps the fused kernels' log-sum-exp and runs their backward per
+    padded call; it must give the replaying backward's gradients (float64: to rounding),
+    and both the float64 oracle's."""
+    meta = random_meta(21, 400, shuffle=True)
+    q, k, v, do = make_inputs(meta.num_tokens, 8, 2, 32, dtype, 21)
+    plan = pa_mod._plan_of(meta.seg_start, meta.prefix_start, meta.prefix_end)
+    assert pa_mod._fused_cpu_ok(q, k, v, plan), "segment layouts on CPU must take the fused path"
+    fused = run("torch", q, k, v, do, meta)
+    monkeypatch.setattr(pa_mod, "_fused_cpu_ok", lambda *a: False)
+    replay = run("torch", q, k, v, do, meta)
+    want = oracle(q, k, v, do, meta)
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), fused, replay, want):
+        assert_close(name, a, c, dtype)
+        if dtype == torch.float64:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_cpu_path_steps_aside_for_non_finite_inputs():
+    meta = random_meta(22, 200)
+    q, k, v, _ = make_inputs(meta.num_tokens, 4, 2, 16, torch.float32, 22)
+    plan = pa_mod._plan_of(meta.seg_start, meta.prefix_start, meta.prefix_end)
+    assert pa_mod._fused_cpu_ok(q, k, v, plan)
+    k = k.detach().clone()
+    k[5, 1, 3] = float("nan")
+    assert not pa_mod._fused_cpu_ok(q, k, v, plan)
 
 
 def test_empty_stream():

@@ -26,10 +26,12 @@ looks, and is cached on the metadata tensors themselves (keyed by their version 
 the layers of one forward and their backward plan a layout once, and nothing of it is baked
 into a compiled graph as constants (which would recompile for every new batch). On CPU
 tensors planning reads host memory only; on CUDA tensors with backend="torch" it costs one
-device-to-host copy per metadata object. The torch backward replays the forward under
-autograd (`_torch_recompute_vjp`), trading one more forward for not keeping the padded
-per-run copies of q/k/v alive between forward and backward. Second derivatives are not
-supported on these two backends.
+device-to-host copy per metadata object. On CPU the torch path calls the fused CPU attention
+kernels behind SDPA directly, keeps their log-sum-exp, and its backward runs their fused
+backward per padded call (re-gathering q/k/v instead of keeping padded copies alive);
+elsewhere (CUDA tensors, non-finite inputs, malformed metadata) the backward replays the
+forward under autograd (`_torch_recompute_vjp`). Second derivatives are not supported on
+these two backends.
 """
 from __future__ import annotations
 
@@ -117,14 +119,24 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, seg_start: Tensor, prefix_start: Te
     empty on "torch", whose backward recomputes the forward instead."""
     if backend == "triton":
         return _kernels().packed_attention_fwd(q, k, v, seg_start, prefix_start, prefix_end, scale)
+    plan = _plan_of(seg_start, prefix_start, prefix_end)
+    if _fused_cpu_ok(q, k, v, plan):
+        return _fused_cpu_forward(q, k, v, plan, scale)
     out = _torch_packed_attention(q, k, v, seg_start, prefix_start, prefix_end, scale)
-    return out, q.new_empty((0,), dtype=torch.float32)
+    return out, q.new_zeros(_lse_shape(q), dtype=_lse_dtype(q))  # unused: that backward replays the forward
+
+
+def _lse_shape(q: Tensor) -> tuple[int, int]:
+    return (q.shape[1], q.shape[0])  # [Hq, T], as the Triton kernels store it
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, seg_start, prefix_start, prefix_end, scale, deterministic, backend):
-    lse_shape = (q.shape[1], q.shape[0]) if backend == "triton" else (0,)
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("memopd::packed_attention_bwd", mutates_args=())
@@ -134,6 +146,9 @@ def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     if backend == "triton":
         return _kernels().packed_attention_bwd(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end,
                                                scale, deterministic)
+    plan = _plan_of(seg_start, prefix_start, prefix_end)
+    if _fused_cpu_ok(q, k, v, plan):  # the forward's own decision: same saved inputs
+        return _fused_cpu_backward(dout, q, k, v, out, lse, plan, scale)
     return tuple(g.contiguous() for g in _torch_recompute_vjp(dout, q, k, v, seg_start, prefix_start, prefix_end, scale))
 
 
@@ -413,6 +428,75 @@ def _torch_packed_attention(q, k, v, seg_start, prefix_start, prefix_end, scale)
     sees_bad = ((n_own + n_pre) > 0).repeat_interleave(rep, dim=1)  # [T, Hq]
     poison = sees_bad | (~qf.all(-1) & (own | has_pre).unsqueeze(1))  # rows that see nothing stay 0
     return torch.where(poison.unsqueeze(-1), out.new_full((), float("nan")), out)
+
+
+# The fused CPU attention kernels behind SDPA, called directly so that the forward keeps its
+# log-sum-exp and the backward runs the fused CPU backward once per bucket (as SDPA's own
+# autograd would) instead of replaying the forward. They take GQA natively. Absent in a
+# torch build, or for CUDA tensors, non-finite inputs or malformed (overlapping) metadata,
+# the torch path replays the forward under autograd instead.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _fused_cpu_ok(q: Tensor, k: Tensor, v: Tensor, plan: _TorchPlan) -> bool:
+    return (q.device.type == "cpu" and _CPU_FLASH is not None and _CPU_FLASH_BWD is not None
+            and q.dtype in _CPU_FLASH_DTYPES and not plan.overlaps and _all_finite(q, k, v))
+
+
+def _bucket_operands(q: Tensor, k: Tensor, v: Tensor, b: _Batch):
+    """q [n, Hq, Lq, D] and k, v [n, Hkv, Lk, D] of one padded call, and its additive mask."""
+    Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    qb = q.index_select(0, b.q_rows).view(b.n, b.lq, Hq, D).transpose(1, 2)
+    kb = k.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
+    vb = v.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
+    mask = torch.zeros(b.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~b.mask, float("-inf"))
+    return qb, kb, vb, mask
+
+
+def _bucket_tokens(plan: _TorchPlan):
+    """(bucket, the token index of each of its real query rows), in `plan.tokens` order."""
+    offset = 0
+    for b in plan.batches:
+        m = b.keep.numel()
+        yield b, plan.tokens[offset : offset + m]
+        offset += m
+
+
+def _fused_cpu_forward(q, k, v, plan: _TorchPlan, scale):
+    T, Hq, D = q.shape
+    out = q.new_zeros(T, Hq, D)
+    lse = q.new_zeros(T, Hq, dtype=_lse_dtype(q))
+    for b, tok in _bucket_tokens(plan):
+        qb, kb, vb, mask = _bucket_operands(q, k, v, b)
+        ob, lb = _CPU_FLASH(qb, kb, vb, 0.0, False, attn_mask=mask, scale=scale)
+        out.index_copy_(0, tok, ob.transpose(1, 2).reshape(b.n * b.lq, Hq, D).index_select(0, b.keep))
+        lse.index_copy_(0, tok, lb.transpose(1, 2).reshape(b.n * b.lq, Hq).index_select(0, b.keep).to(lse.dtype))
+    return out, lse.t().contiguous()
+
+
+def _fused_cpu_backward(dout, q, k, v, out, lse, plan: _TorchPlan, scale):
+    """Per bucket, the fused CPU backward on the saved output and log-sum-exp. Padding query
+    rows get dout 0 and lse +inf: their attention weights are exactly 0, so they add nothing
+    to dK/dV, as under SDPA's autograd (where their dout is 0)."""
+    T, Hq, D = q.shape
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    lse_rows = lse.t()
+    dout = dout.to(q.dtype)
+    for b, tok in _bucket_tokens(plan):
+        qb, kb, vb, mask = _bucket_operands(q, k, v, b)
+
+        def padded(x: Tensor, fill: float = 0.0) -> Tensor:
+            rows = x.new_full((b.n * b.lq,) + tuple(x.shape[1:]), fill)
+            return rows.index_copy_(0, b.keep, x.index_select(0, tok)).view(b.n, b.lq, *x.shape[1:]).transpose(1, 2)
+
+        lb = padded(lse_rows, float("inf")).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        gq, gk, gv = _CPU_FLASH_BWD(padded(dout), qb, kb, vb, padded(out), lb, 0.0, False, attn_mask=mask, scale=scale)
+        dq.index_copy_(0, tok, gq.transpose(1, 2).reshape(b.n * b.lq, Hq, D).index_select(0, b.keep))
+        dk.index_add_(0, b.k_rows, gk.transpose(1, 2).reshape(b.n * b.lk, *k.shape[1:]))
+        dv.index_add_(0, b.k_rows, gv.transpose(1, 2).reshape(b.n * b.lk, *v.shape[1:]))
+    return dq, dk, dv
 
 
 def _torch_packed_attention_finite(q, k, v, plan: _TorchPlan, scale):
