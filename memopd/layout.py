@@ -14,6 +14,8 @@ and an empty prefix interval, so they see nothing (their attention output is zer
 """
 from __future__ import annotations
 
+import enum
+
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
@@ -22,12 +24,11 @@ import torch
 __all__ = ["SegmentKind", "AttentionMeta", "PackedBatch"]
 
 
-class SegmentKind:
+class SegmentKind(enum.IntEnum):
     PREFIX = 0  # q, once, causal inside itself
     CALL = 1  # [x_t, a_t] (aligned) or [q, x_t, a_t] (unshared / independent)
     PAD = 2  # padding: sees nothing, seen by nobody
     HISTORY = 3  # one flattened trajectory (flatten layout)
-    NAMES = {0: "prefix", 1: "call", 2: "pad", 3: "history"}
 
 
 @dataclass

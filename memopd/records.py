@@ -11,6 +11,8 @@ a truncated or corrupted file is an error instead of a silent partial load.
 """
 from __future__ import annotations
 
+import enum
+
 import hashlib
 import json
 import math
@@ -38,7 +40,7 @@ class RecordError(UserError, ValueError):
     """A record (or a file of records) breaks the contract of docs/design.md §1."""
 
 
-class Source:
+class Source(enum.IntEnum):
     """Provenance codes of a context token.
 
     A context token is described by a triple `(source, call, offset)`:
@@ -52,7 +54,12 @@ class Source:
     TEMPLATE = 0
     ACTION = 1
     OBSERVATION = 2
-    NAMES = {0: "template", 1: "action", 2: "observation"}
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+_SOURCE_CODES = frozenset(int(s) for s in Source)
 
 
 def _as_int_list(name: str, values: Any) -> list[int]:
@@ -189,7 +196,7 @@ class Invocation:
                     f"{len(self.context_ids)} context tokens"
                 )
             for i, p in enumerate(self.provenance):
-                if len(p) != 3 or p[0] not in Source.NAMES:
+                if len(p) != 3 or p[0] not in _SOURCE_CODES:
                     raise RecordError(f"{where}: provenance[{i}] = {p} is not (source, call, offset)")
 
     def to_json(self) -> dict:
@@ -280,12 +287,12 @@ class Trajectory:
                     if src_ids is None or not 0 <= off < len(src_ids):
                         raise RecordError(
                             f"{where}, call {t}: provenance[{i}] offset {off} is outside "
-                            f"{Source.NAMES[src]} of call {call}"
+                            f"{Source(src)} of call {call}"
                         )
                     if src_ids[off] != inv.context_ids[i]:
                         raise RecordError(
                             f"{where}, call {t}: context token {i} (id {inv.context_ids[i]}) does not "
-                            f"equal its claimed source {Source.NAMES[src]}[{off}] of call {call} "
+                            f"equal its claimed source {Source(src)}[{off}] of call {call} "
                             f"(id {src_ids[off]})"
                         )
 
