@@ -102,6 +102,65 @@ def test_sft_uses_the_trainer_optimizer_and_schedule(world_tokenizer):
         train_sft(model, examples, SFTConfig(steps=0), pad_id=tok.pad_token_id, progress=False)
 
 
+def test_policy_groups_take_turns_one_batch_each():
+    """With groups, every batch holds one group's examples and the groups alternate step
+    by step, each group's examples all seen once per pass over that group; without, short
+    examples (many to a batch) get far fewer steps than long ones (one or two a batch)."""
+    import random
+
+    from memopd.env.sft import _batches
+
+    short = [([7] * 10, 5)] * 64  # exactly one batch of 640 tokens
+    long_ = [([7] * 300, 150)] * 30
+    examples = short + long_
+    groups = ["summary"] * len(short) + ["full"] * len(long_)
+    mixed = _batches(examples, 640, random.Random(0))
+    mixed_steps = [{groups[i] for i in next(mixed)} for _ in range(40)]
+    assert sum(g == {"summary"} for g in mixed_steps) < 10  # the imbalance the groups remove
+    balanced = _batches(examples, 640, random.Random(0), groups)
+    seen = {"summary": [], "full": []}
+    for step in range(30):  # 15 full batches = exactly one pass over the 30 long examples
+        batch = next(balanced)
+        labels = {groups[i] for i in batch}
+        assert labels == {("summary", "full")[step % 2]}, step
+        assert max(len(examples[i][0]) for i in batch) * len(batch) <= 640
+        seen[labels.pop()] += batch
+    assert sorted(seen["full"]) == list(range(64, 94))
+    assert sorted(seen["summary"]) == sorted(list(range(64)) * 15)
+    with pytest.raises(ValueError, match="group labels"):
+        next(_batches(examples, 640, random.Random(0), groups[:-1]))
+
+
+def test_balanced_sft_groups_examples_by_their_policy(tmp_path, monkeypatch):
+    """`balance_policies` hands `_batches` the memory policy of every example: a full-view
+    context keeps the searches, a summary one never does."""
+    import memopd.env.sft as sft
+
+    seen = {}
+    real = sft._batches
+
+    def recording(examples, batch_tokens, rng, groups=None):
+        if not seen:  # the first call is the SFT's (no copy warm-up here)
+            seen.update(examples=examples, groups=groups)
+        return real(examples, batch_tokens, rng, groups)
+
+    monkeypatch.setattr(sft, "_batches", recording)
+    cfg = SFTConfig(steps=2, ks=(1, 2), calls_per_k=10, batch_tokens=2048, policies=("summary", "full"),
+                    balance_policies=True, threads=None)
+    sft.run_sft(tmp_path, roles=["teacher"], world_config=WorldConfig(seed=0, n_entities=12),
+                sft_configs={"teacher": cfg}, model_specs={"teacher": ModelSpec(16, 1, 2, 1, 32, 1024)},
+                progress=False, log=lambda *a, **k: None)
+    tok = build_tokenizer(World.generate(WorldConfig(seed=0, n_entities=12)).vocabulary_texts(), kind="word")
+    search = tok.convert_tokens_to_ids("<search>")
+    groups = seen["groups"]
+    assert groups == ["summary"] * 20 + ["full"] * 20
+    for (ids, n), g in zip(seen["examples"], groups):
+        if search in ids[:n]:
+            assert g == "full"
+    assert any(search in ids[:n] for ids, n in seen["examples"][20:])
+    assert read_env_meta(tmp_path / "teacher")["sft"]["data"]["calls_by_policy"] == {"summary": 20, "full": 20}
+
+
 def test_tiny_sft_cache_and_eval(tmp_path, capsys):
     out = tmp_path / "ckpt"
     args = ["--out", str(out), "--entities", "12", "--teacher-steps", "3", "--student-steps", "2",
@@ -163,5 +222,5 @@ def test_eval_expert_and_errors(tmp_path, capsys):
     (tmp_path / "plain" / "config.json").write_text("{}")
     assert cli_main(["eval", "--model", str(tmp_path / "plain")]) == 2
     assert "not a memopd env checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        eval_main([])  # --model or --expert is required
+    with pytest.raises(UserError, match="--expert"):
+        eval_main([])  # a checkpoint or --expert is required

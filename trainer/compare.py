@@ -4,6 +4,8 @@ tabulate held-out EM/F1 per Qk (mean ± std over seeds) with CPU time.
     memopd compare                                   # ppo, persistent, memopd, memopd:naive; seeds 0 1 2
     memopd compare --arms ppo memopd --seeds 0 1 --jobs 2 steps=40 train_k=[2,8]
 
+    memopd compare --protocol paper [--quick] [--publish]   # the paper's protocol (trainer/replicate.py)
+
 An arm is `ARM` or `ARM:naive` (the action-domain ablation). Every run is a separate
 `memopd train` process (so `--jobs` runs use separate cores) writing
 OUT/<arm>/seed<S>/; the SFT student itself is evaluated once on the same held-out sets as
@@ -83,13 +85,21 @@ def compare_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memopd compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help="ARM or ARM:naive (default: %(default)s)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="+", type=int, help="default: 0 1 2 (the protocol: its budget's seeds)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at the same time")
     p.add_argument("--out", default="runs/compare")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the runs an earlier compare left under --out (default: refuse)")
+    p.add_argument("--protocol", choices=["paper"],
+                   help="paper: Q2-only RL in the replication world, held-out Q2/Q8/Q16, bootstrap intervals, "
+                        "costs, curves and the trained-student audit (docs/design.md §7.1)")
+    p.add_argument("--quick", action="store_true", help="with --protocol: the smoke-test budget (minutes)")
+    p.add_argument("--publish", action="store_true",
+                   help="with --protocol: copy the results to benchmarks/results/replication_{quick,full}.*")
     p.add_argument("overrides", nargs="*", help="key=value overrides passed to every `memopd train`")
     args = p.parse_args(argv)
+    if (args.quick or args.publish) and not args.protocol:
+        p.error("--quick and --publish belong to --protocol paper")
     try:
         for spec in args.arms:
             _parse_arm(spec)
@@ -99,6 +109,11 @@ def compare_main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig.load(None, args.overrides)
     except ConfigError as e:
         p.error(str(e))
+    if args.protocol:
+        from .replicate import run_protocol
+
+        return run_protocol(args, args.overrides)
+    args.seeds = args.seeds or [0, 1, 2]
     from memopd.env.evaluate import evaluate as evaluate_dir
     from memopd.errors import RunDirError
 

@@ -16,7 +16,7 @@ import yaml
 from memopd.errors import UserError
 from memopd.packing import ACTION_DOMAINS
 
-__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError"]
+__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "world_config"]
 
 
 class Arm(str, enum.Enum):
@@ -69,7 +69,9 @@ class TrainConfig:
     tasks: str = ""
     eval_tasks_file: str = ""
     tokenizer: str = ""
-    # environment
+    # environment: a world preset of memopd.env.world ("default", "replication": the
+    # held-out replication world of docs/design.md §10) and its seed
+    world: str = "default"
     world_seed: int = 0
     # questions per episode while training, cycled step by step (Q16 stays held out)
     train_k: list[int] = field(default_factory=lambda: [2, 8])
@@ -152,6 +154,7 @@ class TrainConfig:
             raise ConfigError("checkpoint_every and eval_every must be >= 0")
         if not self.train_k or any(k < 1 for k in self.train_k + self.eval_k):
             raise ConfigError("train_k / eval_k must be non-empty lists of positive integers")
+        world_config(self.world, self.world_seed)  # an unknown preset fails here, before any work
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +210,17 @@ class TrainConfig:
                 value = raw  # e.g. an unbalanced bracket: keep the text, the type check decides
             d[key] = _coerce(key, value, hints[key], where=f"override {item!r}", raw=raw)
         return cls.from_dict(d)
+
+
+def world_config(preset: str, seed: int = 0):
+    """The `WorldConfig` of world preset `preset` (`memopd.env.world.world_preset`), or
+    `ConfigError` naming the known presets."""
+    from memopd.env.world import world_preset
+
+    try:
+        return world_preset(preset, seed=seed)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"world: {_one_line(e)}") from None
 
 
 # --------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from .config import ConfigError, TrainConfig
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
 from .update import UpdateSettings, score, update
 
-__all__ = ["Trainer", "train"]
+__all__ = ["Trainer", "train", "prepare", "sft_cache_dir"]
 
 
 def _mix(*xs: int) -> int:
@@ -44,6 +44,18 @@ def _set_seed(seed: int) -> None:
 
 def _peak_context(trajs) -> int:
     return max((len(inv.prefix_ids) + len(inv.context_ids) for tr in trajs for inv in tr.invocations), default=0)
+
+
+def _teacher_context_peak(trajs, layout: str | None) -> int:
+    """The longest sequence the teacher reads in one scoring forward: one call
+    `[q, x_t, a_t]` under `aligned`, a whole history `[q, x_0, a_0, ...]` under `flatten`
+    (the cost the persistent control pays, docs/design.md §2.4); 0 without a teacher."""
+    if layout is None:
+        return 0
+    if layout == "flatten":
+        return max((len(tr.prefix_ids) + sum(len(i.context_ids) + len(i.action_ids) for i in tr.invocations)
+                    for tr in trajs), default=0)
+    return max((len(inv.input_ids) for tr in trajs for inv in tr.invocations), default=0)
 
 
 class Trainer:
@@ -153,6 +165,7 @@ class Trainer:
             "em": sum(float(tr.rewards.get("em_mean", float("nan"))) for tr in trajs),
             "f1": sum(float(tr.rewards.get("f1_mean", float("nan"))) for tr in trajs),
             "calls": sum(len(tr) for tr in trajs), "actions": int(scored.is_sampled.sum()),
+            "call_tokens": sum(len(inv.input_ids) for tr in trajs for inv in tr.invocations),
             "copies": int((~scored.is_sampled).sum()), "penalty": float(scored.kl_penalty.sum()),
         }
         g = dict(zip(local, self.actor.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()))
@@ -166,6 +179,9 @@ class Trainer:
             "rollout/f1_mean": g["f1"] / n,
             "rollout/calls_mean": g["calls"] / n,
             "rollout/peak_context": self.actor.all_reduce_max(_peak_context(trajs)),
+            # per call |q| + |x_t| + |a_t|: what the student attends over when it acts
+            "rollout/call_tokens_mean": g["call_tokens"] / max(g["calls"], 1.0),
+            "train/teacher_context_peak": self.actor.all_reduce_max(_teacher_context_peak(trajs, teacher_layout)),
             "rollout/action_tokens": int(n_act),
             "train/context_copies": int(n_copies),
             "rce/max_dlogp_vs_sampling": self.actor.all_reduce_max(scored.sample_dlogp),
@@ -426,6 +442,12 @@ def _prepare_user(cfg: TrainConfig, log: Callable[[str], None]):
     return student, teacher, env, tasks, tokenizer, student_dir, teacher_dir
 
 
+def sft_cache_dir(cfg: TrainConfig) -> str:
+    """Where the SFT'd defaults of `cfg.world` are cached: `cache_dir/sft` for the default
+    world (unchanged, so existing caches stay valid), `cache_dir/sft-<preset>` otherwise."""
+    return os.path.join(cfg.cache_dir, "sft" if cfg.world == "default" else f"sft-{cfg.world}")
+
+
 def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
     """Models and environment of a run.
 
@@ -438,6 +460,8 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
     from memopd.env.tokenizer import load_tokenizer
     from memopd.env.world import World, WorldConfig
     from memopd.errors import UserError
+
+    from .config import world_config
 
     if _user_data(cfg):
         return _prepare_user(cfg, log)
@@ -459,13 +483,14 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
                 raise UserError(f"student={cfg.student!r} was trained on user data: give corpus=, tasks= again")
 
     info = init_distributed()
-    sft_dir = os.path.join(cfg.cache_dir, "sft")
+    sft_dir = sft_cache_dir(cfg)
     need = [r for r, given in (("student", cfg.student), ("teacher", cfg.teacher)) if not given]
     if not cfg.arm_spec.uses_teacher and "teacher" in need and cfg.student:
         need.remove("teacher")
     if need:
         if info.rank == 0:
-            run_sft(sft_dir, roles=need, world_config=WorldConfig(seed=cfg.world_seed), progress=cfg.progress, log=log)
+            run_sft(sft_dir, roles=need, world_config=world_config(cfg.world, cfg.world_seed), progress=cfg.progress,
+                    log=log)
         barrier()
     student_dir = cfg.student or os.path.join(sft_dir, "student")
     teacher_dir = cfg.teacher or os.path.join(sft_dir, "teacher")
@@ -551,7 +576,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     info = init_distributed()
     # the SFT cache is written only when a default model is needed (as in `prepare`)
     sft_needed = not cfg.student or (not cfg.teacher and cfg.arm_spec.uses_teacher)
-    extra = ((os.path.join(cfg.cache_dir, "sft"), "SFT cache directory"),) if sft_needed else ()
+    extra = ((sft_cache_dir(cfg), "SFT cache directory"),) if sft_needed else ()
     run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=info.rank, world_size=info.world_size,
                       extra_dirs=extra, defaults=TrainConfig().to_dict(), log=log)
     try:

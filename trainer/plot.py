@@ -11,7 +11,7 @@ import os
 
 from memopd.errors import UserError
 
-__all__ = ["read_metrics", "plot_run", "plot_main"]
+__all__ = ["read_metrics", "plot_run", "plot_protocol_curves", "plot_main"]
 
 PANELS = [
     ("reward", ["rollout/reward_mean"], "reward"),
@@ -91,6 +91,34 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_protocol_curves(bands: dict, ks, out: str, title: str = "") -> str:
+    """One panel per Qk: each arm's held-out EM over steps, its mean as a line and ± std
+    over seeds as a band. `bands`: {arm: {"Q2": {"steps", "mean", "std"}, ...}}."""
+    matplotlib = _matplotlib()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks), 3.4), squeeze=False)
+    for ax, k in zip(axes.flat, ks):
+        for arm, band in bands.items():
+            b = band[f"Q{k}"]
+            lo = [m - s for m, s in zip(b["mean"], b["std"])]
+            hi = [m + s for m, s in zip(b["mean"], b["std"])]
+            (line,) = ax.plot(b["steps"], b["mean"], marker="o", ms=3, label=arm)
+            ax.fill_between(b["steps"], lo, hi, color=line.get_color(), alpha=0.15)
+        ax.set_title(f"Q{k}")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("EM (held-out, greedy)")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

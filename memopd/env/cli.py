@@ -32,25 +32,32 @@ def _policies() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
-def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
-    from .sft import SFT_PRESETS
+def _world_names() -> tuple[str, ...]:
+    from .world import WORLD_PRESETS
 
-    t, s = SFT_PRESETS["teacher"], SFT_PRESETS["student"]
+    return tuple(WORLD_PRESETS)
+
+
+def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Train the tiny teacher and student agents on scripted-expert episodes of the generated "
                     "QA world (loss on action tokens only). Each role is saved as a HF checkpoint directory "
-                    "OUT/<role> (weights, config, tokenizer, memopd_env.json); existing ones are reused.",
+                    "OUT/<role> (weights, config, tokenizer, memopd_env.json); existing ones are reused. "
+                    "The world preset picks the models and the recipe (docs/design.md §10).",
     )
     p.add_argument("--out", required=True, help="output directory (OUT/teacher, OUT/student)")
+    p.add_argument("--world", default="default", choices=_world_names(),
+                   help="world preset: 'default', or 'replication' (held-out entities, multi-word answers, "
+                        "a teacher trained on compact and full-history episodes)")
     p.add_argument("--roles", default="teacher,student", help="comma list of roles to train (default: both)")
     p.add_argument("--force", action="store_true", help="retrain even if a checkpoint exists")
     p.add_argument("--seed", type=int, default=0, help="world seed (the world, corpus and tasks derive from it)")
-    p.add_argument("--entities", type=int, default=64, help="entities in the generated world (default 64)")
+    p.add_argument("--entities", type=int, default=None, help="entities in the generated world (default per preset)")
     p.add_argument("--policy", default="summary", choices=_policies(),
                    help="memory policy the expert episodes use (default summary)")
-    p.add_argument("--teacher-steps", type=int, default=t.steps, help=f"teacher optimizer steps (default {t.steps})")
-    p.add_argument("--student-steps", type=int, default=s.steps, help=f"student optimizer steps (default {s.steps})")
+    p.add_argument("--teacher-steps", type=int, default=None, help="teacher optimizer steps (default per preset)")
+    p.add_argument("--student-steps", type=int, default=None, help="student optimizer steps (default per preset)")
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per batch (default per preset)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default per preset)")
     p.add_argument("--ks", type=_ks, default=None, help="question-set sizes of the expert data, e.g. '1,2,4,8,16'")
@@ -71,24 +78,28 @@ def sft_main(argv: Sequence[str] | None = None) -> int:
     from memopd.errors import UserError
 
     from .qa import EnvConfig
-    from .sft import MODEL_PRESETS, SFT_PRESETS, run_sft
-    from .world import WorldConfig
+    from .sft import role_presets, run_sft
+    from .world import world_preset
 
     args = build_sft_parser().parse_args(argv)
+    world = world_preset(args.world, seed=args.seed)
+    if args.entities is not None:
+        world = replace(world, n_entities=args.entities)
+    specs, presets = role_presets(world)
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
-    unknown = [r for r in roles if r not in MODEL_PRESETS]
+    unknown = [r for r in roles if r not in specs]
     if unknown or not roles:
-        raise UserError(f"--roles: unknown role(s) {unknown or [args.roles]}; choose from {', '.join(MODEL_PRESETS)}")
+        raise UserError(f"--roles: unknown role(s) {unknown or [args.roles]}; choose from {', '.join(specs)}")
     cfgs = {}
     for r in roles:
-        c = SFT_PRESETS[r]
-        over = {"steps": args.teacher_steps if r == "teacher" else args.student_steps}
-        for name, val in (("batch_tokens", args.batch_tokens), ("lr", args.lr), ("ks", args.ks),
-                          ("calls_per_k", args.calls_per_k), ("warmup_copy_steps", args.copy_warmup_steps), ("threads", args.threads)):
+        over = {}
+        steps = args.teacher_steps if r == "teacher" else args.student_steps
+        for name, val in (("steps", steps), ("batch_tokens", args.batch_tokens), ("lr", args.lr), ("ks", args.ks),
+                          ("calls_per_k", args.calls_per_k), ("warmup_copy_steps", args.copy_warmup_steps),
+                          ("threads", args.threads)):
             if val is not None:
                 over[name] = val
-        cfgs[r] = replace(c, **over)
-    world = WorldConfig(seed=args.seed, n_entities=args.entities)
+        cfgs[r] = replace(presets[r], **over)
     env = EnvConfig(policy=args.policy)
     summary = run_sft(args.out, roles=roles, force=args.force, world_config=world, env_config=env,
                       sft_configs=cfgs, jobs=args.jobs, progress=not args.no_progress)
@@ -105,10 +116,13 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
                     "EM/F1 (mean = fraction of sub-questions, sum = number right per episode), peak context "
                     "tokens, turns, wall time. Greedy decoding unless --temperature > 0.",
     )
-    who = p.add_mutually_exclusive_group(required=True)
-    who.add_argument("--model", help="checkpoint directory written by `memopd sft` (e.g. OUT/teacher)")
-    who.add_argument("--expert", action="store_true", help="evaluate the scripted expert instead (upper bound)")
-    p.add_argument("--k", type=int, nargs="+", default=[2, 8, 16], help="question-set sizes (default 2 8 16)")
+    p.add_argument("model_dir", nargs="?", default=None, help="checkpoint directory (same as --model)")
+    p.add_argument("--model", help="checkpoint directory written by `memopd sft` (e.g. OUT/teacher)")
+    p.add_argument("--expert", action="store_true", help="evaluate the scripted expert instead (upper bound)")
+    p.add_argument("--world", default=None, choices=_world_names(),
+                   help="world preset: the expert's world; for a model, a check that it was trained in it")
+    p.add_argument("--k", "--ks", dest="k", type=int, nargs="+", default=[2, 8, 16],
+                   help="question-set sizes (default 2 8 16)")
     p.add_argument("--n", type=int, default=32, help="question sets per size (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out sets and of sampling")
     p.add_argument("--policy", default=None, choices=_policies(),
@@ -127,9 +141,26 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
+    from memopd.errors import UserError
+
     from .evaluate import evaluate, format_table, write_json
+    from .world import world_preset
 
     args = build_eval_parser().parse_args(argv)
+    if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
+        raise UserError(f"two checkpoints given ({args.model_dir!r} and --model {args.model!r}); give one")
+    model = args.model or args.model_dir
+    if (model is None) == (not args.expert):
+        raise UserError("give exactly one of a checkpoint directory (DIR or --model DIR) or --expert")
+    world = None
+    if args.world is not None:
+        world = world_preset(args.world, seed=args.seed if args.expert else 0)
+        if model is not None:
+            from .sft import read_env_meta
+
+            trained = read_env_meta(model).get("world", {}).get("preset", "default")
+            if trained != args.world:
+                raise UserError(f"{model!r} was trained in the {trained!r} world, not {args.world!r}")
     import torch
 
     old_threads = torch.get_num_threads()
@@ -137,7 +168,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         report = evaluate(
-            args.model, expert=args.expert, ks=args.k, n=args.n, seed=args.seed, policy=args.policy,
+            model, expert=args.expert, world_config=world, ks=args.k, n=args.n, seed=args.seed, policy=args.policy,
             temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, corpus=args.corpus, questions=args.questions,
             progress=args.progress,

@@ -87,7 +87,7 @@ def evaluate(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (or the scripted expert with `expert=True`)."""
-    from .expert import ScriptedExpert
+    from .expert import ScriptedExpert, expert_options
     from .tokenizer import build_tokenizer
 
     if (model_dir is None) == (not expert):
@@ -136,7 +136,7 @@ def evaluate(
         plan = [(k, world.sample_tasks(k, n, split="eval", seed=seed)) for k in ks]
         source = {"world": wcfg.to_json(), "split": "eval", "seed": seed, "n": n}
     if expert:
-        engine = ScriptedExpert(tok)
+        engine = ScriptedExpert(tok, **(expert_options(wcfg) if wcfg is not None else {}))
     results: dict[str, Any] = {}
     for k, tasks_k in plan:
         t0, c0 = time.time(), time.process_time()

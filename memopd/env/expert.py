@@ -37,10 +37,11 @@ from .protocol import ProtocolTokens, answer_label, letters_index, marker
 from .rollout import Sample, rollout
 from .world import is_value, parse_question
 
-__all__ = ["ScriptedExpert", "expert_action_text", "expert_trajectories"]
+__all__ = ["ScriptedExpert", "expert_action_text", "expert_options", "expert_trajectories"]
 
 _QUESTION = re.compile(r"(?:^|\s)q([a-z]{1,2}) (.+?\?)")
-_FACT = re.compile(r"(\S+) of (\S+) is (\S+) \.")  # "friend of loro is rezu ."
+# "friend of loro is rezu ." / "job of gite is deep sea diver .": a value runs to the " ." that ends its fact
+_FACT = re.compile(r"(\S+) of (\S+) is ([^.|]+?) \.")
 _MARK = re.compile(r"^x([a-z]{1,2})$")
 
 
@@ -63,13 +64,17 @@ def _wanted(q, values: list[str]) -> tuple[str, str] | None:
     attr, rel, x = q
     if not values:
         return (x, rel or attr)
-    if rel is not None and len(values) == 1 and not is_value(values[0]):
+    if rel is not None and len(values) == 1 and not is_value(values[0]):  # an entity: the middle step
         return (values[0], attr)
     return None
 
 
-def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text: str | None) -> str:
-    """The expert's next action as text, from what it can see."""
+def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text: str | None, *,
+                       final_notes: bool = True) -> str:
+    """The expert's next action as text, from what it can see. `final_notes=False`
+    leaves the answering action's notes empty (`<mem></mem>`): nothing reads them after
+    the answer, and multi-word answers written twice would outgrow the per-call token
+    limit (`rollout.default_max_new_tokens`)."""
     qs = [parse_question(q) for q in questions]
     entries = [e for e in _parse_entries(mem_text) if 1 <= e[0] <= len(qs)]
     if entries and info_text is not None:
@@ -78,7 +83,7 @@ def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text
         if want is not None:
             facts = {(x, a): v for a, x, v in _FACT.findall(info_text)}
             if want in facts:
-                vals[:] = [facts[want]]  # a second hop's value replaces the middle entity
+                vals[:] = facts[want].split()  # a second hop's value replaces the middle entity
     search = None
     while True:
         if entries:
@@ -104,14 +109,20 @@ def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text
         return f"{mem_span}<search> {search}</search>"
     final = {i: " ".join(vals) for i, vals in entries}
     ans = " ; ".join(f"{answer_label(i)} {final.get(i, 'unknown')}" for i in range(1, len(qs) + 1))
-    return f"{mem_span}<answer> {ans}</answer>"
+    return f"{mem_span if final_notes else '<mem></mem>'}<answer> {ans}</answer>"
+
+
+def expert_options(world_config) -> dict:
+    """The expert's settings for a world: multi-word values leave the answer's notes empty."""
+    return {"final_notes": world_config.value_set == "default"}
 
 
 class ScriptedExpert:
     """The expert as an `Engine`: prompts in, action ids out (deterministic)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, final_notes: bool = True):
         self.tokenizer = tokenizer
+        self.final_notes = final_notes
         self.tokens = ProtocolTokens.from_tokenizer(tokenizer)
         tk = self.tokens
         self._tags = {tk.mem_open, tk.mem_close, tk.search_open, tk.search_close, tk.answer_open,
@@ -137,7 +148,7 @@ class ScriptedExpert:
         questions = [q for _, q in found]
         mem = self._span_text(ids, tk.mem_open, tk.mem_close, end_q)
         info = self._span_text(ids, tk.info_open, tk.info_close, end_q)
-        text = expert_action_text(questions, mem, info)
+        text = expert_action_text(questions, mem, info, final_notes=self.final_notes)
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def generate(self, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, stop_ids=(), seed=None):
@@ -149,6 +160,6 @@ class ScriptedExpert:
         return out
 
 
-def expert_trajectories(env, tasks, **kwargs):
+def expert_trajectories(env, tasks, *, final_notes: bool = True, **kwargs):
     """Run the expert on `tasks` through `env` (the same loop as models); Trajectories."""
-    return rollout(env, ScriptedExpert(env.tokenizer), tasks, temperature=0.0, **kwargs)
+    return rollout(env, ScriptedExpert(env.tokenizer, final_notes=final_notes), tasks, temperature=0.0, **kwargs)

@@ -1,8 +1,9 @@
 """Supervised fine-tuning of tiny agents on scripted-expert episodes (`memopd sft`).
 
-Builds the teacher and student (`MODEL_PRESETS`, via `memopd.models`), their training
-data (`expert_examples`: one example per recorded expert call, loss on the action ids
-only; `copy_warmup_examples`: the synthetic copy pre-training before SFT), trains them
+Builds the teacher and student (`MODEL_PRESETS`, or those the world's preset picks:
+`role_presets`; via `memopd.models`), their training data (`expert_examples`: one
+example per recorded expert call, loss on the action ids only; `copy_warmup_examples`:
+the synthetic copy pre-training before SFT), trains them
 (`train_sft`, with the trainer's AdamW and LR schedule) and saves each role as a Hugging
 Face checkpoint directory with its environment metadata and manifest (`run_sft`, which
 reuses a cached checkpoint only when it verifies and matches the settings asked for).
@@ -32,6 +33,9 @@ __all__ = [
     "MODEL_PRESETS",
     "SFTConfig",
     "SFT_PRESETS",
+    "REPLICATION_MODEL_PRESETS",
+    "REPLICATION_SFT_PRESETS",
+    "role_presets",
     "ENV_META_FILE",
     "make_model",
     "sft_examples",
@@ -96,10 +100,18 @@ class SFTConfig:
     warmup_copy_len: int = 20
     attn_implementation: str = "sdpa"
     threads: int | None = 1
+    # memory policies of the expert episodes, calls_per_k calls of each (empty: the
+    # environment's own policy only, as the default presets train)
+    policies: tuple[str, ...] = ()
+    # each batch from one policy's examples, the policies taking turns step by step;
+    # False: batches drawn from all examples at once, where long full-view batches
+    # crowd out compact-memory ones (docs/design.md §10)
+    balance_policies: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["ks"] = list(self.ks)
+        d["policies"] = list(self.policies)
         return d
 
 
@@ -109,6 +121,30 @@ SFT_PRESETS: dict[str, SFTConfig] = {
     "teacher": SFTConfig(steps=3000, warmup_copy_steps=1000),
     "student": SFTConfig(steps=1000, warmup_copy_steps=1000),
 }
+
+# The replication world (docs/design.md §10). The teacher reads both views: compact
+# memory ("summary") and the whole flattened history ("full"), whose longest Q16 episode
+# is ~1,900 tokens, hence 2,048 positions and batches that hold one such example. The
+# student acts under compact memory only.
+REPLICATION_MODEL_PRESETS: dict[str, ModelSpec] = {
+    "teacher": ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=384, max_position_embeddings=2048),
+    "student": ModelSpec(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=288, max_position_embeddings=1024),
+}
+REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
+    "teacher": SFTConfig(steps=2500, warmup_copy_steps=800, batch_tokens=2304, ks=(1, 2, 4, 8, 12, 16),
+                         calls_per_k=2500, policies=("summary", "full"), balance_policies=True),
+    "student": SFTConfig(steps=2000, warmup_copy_steps=800, ks=(1, 2, 4, 8, 12, 16), calls_per_k=2500,
+                         policies=("summary",)),
+}
+
+
+def role_presets(world_config: WorldConfig | None = None) -> tuple[dict[str, ModelSpec], dict[str, SFTConfig]]:
+    """(model specs, SFT recipes) per role for a world: its `preset` picks them."""
+    if world_config is not None and world_config.preset == "replication":
+        return dict(REPLICATION_MODEL_PRESETS), dict(REPLICATION_SFT_PRESETS)
+    return dict(MODEL_PRESETS), dict(SFT_PRESETS)
 
 
 def make_model(spec: ModelSpec, tokenizer, *, seed: int = 0, attn_implementation: str = "eager"):
@@ -146,33 +182,49 @@ def sft_examples(trajectories) -> list[tuple[list[int], int]]:
 
 
 def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
-                    split: str = "train") -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
-    """SFT examples from scripted-expert episodes: `calls_per_k` calls for each k.
+                    split: str = "train", policies: Sequence[str] = ()) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
+    """SFT examples from scripted-expert episodes: `calls_per_k` calls for each k (and
+    for each memory policy of `policies`, if given; else `env`'s own policy).
 
     Episodes are drawn from the `split` stream (held out from "eval") until there are
     enough calls, then exactly `calls_per_k` calls are sampled. Raises if the expert
-    misses any answer (it must be perfect, or the data would teach mistakes).
+    misses any answer (it must be perfect, or the data would teach mistakes). The
+    examples come policy by policy, in the order of `policies`; `stats["calls_by_policy"]`
+    says how many each has.
     """
+    from dataclasses import replace
+
+    from .expert import expert_options
+
+    envs = [env] if not policies else [
+        env if p == env.config.policy else QAEnv(env.documents, env.tokenizer, replace(env.config, policy=p),
+                                                 retriever=env.retriever)
+        for p in policies]
+    opts = expert_options(world.config)
     rng = random.Random(f"sft-{seed}")
     examples: list[tuple[list[int], int]] = []
-    stats: dict[str, Any] = {"episodes": 0, "calls": 0}
-    for k in ks:
-        pool: list[tuple[list[int], int]] = []
-        chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
-        rnd = 0
-        while len(pool) < calls_per_k:
-            tasks = world.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
-            trajs = expert_trajectories(env, tasks)
-            bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
-            if bad:
-                raise RuntimeError(f"the scripted expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
-            pool += sft_examples(trajs)
-            stats["episodes"] += len(trajs)
-            rnd += 1
-        examples += rng.sample(pool, calls_per_k)
+    stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}}
+    for e in envs:
+        first = len(examples)
+        for k in ks:
+            pool: list[tuple[list[int], int]] = []
+            chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
+            rnd = 0
+            while len(pool) < calls_per_k:
+                tasks = world.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
+                trajs = expert_trajectories(e, tasks, **opts)
+                bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
+                if bad:
+                    raise RuntimeError(f"the scripted expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
+                pool += sft_examples(trajs)
+                stats["episodes"] += len(trajs)
+                rnd += 1
+            examples += rng.sample(pool, calls_per_k)
+        stats["calls_by_policy"][e.config.policy] = len(examples) - first
     stats["calls"] = len(examples)
     stats["tokens"] = sum(len(e[0]) for e in examples)
     stats["action_tokens"] = sum(len(e[0]) - e[1] for e in examples)
+    stats["longest"] = max(len(e[0]) for e in examples)
     return examples, stats
 
 
@@ -191,8 +243,27 @@ def copy_warmup_examples(vocab_size: int, n: int, *, first_id: int, max_len: int
     return out
 
 
-def _batches(examples, batch_tokens: int, rng: random.Random):
-    """Endless length-bucketed batches: each padded batch holds <= batch_tokens ids."""
+def _batches(examples, batch_tokens: int, rng: random.Random, groups: Sequence[Any] | None = None):
+    """Endless length-bucketed batches: each padded batch holds <= batch_tokens ids.
+
+    With `groups` (one label per example), every batch holds one group's examples and
+    the groups take turns, one batch each: the share of steps is then the same for
+    every group, however many of its examples a batch holds.
+    """
+    if groups is not None:
+        if len(groups) != len(examples):
+            raise ValueError(f"{len(groups)} group labels for {len(examples)} examples")
+        members: dict[Any, list[int]] = {}
+        for i, g in enumerate(groups):
+            members.setdefault(g, []).append(i)
+        def group_batches(idx: list[int]):
+            for batch in _batches([examples[i] for i in idx], batch_tokens, rng):
+                yield [idx[j] for j in batch]
+
+        streams = [group_batches(idx) for idx in members.values()]
+        while True:
+            for stream in streams:
+                yield next(stream)
     while True:
         idx = list(range(len(examples)))
         rng.shuffle(idx)
@@ -224,8 +295,11 @@ def _collate(examples, batch, pad_id: int):
 
 
 def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, *, pad_id: int = 0,
-              progress: bool = True, desc: str = "sft", position: int | None = None) -> dict[str, Any]:
+              progress: bool = True, desc: str = "sft", position: int | None = None,
+              groups: Sequence[Any] | None = None) -> dict[str, Any]:
     """Train `model` in place on action tokens only; returns loss/accuracy/time stats.
+    `groups` (a label per example, e.g. its memory policy): each batch holds one group's
+    examples and the groups take turns step by step (`_batches`).
 
     Right padding without an attention mask is exact here: causal attention never lets
     a real token see the pads that come after it, and pads carry no loss.
@@ -238,13 +312,14 @@ def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(model, examples, cfg, pad_id=pad_id, progress=progress, desc=desc, position=position)
+        return _train(model, examples, cfg, pad_id=pad_id, progress=progress, desc=desc, position=position,
+                      groups=groups)
     finally:
         torch.set_num_threads(old_threads)
 
 
 def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc: str,
-           position: int | None) -> dict[str, Any]:
+           position: int | None, groups: Sequence[Any] | None = None) -> dict[str, Any]:
     from memopd.trainer.backend import build_lr_lambda, build_optimizer
 
     rng = random.Random(cfg.seed)
@@ -253,7 +328,7 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
     # down to min_lr_ratio * lr
     opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, build_lr_lambda(cfg.warmup, cfg.steps, "cosine", cfg.min_lr_ratio))
-    batches = _batches(examples, cfg.batch_tokens, rng)
+    batches = _batches(examples, cfg.batch_tokens, rng, groups)
     bar = None
     if progress:
         from memopd.progress import progress_bar
@@ -325,15 +400,28 @@ def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, meta: dict[str
 CHECKPOINT_VERSION = 2
 
 
+# Fields of the JSON configs that checkpoints of CHECKPOINT_VERSION 2 always recorded;
+# any other field is newer and defaults as above.
+_PRE_EXISTING = {
+    "world": {"seed", "n_entities", "attributes", "relations", "distractors_per_entity", "two_hop_frac"},
+    "sft_config": {f for f in SFTConfig.__dataclass_fields__ if f not in ("policies", "balance_policies")},
+}
+
+
 def _cache_mismatch(path: str, job: dict[str, Any]) -> list[str]:
     """What differs between a cached checkpoint and the training job asked for ([] = reusable)."""
     meta = read_env_meta(path)
     diff = []
     if meta.get("version") != CHECKPOINT_VERSION:
         diff.append(f"checkpoint version {meta.get('version')} (current {CHECKPOINT_VERSION})")
+    # a field added after a checkpoint was written reads as its default (which reproduces
+    # what the checkpoint was trained with), so adding one does not stale every cache
+    defaults = {"world": WorldConfig().to_json(), "sft_config": SFTConfig().to_json()}
     for key, want in (("world", job["world"]), ("env", job["env"]), ("sft_config", job["sft"]),
                       ("model_spec", job["spec"])):
         have = meta.get(key, {})
+        if key in defaults:
+            have = {**{f: v for f, v in defaults[key].items() if f not in _PRE_EXISTING[key]}, **have}
         for name in sorted(set(want) | set(have)):
             if key == "sft_config" and name in ("threads",):
                 continue  # how it ran, not what it learned
@@ -367,7 +455,7 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
             print(*a, **k)
     world_config = WorldConfig.from_json(job["world"])
     env_config = EnvConfig(**job["env"])
-    cfg = SFTConfig(**{**job["sft"], "ks": tuple(job["sft"]["ks"])})
+    cfg = SFTConfig(**{**job["sft"], "ks": tuple(job["sft"]["ks"]), "policies": tuple(job["sft"].get("policies", ()))})
     spec = ModelSpec(**job["spec"])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -375,7 +463,10 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     world = World.generate(world_config)
     tokenizer = build_tokenizer(world.vocabulary_texts(), kind="word")
     env = QAEnv.from_world(world, tokenizer, env_config)
-    examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed)
+    examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed, policies=cfg.policies)
+    if dstats["longest"] > spec.max_position_embeddings:
+        raise DataError(f"{role}: an SFT example has {dstats['longest']} tokens, beyond the model's "
+                        f"{spec.max_position_embeddings} positions")
     log(f"[memopd sft] {role}: expert data: {dstats['episodes']} episodes -> {dstats['calls']} calls, "
         f"{dstats['tokens']} tokens ({time.process_time() - t0:.1f} s CPU)", flush=True)
     model = make_model(spec, tokenizer, seed=cfg.seed, attn_implementation=cfg.attn_implementation)
@@ -386,11 +477,14 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     if cfg.warmup_copy_steps > 0:
         wex = copy_warmup_examples(len(tokenizer), 20000, first_id=len(SPECIAL_TOKENS), max_len=cfg.warmup_copy_len,
                                    seed=cfg.seed, bos_id=tokenizer.bos_token_id)
-        wcfg = SFTConfig(**{**cfg.to_json(), "ks": cfg.ks, "steps": cfg.warmup_copy_steps})
+        wcfg = SFTConfig(**{**cfg.to_json(), "ks": cfg.ks, "policies": cfg.policies, "steps": cfg.warmup_copy_steps})
         warm = train_sft(model, wex, wcfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
                          desc=f"copy warm-up {role}", position=job.get("position"))
+    groups = None
+    if cfg.balance_policies:
+        groups = [p for p, n in dstats["calls_by_policy"].items() for _ in range(n)]
     stats = train_sft(model, examples, cfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
-                      desc=f"sft {role}", position=job.get("position"))
+                      desc=f"sft {role}", position=job.get("position"), groups=groups)
     if warm is not None:
         stats["warmup"] = {k: v for k, v in warm.items() if k != "history"}
         stats["cpu_s"] = round(stats["cpu_s"] + warm["cpu_s"], 2)
@@ -437,8 +531,9 @@ def run_sft(
     from intra-op threads, so two single-threaded trainings use two cores far better.
     """
     out_dir = os.fspath(out_dir)
-    specs = dict(MODEL_PRESETS, **(model_specs or {}))
-    cfgs = dict(SFT_PRESETS, **(sft_configs or {}))
+    preset_specs, preset_cfgs = role_presets(world_config)
+    specs = dict(preset_specs, **(model_specs or {}))
+    cfgs = dict(preset_cfgs, **(sft_configs or {}))
     for r in roles:
         if r not in specs or r not in cfgs:
             raise ValueError(f"unknown role {r!r}; known: {', '.join(sorted(set(specs) & set(cfgs)))}")

@@ -14,6 +14,16 @@ needed and two processes that share a config see the same world, corpus and task
   episode. The ka/kb/rb words are markers (see `question_text`).
 
 The vocabulary is deliberately small (a few hundred words) so tiny models can learn it.
+
+Named presets (`WORLD_PRESETS`, `world_preset`): "default" is `WorldConfig()` as it has
+always been; "replication" (docs/design.md §10) is a larger world whose values have 1-4
+words ("new york", "deep sea diver": token F1 gives partial credit) and a share of whose
+(entity, attribute) facts is held out: an "eval" question is one whose answer is a
+held-out fact (asked directly, or as the second hop of a two-hop chain), a question of
+any other split never has a held-out fact as its answer. Evaluation questions are thus
+disjoint from training ones by construction, while every entity name still occurs in
+training (a tiny model cannot write a name it never wrote) and the corpus still
+states every fact (it is the environment, not training data).
 """
 from __future__ import annotations
 
@@ -25,7 +35,8 @@ from typing import Any
 from .data import DataError, Document, Task
 from .protocol import MAX_QUESTIONS, marker
 
-__all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "question_text", "parse_question", "fact_text", "is_value"]
+__all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "MULTIWORD_VALUES", "VALUE_SETS", "HELDOUT_SPLITS", "WORLD_PRESETS",
+           "world_preset", "question_text", "parse_question", "fact_text", "is_value"]
 
 DEFAULT_VALUES: dict[str, tuple[str, ...]] = {
     "city": ("paris", "rome", "oslo", "lima", "cairo", "delhi", "tokyo", "berlin", "madrid", "dublin", "quito", "seoul"),
@@ -44,13 +55,33 @@ _DISTRACTORS = (
     ("job", "{y} thinks {x} is a good {job} ."),
 )
 
+# Values of 1-4 words that share words ("dark blue" / "navy blue", "bus driver" / "truck
+# driver"), so a near miss earns partial F1. No value word is an attribute, relation,
+# fact-template word ("of", "is") or a marker-like word (x/q/k/r + 1-2 letters).
+MULTIWORD_VALUES: dict[str, tuple[str, ...]] = {
+    "city": ("paris", "oslo", "new york", "new delhi", "san jose", "san diego", "los angeles", "buenos aires",
+             "port au prince", "hong kong", "cape town", "tel aviv", "kuala lumpur", "santa cruz de tenerife"),
+    "color": ("blue", "dark blue", "light blue", "navy blue", "dark green", "light green", "olive green",
+              "deep purple", "bright orange", "soft pink", "golden yellow", "dark red", "bright red"),
+    "job": ("baker", "pilot", "bus driver", "truck driver", "deep sea diver", "sea captain", "night nurse",
+            "school teacher", "piano teacher", "tax lawyer", "forest ranger", "street painter", "opera singer",
+            "rocket scientist"),
+}
+
+VALUE_SETS: dict[str, dict[str, tuple[str, ...]]] = {"default": DEFAULT_VALUES, "multiword": MULTIWORD_VALUES}
+
+# Splits whose questions have held-out facts as answers; every other split ("train", an
+# RL stream, SFT data) has the other facts only.
+HELDOUT_SPLITS = frozenset({"eval"})
+
 _ALL_VALUES = frozenset(v for vals in DEFAULT_VALUES.values() for v in vals)
+_VALUE_WORDS = frozenset(w for table in VALUE_SETS.values() for vals in table.values() for v in vals for w in v.split())
 
 
 def is_value(word: str) -> bool:
-    """True for an attribute value (city/color/job word), False for anything else
+    """True for a word of an attribute value (of any value set), False for anything else
     (entity names): a note holding an entity is a two-hop question's middle step."""
-    return word in _ALL_VALUES
+    return word in _VALUE_WORDS
 
 
 _CONSONANTS = "bdfgklmnprstvz"
@@ -108,20 +139,35 @@ class WorldConfig:
     relations: tuple[str, ...] = ("friend", "mentor")
     distractors_per_entity: int = 2
     two_hop_frac: float = 0.5
+    # Fields below default to the world as it always was (its corpus and tasks unchanged).
+    # value_set: a `VALUE_SETS` key. heldout_frac: share of (entity, attribute) facts held
+    # out as the "eval" split's answers (0: none; eval sets are then an independent stream).
+    # preset: the `WORLD_PRESETS` name, which also picks the SFT models and recipe.
+    value_set: str = "default"
+    heldout_frac: float = 0.0
+    preset: str = "default"
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_entities <= 2000:
             raise DataError(f"n_entities must be in [2, 2000], got {self.n_entities}")
         if not self.attributes:
             raise DataError("a world needs at least one attribute")
+        if self.value_set not in VALUE_SETS:
+            raise DataError(f"unknown value_set {self.value_set!r}; choose from {sorted(VALUE_SETS)}")
         for a in self.attributes:
-            if a not in DEFAULT_VALUES:
-                raise DataError(f"unknown attribute {a!r}; choose from {sorted(DEFAULT_VALUES)}")
+            if a not in VALUE_SETS[self.value_set]:
+                raise DataError(f"unknown attribute {a!r}; choose from {sorted(VALUE_SETS[self.value_set])}")
+        if not 0.0 <= self.heldout_frac < 1.0:
+            raise DataError(f"heldout_frac must be in [0, 1), got {self.heldout_frac}")
+        if self.heldout_frac > 0 and round(self.n_entities * len(self.attributes) * self.heldout_frac) < 1:
+            raise DataError(f"heldout_frac={self.heldout_frac} holds out no fact of {self.n_entities} entities")
+        if self.preset not in WORLD_PRESETS:
+            raise DataError(f"unknown world preset {self.preset!r}; choose from {', '.join(WORLD_PRESETS)}")
         if not 0.0 <= self.two_hop_frac <= 1.0:
             raise DataError(f"two_hop_frac must be in [0, 1], got {self.two_hop_frac}")
         if self.two_hop_frac > 0 and not self.relations:
             raise DataError("two-hop questions need at least one relation")
-        bad = set(self.relations) & (set(DEFAULT_VALUES) | _ALL_VALUES | {"of", "the", "is", "s"})
+        bad = set(self.relations) & (set(DEFAULT_VALUES) | _VALUE_WORDS | {"of", "the", "is", "s"})
         if bad:
             raise DataError(f"relation names {sorted(bad)} collide with other words")
         if self.distractors_per_entity < 0:
@@ -154,12 +200,19 @@ class World:
     facts: dict[tuple[str, str], str]  # (entity, attribute or relation) -> value
     documents: list[Document] = field(default_factory=list)
     support_doc: dict[tuple[str, str], str] = field(default_factory=dict)  # fact -> doc id
+    heldout: frozenset[tuple[str, str]] = frozenset()  # (entity, attribute) facts only eval questions ask
+
+    @property
+    def values(self) -> dict[str, tuple[str, ...]]:
+        return VALUE_SETS[self.config.value_set]
 
     @classmethod
     def generate(cls, config: WorldConfig | None = None, **kwargs) -> "World":
         config = config or WorldConfig(**kwargs)
         rng = random.Random(f"memopd-world-{config.seed}")
-        reserved = set(_ALL_VALUES) | set(config.attributes) | set(config.relations)
+        values = VALUE_SETS[config.value_set]
+        reserved = {w for vals in values.values() for v in vals for w in v.split()}
+        reserved |= set(config.attributes) | set(config.relations)
         reserved |= {"is", "the", "of", "once", "has", "bike", "wants", "never", "met", "went", "together",
                      "thinks", "good", "to", "be", "and", "a"}
         names: list[str] = []
@@ -174,7 +227,7 @@ class World:
         facts: dict[tuple[str, str], str] = {}
         for x in names:
             for a in config.attributes:
-                facts[(x, a)] = rng.choice(DEFAULT_VALUES[a])
+                facts[(x, a)] = rng.choice(values[a])
         # Each relation is a derangement (a permutation without fixed points): every
         # entity is the friend of exactly one other, so "friend of X is Y" has one
         # inverse twin ("friend of W is X"), and with titled documents the true fact
@@ -189,6 +242,11 @@ class World:
                 facts[(x, r)] = y
         world = cls(config, names, facts)
         world._build_corpus(rng)
+        if config.heldout_frac > 0:
+            # its own stream, so holding facts out leaves names, facts and corpus as they are
+            pairs = [(x, a) for x in names for a in config.attributes]
+            world.heldout = frozenset(random.Random(f"memopd-heldout-{config.seed}").sample(
+                pairs, round(len(pairs) * config.heldout_frac)))
         return world
 
     def _build_corpus(self, rng: random.Random) -> None:
@@ -201,7 +259,7 @@ class World:
             usable = [t for need, t in _DISTRACTORS if need == "" or need in self.config.attributes]
             for j in range(self.config.distractors_per_entity):
                 t = rng.choice(usable)
-                fill = {a: rng.choice(DEFAULT_VALUES[a]) for a in DEFAULT_VALUES}
+                fill = {a: rng.choice(vals) for a, vals in self.values.items()}
                 fill["x"] = x
                 fill["y"] = rng.choice([y for y in self.entities if y != x])
                 docs.append(Document(f"{x}/d{j}", t.format(**fill), title=x))
@@ -223,6 +281,23 @@ class World:
         y = self.facts[(x, rel)]
         return [self.support_doc[(x, rel)], self.support_doc[(y, attr)]]
 
+    def answer_fact(self, q: tuple[str, str | None, str]) -> tuple[str, str]:
+        """The (entity, attribute) fact a question's answer is: the subject's own, or for
+        a two-hop question that of the entity its relation leads to."""
+        attr, rel, x = q
+        return (x if rel is None else self.facts[(x, rel)], attr)
+
+    def _allowed(self, q: tuple[str, str | None, str], split: str) -> bool:
+        return not self.heldout or (self.answer_fact(q) in self.heldout) == (split in HELDOUT_SPLITS)
+
+    def questions(self, split: str = "train") -> list[tuple[str, str | None, str]]:
+        """Every distinct (attr, rel or None, entity) question `split` can draw."""
+        rels: list[str | None] = [None] + (list(self.config.relations) if self.config.two_hop_frac > 0 else [])
+        if self.config.two_hop_frac >= 1.0:
+            rels = rels[1:]
+        out = [(a, r, x) for x in self.entities for a in self.config.attributes for r in rels]
+        return [q for q in out if self._allowed(q, split)]
+
     def sample_question(self, rng: random.Random) -> tuple[str, str | None, str]:
         x = rng.choice(self.entities)
         attr = rng.choice(self.config.attributes)
@@ -233,23 +308,28 @@ class World:
         """n question sets of k distinct questions; deterministic in (world seed, split, k, seed).
 
         Different `split` names give independent streams, so "train" and "eval" sets are
-        held out from each other (`memopd eval` uses split "eval").
+        held out from each other (`memopd eval` uses split "eval"); with held-out
+        facts (`WorldConfig.heldout_frac`) the "eval" questions are moreover disjoint
+        from every other split's by construction.
         """
         if k < 1:
             raise DataError(f"k must be >= 1, got {k}")
         if k > MAX_QUESTIONS:
             raise DataError(f"k={k}: generated question sets hold at most {MAX_QUESTIONS} questions "
                             "(one vocabulary marker per question)")
-        n_distinct = len(self.entities) * len(self.config.attributes) * (1 + len(self.config.relations))
+        if self.heldout:
+            n_distinct = len(self.questions(split))
+        else:
+            n_distinct = len(self.entities) * len(self.config.attributes) * (1 + len(self.config.relations))
         if k > n_distinct:
-            raise DataError(f"k={k} exceeds the {n_distinct} distinct questions of this world")
+            raise DataError(f"k={k} exceeds the {n_distinct} distinct questions of this world's {split!r} split")
         rng = random.Random(f"memopd-tasks-{self.config.seed}-{split}-{k}-{seed}")
         tasks = []
         for i in range(n):
             qs: list[tuple[str, str | None, str]] = []
             while len(qs) < k:
                 q = self.sample_question(rng)
-                if q not in qs:
+                if q not in qs and self._allowed(q, split):
                     qs.append(q)
             tasks.append(
                 Task(
@@ -266,6 +346,21 @@ class World:
         """Every text the environment can show or expect, for building the tokenizer."""
         texts = [d.display for d in self.documents]
         texts += [" ".join(self.entities)]
-        texts += [" ".join(v) for v in DEFAULT_VALUES.values()]
+        texts += [" ".join(v) for v in self.values.values()]
         texts += [" ".join(self.config.attributes + self.config.relations)]
         return texts
+
+
+# The named worlds. "replication": 192 entities, a quarter of their attribute facts held
+# out for evaluation, multi-word values; the rest as in the default world. docs/design.md §10.
+WORLD_PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "replication": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25},
+}
+
+
+def world_preset(name: str, seed: int = 0) -> WorldConfig:
+    """The `WorldConfig` of a named preset (its `preset` field records the name)."""
+    if name not in WORLD_PRESETS:
+        raise ValueError(f"unknown world preset {name!r}; choose from {', '.join(WORLD_PRESETS)}")
+    return WorldConfig(seed=seed, preset=name, **WORLD_PRESETS[name])

@@ -1,0 +1,118 @@
+"""The replication driver (`memopd compare --protocol paper`): the paired bootstrap on
+synthetic per-set scores, and a tiny end-to-end protocol run on the default world."""
+import json
+
+import numpy as np
+import pytest
+
+from memopd.trainer.replicate import BUDGETS, paired_bootstrap, relative_change
+
+
+def test_bootstrap_identical_arms_is_exactly_zero():
+    a = np.random.default_rng(1).random((3, 50))
+    got = paired_bootstrap(a, a.copy())
+    assert got["diff"] == got["lo"] == got["hi"] == 0.0
+
+
+def test_bootstrap_constant_shift_is_recovered_exactly():
+    a = np.random.default_rng(2).random((3, 40))
+    got = paired_bootstrap(a + 0.25, a)
+    # every draw sees the same per-set difference, so the interval collapses onto it
+    assert got["diff"] == pytest.approx(0.25, abs=1e-12)
+    assert got["lo"] == pytest.approx(0.25, abs=1e-12) and got["hi"] == pytest.approx(0.25, abs=1e-12)
+
+
+def test_bootstrap_noisy_shift_interval_matches_a_float64_loop():
+    rng = np.random.default_rng(3)
+    b = rng.random((4, 200))
+    a = b + 0.1 + rng.normal(0.0, 0.2, size=b.shape)
+    got = paired_bootstrap(a, b, draws=2000, seed=7)
+    assert got["lo"] < 0.1 < got["hi"] and got["lo"] > 0  # the shift is inside, zero is not
+    # the same draws written as a plain loop over draws, seeds and sets
+    idx = np.random.default_rng(7).integers(0, 200, size=(2000, 200))
+    stats = [sum(float(a[s, j] - b[s, j]) for s in range(4) for j in row) / (4 * 200) for row in idx]
+    lo, hi = np.quantile(np.array(stats, dtype=np.float64), [0.025, 0.975])
+    assert got["lo"] == pytest.approx(lo, abs=1e-12) and got["hi"] == pytest.approx(hi, abs=1e-12)
+    assert paired_bootstrap(a, b, draws=2000, seed=7) == got  # a fixed seed gives the same interval
+    # a pairing that ignored the sets' shared difficulty would be far wider
+    assert got["hi"] - got["lo"] < 0.1
+
+
+def test_bootstrap_and_relative_change_reject_bad_input():
+    with pytest.raises(ValueError, match="same shape|one shape"):
+        paired_bootstrap(np.zeros((2, 3)), np.zeros((3, 3)))
+    with pytest.raises(ValueError):
+        paired_bootstrap(np.zeros(3), np.zeros(3))
+    assert relative_change(1.143, 1.0) == pytest.approx(14.3)
+    assert relative_change(0.5, 0.0) is None
+
+
+def test_budgets_match_the_protocol():
+    full = BUDGETS["full"]
+    assert len(full.seeds) >= 3 and full.eval_tasks >= 100 and full.eval_every > 0
+    ov = full.overrides()
+    assert "world=replication" in ov and "train_k=[2]" in ov and "eval_k=[2,8,16]" in ov
+
+
+@pytest.fixture(scope="module")
+def sft_dirs(tmp_path_factory):
+    from memopd.env.sft import SFTConfig, run_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
+    run_sft(out, sft_configs={"teacher": tiny, "student": tiny}, progress=False, log=lambda *_: None)
+    return str(out / "student"), str(out / "teacher")
+
+
+def test_quick_protocol_end_to_end_on_the_default_world(sft_dirs, tmp_path):
+    from memopd.trainer.compare import compare_main
+
+    out = tmp_path / "rep"
+    # untrained tiny models never answer, so Q8/Q16 episodes run to their turn budget:
+    # the test evaluates Q2 only to stay within a couple of minutes
+    tiny = [f"student={sft_dirs[0]}", f"teacher={sft_dirs[1]}", "world=default", "steps=2", "eval_every=1",
+            "eval_k=[2]", "eval_tasks=3", "tasks_per_step=2", "group_size=2", "ppo_epochs=1", "minibatches=1"]
+    arms = ["ppo", "persistent", "memopd"]  # memopd:naive's runs are covered by tests/test_trainer_run.py
+    assert compare_main(["--protocol", "paper", "--quick", "--arms", *arms, "--seeds", "0", "1", "--jobs", "2",
+                         "--out", str(out), *tiny]) == 0
+    rep = json.loads((out / "replication_quick.json").read_text())
+    assert rep["config"]["train_k"] == [2] and rep["config"]["world"] == "default"
+    assert list(rep["summary"]) == ["sft student", *arms]
+    for arm in arms:
+        runs = rep["runs"][arm]
+        assert [r["seed"] for r in runs] == [0, 1]
+        for r in runs:
+            for q in ("Q2",):
+                ps = r["per_set"][q]
+                assert len(ps["em"]) == len(ps["f1"]) == 3 and all(0 <= x <= 1 for x in ps["em"] + ps["f1"])
+                # the per-set scores are the run's own final evaluation, set by set
+                assert ps["em_mean"] == pytest.approx(r["eval"][q]["em_mean"], abs=1e-9)
+            assert r["costs"]["steps"] == 2 and r["costs"]["step_s"]["mean"] > 0
+        # every arm read the same held-out sets
+        assert runs[0]["per_set"]["Q2"]["task_id"] == rep["sft_student_per_set"]["Q2"]["task_id"]
+    costs = rep["costs"]
+    assert costs["ppo"]["teacher_context_peak"]["max"] == 0
+    # the persistent teacher reads whole histories, the memopd teacher one call at a time
+    assert costs["persistent"]["teacher_context_peak"]["max"] >= costs["memopd"]["teacher_context_peak"]["max"] > 0
+    for name in ("memopd − ppo", "memopd − persistent"):
+        d = rep["differences"][name]["Q2"]["f1"]
+        assert d["lo"] <= d["diff"] <= d["hi"] and d["seeds"] == 2 and d["sets"] == 3
+    band = rep["curves"]["memopd"]["Q2"]
+    assert band["steps"] == [0, 1, 2] and len(band["mean"]) == len(band["std"]) == 3
+    audit = rep["audit"]["by_set"]["all"]["results"]
+    assert audit["aligned"]["passed"] and audit["aligned"]["top1_changes"] == 0
+    assert audit["flatten"]["spurious_positions"] is not None and audit["flatten"]["actions"] > 0
+    md = (out / "replication_quick.md").read_text()
+    assert "| memopd − ppo | Q2 |" in md and "positions_broken" in md and "relative F1" in md
+    assert (out / "replication_quick.png").stat().st_size > 1000
+
+
+def test_world_preset_is_checked_and_selects_its_sft_cache(tmp_path):
+    from memopd.trainer.config import ConfigError, TrainConfig
+    from memopd.trainer.loop import sft_cache_dir
+
+    base = {"cache_dir": str(tmp_path)}
+    assert sft_cache_dir(TrainConfig(**base).validate()) == str(tmp_path / "sft")  # today's path, unchanged
+    assert sft_cache_dir(TrainConfig(world="replication", **base).validate()) == str(tmp_path / "sft-replication")
+    with pytest.raises(ConfigError, match="world"):
+        TrainConfig.load(None, ["world=atlantis"])

@@ -1,0 +1,401 @@
+"""The paper's protocol as one command: `memopd compare --protocol paper [--quick]`.
+
+RL on Q2 only in the replication world, greedy evaluation on held-out Q2/Q8/Q16 sets,
+arms `ppo`, `persistent`, `memopd`, `memopd:naive` over several seeds from one SFT
+student, every arm with the same hyperparameters, seeds, tasks and budget
+(docs/design.md §7.1). On top of `memopd compare`'s runs it computes:
+
+- EM and F1 per k as mean ± std over seeds, from per-set scores of each final model;
+- paired bootstrap 95% intervals of memopd − ppo and memopd − persistent (eval sets
+  resampled, the same draws for both arms and every seed; fixed bootstrap seed) and the
+  relative F1 change in the paper's form (+x% F1 over PPO);
+- per arm: the student's context per call, the teacher's longest scored sequence, and
+  wall time per training step (from metrics.jsonl);
+- learning curves (EM per k over steps, mean ± std over seeds) as one PNG;
+- the RCE audit (memopd/rce.py) of the final memopd student on trajectories it samples
+  itself on held-out Q2/Q8 sets: aligned, flatten, and the position-only break.
+
+Outputs: OUT/replication_{full,quick}.json (per-seed, per-set scores), .md (the tables)
+and .png (the curves); `--publish` copies them to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Budget", "BUDGETS", "paired_bootstrap", "relative_change", "per_set_scores", "audit_student",
+           "run_protocol"]
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+AUDIT_VARIANTS = ("aligned", "flatten", "positions_broken")
+# the paper's audit figures (flatten; the position-only break), shown next to ours
+PAPER_AUDIT = {"flatten": {"p99_dlogp": 1.774, "top1_changes": 651, "ratio_out_frac": 0.1329},
+               "positions_broken": {"top1_changes": 260, "ratio_out_frac": 0.0497}}
+BOOTSTRAP_SEED = 0
+BOOTSTRAP_DRAWS = 10000
+BOOTSTRAP_LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a protocol run spends; identical for every arm."""
+
+    seeds: tuple[int, ...]
+    steps: int
+    eval_every: int
+    eval_tasks: int  # held-out sets per k (100: one set is worth 1% of a score)
+    audit_tasks: int  # held-out sets per k the audited student samples
+
+    def overrides(self) -> list[str]:
+        """The `memopd train` settings of the protocol (user overrides come after and win)."""
+        return ["world=replication", "train_k=[2]", "eval_k=[2,8,16]", f"steps={self.steps}",
+                f"eval_every={self.eval_every}", f"eval_tasks={self.eval_tasks}", "checkpoint_every=0"]
+
+
+# full: sized to fit about 90 minutes on 2 cores with the SFT built (see the report in
+# benchmarks/results/replication_full.md); quick: a smoke test of every stage
+BUDGETS = {
+    "full": Budget(seeds=(0, 1, 2, 3, 4), steps=80, eval_every=20, eval_tasks=100, audit_tasks=16),
+    "quick": Budget(seeds=(0, 1), steps=4, eval_every=2, eval_tasks=8, audit_tasks=2),
+}
+
+
+# ----------------------------------------------------------------------------------
+# statistics
+# ----------------------------------------------------------------------------------
+def paired_bootstrap(a, b, *, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict:
+    """Mean difference a − b and its percentile bootstrap interval.
+
+    `a`, `b`: [seeds, sets] per-set scores of two arms on the same held-out sets and
+    seeds. Each draw resamples the sets with replacement and applies the same draw to
+    both arms and to every seed (the pairing); the statistic is the mean over seeds and
+    drawn sets. Seeds are not resampled: their spread is reported as the std."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or a.shape != b.shape or a.size == 0:
+        raise ValueError(f"paired_bootstrap needs two [seeds, sets] arrays of one shape, got {a.shape} and {b.shape}")
+    if not 0 < level < 1 or draws < 1:
+        raise ValueError(f"level must be in (0, 1) and draws >= 1, got {level}, {draws}")
+    per_set = (a - b).mean(axis=0)  # equal seeds per set: the mean over seeds first changes nothing
+    idx = np.random.default_rng(seed).integers(0, per_set.size, size=(draws, per_set.size))
+    stats = per_set[idx].mean(axis=1)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return {"diff": float(per_set.mean()), "lo": float(lo), "hi": float(hi), "level": level, "draws": draws,
+            "seed": seed, "seeds": a.shape[0], "sets": a.shape[1]}
+
+
+def relative_change(new: float, base: float) -> float | None:
+    """100 · (new − base) / base, the paper's "+x% over" form; None when base is 0."""
+    return None if base == 0 else 100.0 * (new - base) / base
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+# ----------------------------------------------------------------------------------
+# evaluation with per-set scores, and the audit, on a saved agent
+# ----------------------------------------------------------------------------------
+def _agent_env(model_dir: str):
+    """(model, tokenizer, env, world) of a memopd checkpoint of the generated world."""
+    from memopd.env.evaluate import load_agent
+    from memopd.env.qa import EnvConfig, QAEnv
+    from memopd.env.world import World, WorldConfig
+
+    model, tok, meta = load_agent(model_dir)
+    world = World.generate(WorldConfig.from_json(meta["world"]))
+    return model, tok, QAEnv.from_world(world, tok, EnvConfig(**meta.get("env", {}))), world
+
+
+def _engine(model, tok, batch_size: int = 32):
+    from memopd.env.rollout import HFEngine
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    return HFEngine(model, pad_id=pad, batch_size=batch_size, vocab_size=min(len(tok), rows))
+
+
+def per_set_scores(model_dir: str, ks, n: int, seed: int = 0) -> dict:
+    """Greedy EM/F1 of every held-out set: the sets, engine and decoding of
+    `memopd.env.evaluate.evaluate(model_dir, ks=ks, n=n, seed=seed)`, kept per set.
+
+    {"Q2": {"task_id": [...], "em": [...], "f1": [...], "em_mean": .., "f1_mean": ..,
+    "peak_tokens": ..}, ...}; a set stopped before its first call scores 0."""
+    from memopd.env.rollout import rollout
+
+    model, tok, env, world = _agent_env(model_dir)
+    engine = _engine(model, tok)
+    out = {}
+    for k in ks:
+        tasks = world.sample_tasks(k, n, split="eval", seed=seed)
+        by_id = {tr.task_id: tr for tr in rollout(env, engine, tasks, temperature=0.0, seed=seed)}
+        em = [float(by_id[t.task_id].rewards["em_mean"]) if t.task_id in by_id else 0.0 for t in tasks]
+        f1 = [float(by_id[t.task_id].rewards["f1_mean"]) if t.task_id in by_id else 0.0 for t in tasks]
+        out[f"Q{k}"] = {"task_id": [t.task_id for t in tasks], "em": em, "f1": f1, "em_mean": statistics.mean(em),
+                        "f1_mean": statistics.mean(f1),
+                        "peak_tokens": max((tr.info["peak_tokens"] for tr in by_id.values()), default=0)}
+    return out
+
+
+def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float = 1.0, seed: int = 0) -> dict:
+    """RCE audit (memopd.rce.audit) of a trained agent on its own samples: `n` held-out
+    sets per k played once at `temperature`, audited per k and pooled."""
+    from memopd.env.rollout import rollout
+    from memopd.rce import audit
+
+    model, tok, env, world = _agent_env(model_dir)
+    engine = _engine(model, tok)
+    trajs = {}
+    for k in ks:
+        tasks = world.sample_tasks(k, n, split="eval", seed=seed)
+        trajs[f"Q{k}"] = rollout(env, engine, tasks, temperature=temperature, seed=seed + 1000 + k)
+    trajs["all"] = [t for k in ks for t in trajs[f"Q{k}"]]
+    out = {}
+    for name, ts in trajs.items():
+        longest = max(len(t.prefix_ids) + sum(len(i.context_ids) + len(i.action_ids) for i in t.invocations) for t in ts)
+        res = audit(model.float(), ts, AUDIT_VARIANTS, max_tokens=max(8192, longest))
+        out[name] = {"trajectories": len(ts), "results": {r.variant: r.to_dict() for r in res}}
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# reading the runs
+# ----------------------------------------------------------------------------------
+def _run_costs(run_dir: str) -> dict:
+    """Per-step context and time figures of one run (metrics.jsonl)."""
+    from .plot import read_metrics
+
+    steps = [m for m in read_metrics(run_dir) if "time/step_s" in m]
+
+    def col(key):
+        return [float(m[key]) for m in steps if m.get(key) is not None]
+
+    out = {"steps": len(steps)}
+    for key, name in (("rollout/peak_context", "student_peak_context"), ("rollout/call_tokens_mean", "call_tokens"),
+                      ("train/teacher_context_peak", "teacher_context_peak"), ("time/step_s", "step_s")):
+        xs = col(key)
+        out[name] = {"mean": statistics.mean(xs), "max": max(xs)} if xs else None
+    return out
+
+
+def _run_curve(run_dir: str, ks, base: dict) -> dict:
+    """{"Q2": [(step, EM), ...]}: step 0 is the SFT student (the same held-out sets)."""
+    from .plot import read_metrics
+
+    rows = read_metrics(run_dir)
+    curve = {}
+    for k in ks:
+        key = f"eval/em_mean_q{k}"
+        curve[f"Q{k}"] = [(0, base[f"Q{k}"]["em_mean"])] + [(int(m["step"]), float(m[key])) for m in rows if key in m]
+    return curve
+
+
+def _band(curves: list[dict], ks) -> dict:
+    """Mean and std over seeds at the steps every seed evaluated."""
+    out = {}
+    for k in ks:
+        q = f"Q{k}"
+        steps = sorted(set.intersection(*(set(s for s, _ in c[q]) for c in curves)))
+        vals = [[dict(c[q])[s] for c in curves] for s in steps]
+        out[q] = {"steps": steps, "mean": [statistics.mean(v) for v in vals],
+                  "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]}
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# the report
+# ----------------------------------------------------------------------------------
+def _pm(m: float, s: float, n: int) -> str:
+    return f"{m:.3f} ± {s:.3f}" if n > 1 else f"{m:.3f}"
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.3f}"
+
+
+def format_report(rep: dict) -> str:
+    ks = rep["ks"]
+    lines = [f"# Replication: {rep['protocol']} protocol ({rep['budget_name']})", "",
+             f"World `{rep['config']['world']}`, RL on Q{'/Q'.join(map(str, rep['config']['train_k']))} only, "
+             f"{rep['config']['steps']} steps, seeds {rep['budget']['seeds']}, greedy evaluation on "
+             f"{rep['config']['eval_tasks']} held-out sets per k. Wall time {rep['wall_s'] / 60:.1f} min "
+             f"(SFT {rep['sft_wall_s'] / 60:.1f} min).", "",
+             "## EM and F1 (mean ± std over seeds)", "",
+             "| arm | seeds | " + " | ".join(f"Q{k} EM | Q{k} F1" for k in ks) + " |",
+             "|---|---|" + "---|---|" * len(ks)]
+    for arm, s in rep["summary"].items():
+        cells = [f"{_pm(*s[f'Q{k}'][m], s['seeds'])}" for k in ks for m in ("em", "f1")]
+        lines.append(f"| {arm} | {s['seeds']} | " + " | ".join(cells) + " |")
+    lines += ["", f"## Paired differences (bootstrap {int(100 * BOOTSTRAP_LEVEL)}% interval over eval sets, "
+              f"{BOOTSTRAP_DRAWS} draws, seed {BOOTSTRAP_SEED})", "",
+              "| comparison | k | ΔEM [95% CI] | ΔF1 [95% CI] | relative F1 |", "|---|---|---|---|---|"]
+    for name, per_k in rep["differences"].items():
+        for q, d in per_k.items():
+            rel = d["f1_relative_pct"]
+            lines.append(f"| {name} | {q} | {_signed(d['em']['diff'])} [{_signed(d['em']['lo'])}, "
+                         f"{_signed(d['em']['hi'])}] | {_signed(d['f1']['diff'])} [{_signed(d['f1']['lo'])}, "
+                         f"{_signed(d['f1']['hi'])}] | " + ("-" if rel is None else f"{rel:+.1f}% F1") + " |")
+    lines += ["", "## Cost per arm (mean over seeds of the per-run figures)", "",
+              "| arm | student context per call (mean) | student peak context (mean / max over steps) | "
+              "teacher's longest scored sequence (max) | wall s per training step |", "|---|---|---|---|---|"]
+    for arm, c in rep["costs"].items():
+        def cell(key, stat, fmt="{:.0f}"):
+            return "-" if c.get(key) is None else fmt.format(c[key][stat])
+        lines.append(f"| {arm} | {cell('call_tokens', 'mean', '{:.1f}')} | {cell('student_peak_context', 'mean')} / "
+                     f"{cell('student_peak_context', 'max')} | {cell('teacher_context_peak', 'max')} | "
+                     f"{cell('step_s', 'mean', '{:.2f}')} |")
+    a = rep.get("audit")
+    if a:
+        lines += ["", f"## RCE audit of the trained student ({a['arm']} seed {a['seed']}, its own samples at "
+                  f"temperature {a['temperature']} on held-out sets)", "",
+                  "| sets | layout | actions | p99 \\|Δ log-prob\\| | top-1 changes | ratio outside [0.8, 1.2] | "
+                  "spurious positions (naive domain) |", "|---|---|---|---|---|---|---|"]
+        for name, block in a["by_set"].items():
+            for v, r in block["results"].items():
+                sp = "-" if r["spurious_positions"] is None else str(r["spurious_positions"])
+                lines.append(f"| {name} ({block['trajectories']} episodes) | {v} | {r['actions']} | "
+                             f"{r['p99_dlogp']:.3g} | {r['top1_changes']} | {100 * r['ratio_out_frac']:.2f}% | {sp} |")
+        lines += ["", "Paper: flatten p99 1.774, 651 top-1 changes, 13.29% outside; position-only break 260 top-1 "
+                  "changes, 4.97% outside. Reference: an independent forward of each call, which the recorded "
+                  "sampling log-probs equal up to float noise (`rce/max_dlogp_vs_sampling`, docs/design.md §7.7)."]
+    lines += ["", f"Curves: `replication_{rep['budget_name']}.png` (EM per k over steps, step 0 = the SFT student; "
+              "band: ± std over seeds)."]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(rows_by_arm: dict, ks) -> dict:
+    out = {}
+    for arm, rows in rows_by_arm.items():
+        s = {"seeds": len(rows)}
+        for k in ks:
+            q = f"Q{k}"
+            s[q] = {m: _mean_std([r["per_set"][q][f"{m}_mean"] for r in rows]) for m in ("em", "f1")}
+        out[arm] = s
+    return out
+
+
+def _differences(rows_by_arm: dict, ks, pairs) -> dict:
+    out = {}
+    for new, base in pairs:
+        if new not in rows_by_arm or base not in rows_by_arm:
+            continue
+        a = {r["seed"]: r for r in rows_by_arm[new]}
+        b = {r["seed"]: r for r in rows_by_arm[base]}
+        seeds = sorted(set(a) & set(b))
+        per_k = {}
+        for k in ks:
+            q = f"Q{k}"
+            d = {m: paired_bootstrap([a[s]["per_set"][q][m] for s in seeds], [b[s]["per_set"][q][m] for s in seeds],
+                                     level=BOOTSTRAP_LEVEL) for m in ("em", "f1")}
+            d["f1_relative_pct"] = relative_change(statistics.mean(a[s]["per_set"][q]["f1_mean"] for s in seeds),
+                                                   statistics.mean(b[s]["per_set"][q]["f1_mean"] for s in seeds))
+            per_k[q] = d
+        out[f"{new} − {base}"] = per_k
+    return out
+
+
+def _costs(rows_by_arm: dict) -> dict:
+    out = {}
+    for arm, rows in rows_by_arm.items():
+        if arm == "sft student":
+            continue
+        c = {}
+        for key in ("call_tokens", "student_peak_context", "teacher_context_peak", "step_s"):
+            xs = [r["costs"][key] for r in rows if r["costs"].get(key)]
+            c[key] = {"mean": statistics.mean(x["mean"] for x in xs), "max": max(x["max"] for x in xs)} if xs else None
+        out[arm] = c
+    return out
+
+
+def run_protocol(args, user_overrides: list[str], log=print) -> int:
+    """`memopd compare --protocol paper`: see the module doc. `args`: compare's parsed
+    arguments (arms, seeds, jobs, out, overwrite, quick, publish)."""
+    from memopd.errors import RunDirError
+
+    from .compare import _run_dir, _run_one
+    from .config import TrainConfig
+    from .loop import prepare
+    from .plot import plot_protocol_curves
+    from .rundir import previous_outputs
+
+    name = "quick" if args.quick else "full"
+    budget = BUDGETS[name]
+    seeds = list(args.seeds) if args.seeds else list(budget.seeds)
+    overrides = budget.overrides() + list(user_overrides)
+    cfg = TrainConfig.load(None, overrides)
+    used = [d for d in (_run_dir(args.out, a, s) for a in args.arms for s in seeds)
+            if os.path.isdir(d) and previous_outputs(d)]
+    if used and not args.overwrite:  # refused before any SFT or training work
+        raise RunDirError(f"--out {args.out}: {len(used)} run(s) of an earlier compare are there (e.g. {used[0]}); "
+                          "pass --overwrite to replace them, or choose another --out")
+    t0 = time.time()
+    # the SFT is built once here, before the parallel runs that would race for its cache
+    _, _, _, _, _, student_dir, _ = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    sft_wall = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    ks = list(cfg.eval_k)
+    log(f"[replication] SFT student {student_dir} ({sft_wall:.0f} s); evaluating it on {cfg.eval_tasks} sets per k")
+    base = per_set_scores(student_dir, ks, cfg.eval_tasks)
+    rows_by_arm: dict[str, list] = {"sft student": [{"seed": None, "per_set": base}]}
+    todo = [(a, s) for a in args.arms for s in seeds]
+    log(f"[replication] {len(todo)} runs ({len(args.arms)} arms x seeds {seeds}), {args.jobs} at a time, "
+        f"under {args.out}")
+    curves: dict[str, list] = {}
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
+        futures = [ex.submit(_run_one, a, s, args.out, overrides, args.overwrite) for a, s in todo]
+        for (a, s), fut in zip(todo, futures):
+            r = fut.result()
+            r["per_set"] = per_set_scores(os.path.join(r["run_dir"], "final"), ks, cfg.eval_tasks)
+            for q, v in r["per_set"].items():  # the same greedy episodes `memopd train` evaluated
+                if not math.isclose(v["em_mean"], r["eval"][q]["em_mean"], abs_tol=1e-9):
+                    log(f"[replication] warning: {a} seed {s} {q}: per-set EM {v['em_mean']:.4f} differs from the "
+                        f"run's own evaluation {r['eval'][q]['em_mean']:.4f}")
+            r["costs"] = _run_costs(r["run_dir"])
+            curves.setdefault(a, []).append(_run_curve(r["run_dir"], ks, base))
+            rows_by_arm.setdefault(a, []).append(r)
+            log(f"[replication] {a} seed {s}: " + ", ".join(f"{q} EM {v['em_mean']:.3f} F1 {v['f1_mean']:.3f}"
+                                                           for q, v in r["per_set"].items()))
+    audit = None
+    audit_arm = "memopd" if "memopd" in rows_by_arm else None
+    if audit_arm:
+        seed0 = min(seeds)
+        final = os.path.join(_run_dir(args.out, audit_arm, seed0), "final")
+        log(f"[replication] RCE audit of {final} on its own samples")
+        audit = {"arm": audit_arm, "seed": seed0, "temperature": cfg.temperature, "model": final,
+                 "by_set": audit_student(final, [k for k in ks if k in (2, 8)] or ks[:1], budget.audit_tasks,
+                                         temperature=cfg.temperature)}
+    bands = {arm: _band(cs, ks) for arm, cs in curves.items()}
+    rep = {
+        "protocol": "paper", "budget_name": name, "budget": {**budget.__dict__, "seeds": seeds},
+        "overrides": overrides, "config": cfg.to_dict(), "ks": ks, "student": student_dir,
+        "summary": _summary(rows_by_arm, ks),
+        "differences": _differences(rows_by_arm, ks, [("memopd", "ppo"), ("memopd", "persistent")]),
+        "costs": _costs(rows_by_arm), "curves": bands, "audit": audit,
+        "runs": {arm: rows for arm, rows in rows_by_arm.items() if arm != "sft student"},
+        "sft_student_per_set": base,
+        "sft_wall_s": round(sft_wall, 1),
+    }
+    paths = {ext: os.path.join(args.out, f"replication_{name}.{ext}") for ext in ("json", "md", "png")}
+    plot_protocol_curves(bands, ks, paths["png"], title=f"paper protocol ({name}): held-out EM over training steps")
+    rep["wall_s"] = round(time.time() - t0, 1)
+    with open(paths["json"], "w") as f:
+        json.dump(rep, f, indent=1)
+    table = format_report(rep)
+    with open(paths["md"], "w") as f:
+        f.write(table)
+    log(table)
+    if args.publish:
+        for ext, src in paths.items():
+            dst = os.path.join(RESULTS_DIR, os.path.basename(src))
+            shutil.copyfile(src, dst)
+            log(f"[replication] published {dst}")
+    log(f"[replication] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
+    return 0
