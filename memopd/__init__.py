@@ -70,20 +70,30 @@ def _is_compiled_core(name: str) -> bool:
 
 
 class _CheckoutFinder(importlib.abc.MetaPathFinder):
-    """Finds `memopd.kernels`, `memopd.trainer` and `memopd._C` when they are not inside
-    this `memopd/` (a source checkout). It runs after the standard finders, so a module
-    that exists in place (an installed copy, a core built with `pip install -e .`) wins."""
+    """Finds `memopd.kernels`, `memopd.trainer` and `memopd._C` for a source checkout, whose
+    `memopd/` holds none of them.
+
+    Two instances: the first, at the front of `sys.meta_path`, maps the two subpackages to
+    `kernels/` and `trainer/` beside this `memopd/` (so an editable install of another
+    checkout cannot mix its subpackages into this one); the last, after the standard
+    finders, falls back to an installed copy's subpackages and compiled core (a core built
+    in place with `pip install -e .` is found first by the standard finders)."""
+
+    def __init__(self, front: bool):
+        self.front = front
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in _ROOT_PACKAGES:
             init = os.path.join(os.path.dirname(_HERE), _ROOT_PACKAGES[fullname], "__init__.py")
             if not os.path.isfile(init):
+                if self.front:
+                    return None
                 wanted = fullname.replace(".", "/") + "/__init__.py"
                 init = _installed_copy_file(lambda name: name == wanted)
             if init is None:
                 return None
             return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[os.path.dirname(init)])
-        if fullname == "memopd._C":
+        if fullname == "memopd._C" and not self.front:
             core = _installed_copy_file(_is_compiled_core)
             return None if core is None else importlib.util.spec_from_file_location(fullname, core)
         return None
@@ -91,7 +101,8 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
 
 # an installed copy holds kernels/ and trainer/ itself and needs no finder
 if not os.path.isdir(os.path.join(_HERE, "kernels")) and not any(type(f).__name__ == "_CheckoutFinder" for f in sys.meta_path):
-    sys.meta_path.append(_CheckoutFinder())
+    sys.meta_path.insert(0, _CheckoutFinder(front=True))
+    sys.meta_path.append(_CheckoutFinder(front=False))
 
 
 __version__ = "0.1.0"

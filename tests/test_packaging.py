@@ -127,7 +127,7 @@ def test_checkout_finder_takes_the_installed_compiled_core(monkeypatch):
     name = "memopd/" + os.path.basename(built.__file__)
     monkeypatch.setattr(importlib.metadata, "distributions", lambda **_: iter([_InstalledCopy({name: built.__file__})]))
     monkeypatch.setattr(memopd, "_HERE", "/nonexistent/checkout/memopd")
-    spec = memopd._CheckoutFinder().find_spec("memopd._C")
+    spec = memopd._CheckoutFinder(front=False).find_spec("memopd._C")
     assert spec is not None and Path(spec.origin).resolve() == Path(built.__file__).resolve()
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -144,9 +144,9 @@ def test_checkout_finder_ignores_the_checkouts_own_files_and_other_names(monkeyp
     name = "memopd/" + os.path.basename(built.__file__)
     monkeypatch.setattr(importlib.metadata, "distributions", lambda **_: iter([_InstalledCopy({name: built.__file__})]))
     monkeypatch.setattr(memopd, "_HERE", here)
-    assert memopd._CheckoutFinder().find_spec("memopd._C") is None
+    assert memopd._CheckoutFinder(front=False).find_spec("memopd._C") is None
     for other in ("memopd.tests", "memopd.setup", "memopd.benchmarks", "kernels", "trainer"):
-        assert memopd._CheckoutFinder().find_spec(other) is None
+        assert memopd._CheckoutFinder(front=False).find_spec(other) is None
 
 
 def test_checkout_finder_falls_back_to_the_installed_subpackage(monkeypatch, tmp_path):
@@ -161,10 +161,28 @@ def test_checkout_finder_falls_back_to_the_installed_subpackage(monkeypatch, tmp
     monkeypatch.setattr(importlib.metadata, "distributions",
                         lambda **_: iter([_InstalledCopy({"memopd/kernels/__init__.py": str(installed / "__init__.py")})]))
     monkeypatch.setattr(memopd, "_HERE", str(lonely))
-    spec = memopd._CheckoutFinder().find_spec("memopd.kernels")
+    spec = memopd._CheckoutFinder(front=False).find_spec("memopd.kernels")
     assert Path(spec.origin) == installed / "__init__.py"
     assert spec.submodule_search_locations == [str(installed)]
-    assert memopd._CheckoutFinder().find_spec("memopd.trainer") is None  # not installed, not beside it
+    assert memopd._CheckoutFinder(front=False).find_spec("memopd.trainer") is None  # not installed, not beside it
+
+
+def test_front_finder_maps_only_the_checkouts_own_subpackages(monkeypatch, tmp_path):
+    """The finder at the front of sys.meta_path gives `memopd.kernels` / `memopd.trainer`
+    from beside this memopd/ (so another checkout's editable install cannot supply them),
+    and leaves everything else, the compiled core included, to the other finders."""
+    if os.path.isdir(os.path.join(memopd._HERE, "kernels")):
+        pytest.skip("memopd is an installed copy here: it holds its subpackages and registers no finder")
+    front = memopd._CheckoutFinder(front=True)
+    assert isinstance(sys.meta_path[0], memopd._CheckoutFinder) and sys.meta_path[0].front
+    spec = front.find_spec("memopd.trainer")
+    assert Path(spec.origin).resolve() == (REPO / "trainer" / "__init__.py").resolve()
+    for other in ("memopd._C", "memopd.ops", "memopd.tests", "trainer", "kernels"):
+        assert front.find_spec(other) is None
+    lonely = tmp_path / "lonely" / "memopd"
+    lonely.mkdir(parents=True)
+    monkeypatch.setattr(memopd, "_HERE", str(lonely))
+    assert front.find_spec("memopd.kernels") is None  # nothing beside it: the fallbacks decide
 
 
 _BLOCKER = """

@@ -441,3 +441,25 @@ def test_two_ranks_refuse_together_and_resume_the_same_checkpoint(tmp_path):
             if not k.startswith(SKIP):
                 assert b[k] == pytest.approx(v, rel=1e-6, abs=1e-9, nan_ok=True), k
     assert [m["step"] for m in _lines(tmp_path / "b")] == [1, 2, 3]
+
+
+def test_atomic_directory_swaps_whole_directories(tmp_path):
+    """final/ and eval_model/ are written through `atomic_directory`: a finished write
+    replaces the old content as a whole, a failed one leaves the old content untouched
+    and no partial directory behind."""
+    from memopd.trainer.rundir import atomic_directory
+
+    target = tmp_path / "final"
+    target.mkdir()
+    (target / "old.bin").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target) as tmp:
+            (Path(tmp) / "model.safetensors").write_text("partial")
+            raise RuntimeError("killed mid-save")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert (target / "old.bin").read_text() == "old"
+    with atomic_directory(target) as tmp:
+        (Path(tmp) / "model.safetensors").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
+    assert oct(target.stat().st_mode & 0o777) == oct(0o755)

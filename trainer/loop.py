@@ -507,12 +507,18 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
 
 def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -> None:
     """The current actor as a normal HF checkpoint dir that `memopd eval` can load."""
-    from memopd.env.sft import ENV_META_FILE
+    from .rundir import atomic_directory
 
     actor, _ = trainer.inference_modules()  # collective under ZeRO-3
     if trainer.rank != 0:
         return
-    lm = actor.lm
+    with atomic_directory(out_dir) as tmp:  # a kill mid-save never leaves a partial model behind
+        _write_agent(trainer, actor.lm, tokenizer, student_dir, tmp)
+
+
+def _write_agent(trainer: "Trainer", lm, tokenizer, student_dir: str, out_dir: str) -> None:
+    from memopd.env.sft import ENV_META_FILE
+
     lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     cfg = trainer.cfg

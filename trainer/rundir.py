@@ -9,6 +9,7 @@ are in the README ("Run directories").
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import hashlib
@@ -105,6 +106,33 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike):
+    """Yield a fresh sibling directory to fill; on success it takes `path`'s place, so
+    `path` holds either the previous complete content or the new one, never a mix or a
+    part (a kill in between leaves `path` as it was, or absent for one rename, plus a
+    `.tmp` sibling). On an error the partial directory is removed and `path` is untouched."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise become the final directory's mode
+    try:
+        yield tmp
+        old = None
+        if os.path.lexists(path):
+            old = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".old.tmp")
+            os.rmdir(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 # --------------------------------------------------------------------------- manifests
