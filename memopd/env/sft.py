@@ -133,7 +133,8 @@ REPLICATION_MODEL_PRESETS: dict[str, ModelSpec] = {
                          intermediate_size=288, max_position_embeddings=1024),
 }
 REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
-    "teacher": SFTConfig(steps=2500, warmup_copy_steps=800, batch_tokens=2304, ks=(1, 2, 4, 8, 12, 16),
+    # 6,000 balanced steps: at 2,500 this teacher still miscopied values (docs/design.md §10)
+    "teacher": SFTConfig(steps=6000, warmup_copy_steps=800, batch_tokens=2304, ks=(1, 2, 4, 8, 12, 16),
                          calls_per_k=2500, policies=("summary", "full"), balance_policies=True),
     "student": SFTConfig(steps=2000, warmup_copy_steps=800, ks=(1, 2, 4, 8, 12, 16), calls_per_k=2500,
                          policies=("summary",)),
