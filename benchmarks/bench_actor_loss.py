@@ -40,9 +40,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
+from _fresh_process import measure_call
 
 SHAPES = {
     "small": dict(N=4096, H=512, V=32000),
@@ -107,14 +107,6 @@ def step_fn(name):
     return run
 
 
-def _rss_kb(field="VmRSS"):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def measure(name, shape):
     """One timed forward + backward in this (fresh) process; returns a dict."""
     torch.set_num_threads(1)
@@ -126,14 +118,8 @@ def measure(name, shape):
     else:
         run(*make_inputs(N=SEQ_LEN, H=64, V=512, seed=1))
     inputs = make_inputs(**s)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _rss_kb()
-    c0, w0 = time.process_time(), time.perf_counter()
-    run(*inputs)
-    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    peak = _rss_kb("VmHWM")
-    return {"contender": name, "shape": shape, "cpu_s": cpu, "wall_s": wall, "peak_mb": (peak - before) / 1024}
+    _, m = measure_call(lambda: run(*inputs))
+    return {"contender": name, "shape": shape, "cpu_s": m["cpu_s"], "wall_s": m["wall_s"], "peak_mb": m["peak_kb"] / 1024}
 
 
 def run_subprocess(name, shape, timeout=1800):

@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from _fresh_process import measure_call
 
 from memopd.ops import (
     fused_linear_distill,
@@ -130,14 +129,6 @@ def lpe_step(impl, mode, h, w, y, adv, mask):
 # ----------------------------------------------------------------------------------
 # peak resident memory of one forward+backward, in a fresh process
 # ----------------------------------------------------------------------------------
-def _status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return None
-
-
 def _warm_up(impl, device="cpu", dtype=torch.float32, mode=None):
     # first-call costs (lazy imports, op registration, thread pools) are not the op's
     if mode is None:
@@ -154,19 +145,9 @@ def _measure(impl, N, Hs, Ht, V, mode=None):
         inputs, step = make_inputs(N, Hs, Ht, V), actor_step
     else:
         inputs, step = make_lpe_inputs(N, Hs, V), (lambda impl_, *a: lpe_step(impl_, mode, *a))
-    exact = True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-    except OSError:
-        exact = False
-    base_kb = _status_kb("VmRSS")
-    t0 = time.perf_counter()
-    grads = step(impl, *inputs)
-    dt = time.perf_counter() - t0
-    peak_kb = _status_kb("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    grads, m = measure_call(lambda: step(impl, *inputs), require_exact=False)
     del grads
-    return dict(peak_bytes=(peak_kb - base_kb) * 1024, seconds=dt, exact=exact)
+    return dict(peak_bytes=m["peak_kb"] * 1024, seconds=m["wall_s"], exact=m["exact"])
 
 
 def measure_in_subprocess(impl, case):

@@ -28,10 +28,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import torch
+from _fresh_process import measure_call
 
 PAIRS = {"trl": ("trl_gkd", "memopd_gkd"), "liger": ("liger_jsd", "memopd_liger"), "verl": ("verl_naive", "memopd_verl")}
 V, H = 32000, 256
@@ -126,26 +126,13 @@ def _verl_step(name):
     return run
 
 
-def _rss_kb(field="VmRSS"):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def measure(name):
     torch.set_num_threads(1)
     pair = next(p for p, names in PAIRS.items() if name in names)
     run = {"trl": _trl_step, "liger": _liger_step, "verl": _verl_step}[pair](name)
     run()  # warm-up at the real shape
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _rss_kb()
-    c0 = time.process_time()
-    run()
-    cpu = time.process_time() - c0
-    return {"contender": name, "cpu_s": cpu, "peak_mb": (_rss_kb("VmHWM") - before) / 1024}
+    _, m = measure_call(run)
+    return {"contender": name, "cpu_s": m["cpu_s"], "peak_mb": m["peak_kb"] / 1024}
 
 
 def run_subprocess(name, timeout=600):
