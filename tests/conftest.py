@@ -1,5 +1,6 @@
 """Shared test fixtures: a fixed seed by default (random on request, printed so a failure
-can be replayed), and one torch thread for the modules that train tiny models."""
+can be replayed), one torch thread for the modules that train tiny models, and tiny SFT'd
+agents built once per session."""
 import os
 import random
 
@@ -27,3 +28,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def sft_dirs(tmp_path_factory):
+    """(student, teacher) directories of tiny SFT'd agents of the default world, built once
+    per session for the end-to-end trainer tests (which only read them)."""
+    from memopd.env.sft import SFTConfig, run_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
+    run_sft(out, sft_configs={"teacher": tiny, "student": tiny}, jobs=1, progress=False, log=lambda *_: None)
+    return str(out / "student"), str(out / "teacher")

@@ -54,16 +54,6 @@ def test_budgets_match_the_protocol():
     assert "world=replication" in ov and "train_k=[2]" in ov and "eval_k=[2,8,16]" in ov
 
 
-@pytest.fixture(scope="module")
-def sft_dirs(tmp_path_factory):
-    from memopd.env.sft import SFTConfig, run_sft
-
-    out = tmp_path_factory.mktemp("sft")
-    tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
-    run_sft(out, sft_configs={"teacher": tiny, "student": tiny}, progress=False, log=lambda *_: None)
-    return str(out / "student"), str(out / "teacher")
-
-
 def test_quick_protocol_end_to_end_on_the_default_world(sft_dirs, tmp_path):
     from memopd.trainer.compare import compare_main
 

@@ -35,16 +35,6 @@ WORKER = REPO / "tests" / "_rundir_worker.py"
 SKIP = ("time/",)
 
 
-@pytest.fixture(scope="module")
-def sft_dirs(tmp_path_factory):
-    from memopd.env.sft import SFTConfig, run_sft
-
-    out = tmp_path_factory.mktemp("sft")
-    tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
-    run_sft(out, sft_configs={"teacher": tiny, "student": tiny}, jobs=1, progress=False, log=lambda *_: None)
-    return str(out / "student"), str(out / "teacher")
-
-
 def _cfg(sft_dirs, run_dir, **kw):
     base = dict(steps=4, checkpoint_every=2, run_dir=str(run_dir), student=sft_dirs[0], teacher=sft_dirs[1],
                 tasks_per_step=2, group_size=2, train_k=[1], eval_k=[1], eval_tasks=2, ppo_epochs=1, minibatches=2,
