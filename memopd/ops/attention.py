@@ -445,14 +445,18 @@ def _fused_cpu_ok(q: Tensor, k: Tensor, v: Tensor, plan: _TorchPlan) -> bool:
             and q.dtype in _CPU_FLASH_DTYPES and not plan.overlaps and _all_finite(q, k, v))
 
 
-def _bucket_operands(q: Tensor, k: Tensor, v: Tensor, b: _Batch):
-    """q [n, Hq, Lq, D] and k, v [n, Hkv, Lk, D] of one padded call, and its additive mask."""
+def _bucket_qkv(q: Tensor, k: Tensor, v: Tensor, b: _Batch):
+    """q [n, Hq, Lq, D] and k, v [n, Hkv, Lk, D] of one padded call."""
     Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
     qb = q.index_select(0, b.q_rows).view(b.n, b.lq, Hq, D).transpose(1, 2)
     kb = k.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
     vb = v.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
-    mask = torch.zeros(b.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~b.mask, float("-inf"))
-    return qb, kb, vb, mask
+    return qb, kb, vb
+
+
+def _additive_mask(b: _Batch, like: Tensor) -> Tensor:
+    """The call's visibility as the additive mask the fused CPU kernels take (0 / -inf)."""
+    return torch.zeros(b.mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~b.mask, float("-inf"))
 
 
 def _bucket_tokens(plan: _TorchPlan):
@@ -469,8 +473,7 @@ def _fused_cpu_forward(q, k, v, plan: _TorchPlan, scale):
     out = q.new_zeros(T, Hq, D)
     lse = q.new_zeros(T, Hq, dtype=_lse_dtype(q))
     for b, tok in _bucket_tokens(plan):
-        qb, kb, vb, mask = _bucket_operands(q, k, v, b)
-        ob, lb = _CPU_FLASH(qb, kb, vb, 0.0, False, attn_mask=mask, scale=scale)
+        ob, lb = _CPU_FLASH(*_bucket_qkv(q, k, v, b), 0.0, False, attn_mask=_additive_mask(b, q), scale=scale)
         out.index_copy_(0, tok, ob.transpose(1, 2).reshape(b.n * b.lq, Hq, D).index_select(0, b.keep))
         lse.index_copy_(0, tok, lb.transpose(1, 2).reshape(b.n * b.lq, Hq).index_select(0, b.keep).to(lse.dtype))
     return out, lse.t().contiguous()
@@ -485,14 +488,12 @@ def _fused_cpu_backward(dout, q, k, v, out, lse, plan: _TorchPlan, scale):
     lse_rows = lse.t()
     dout = dout.to(q.dtype)
     for b, tok in _bucket_tokens(plan):
-        qb, kb, vb, mask = _bucket_operands(q, k, v, b)
-
         def padded(x: Tensor, fill: float = 0.0) -> Tensor:
             rows = x.new_full((b.n * b.lq,) + tuple(x.shape[1:]), fill)
             return rows.index_copy_(0, b.keep, x.index_select(0, tok)).view(b.n, b.lq, *x.shape[1:]).transpose(1, 2)
 
-        lb = padded(lse_rows, float("inf")).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        gq, gk, gv = _CPU_FLASH_BWD(padded(dout), qb, kb, vb, padded(out), lb, 0.0, False, attn_mask=mask, scale=scale)
+        gq, gk, gv = _CPU_FLASH_BWD(padded(dout), *_bucket_qkv(q, k, v, b), padded(out), padded(lse_rows, float("inf")),
+                                    0.0, False, attn_mask=_additive_mask(b, q), scale=scale)
         dq.index_copy_(0, tok, gq.transpose(1, 2).reshape(b.n * b.lq, Hq, D).index_select(0, b.keep))
         dk.index_add_(0, b.k_rows, gk.transpose(1, 2).reshape(b.n * b.lk, *k.shape[1:]))
         dv.index_add_(0, b.k_rows, gv.transpose(1, 2).reshape(b.n * b.lk, *v.shape[1:]))
@@ -502,13 +503,9 @@ def _fused_cpu_backward(dout, q, k, v, out, lse, plan: _TorchPlan, scale):
 def _torch_packed_attention_finite(q, k, v, plan: _TorchPlan, scale):
     """The SDPA calls of `plan` on finite inputs; rows no call computes (they see nothing) are zeros."""
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
     values = []
     for b in plan.batches:
-        qb = q.index_select(0, b.q_rows).view(b.n, b.lq, Hq, D).transpose(1, 2)
-        kb = k.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
-        vb = v.index_select(0, b.k_rows).view(b.n, b.lk, Hkv, D).transpose(1, 2)
-        ob = _sdpa(qb, kb, vb, attn_mask=b.mask, scale=scale)
+        ob = _sdpa(*_bucket_qkv(q, k, v, b), attn_mask=b.mask, scale=scale)
         values.append(ob.transpose(1, 2).reshape(b.n * b.lq, Hq, D).index_select(0, b.keep))
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     for o in plan.overlaps:
