@@ -47,6 +47,21 @@ def test_bootstrap_and_relative_change_reject_bad_input():
     assert relative_change(0.5, 0.0) is None
 
 
+def test_per_set_scores_line_up_on_the_held_out_sets():
+    from memopd.env.world import World, WorldConfig
+    from memopd.trainer.replicate import per_set_scores
+
+    world = World.generate(WorldConfig())
+    ids = [t.task_id for t in world.sample_tasks(2, 4, split="eval", seed=0)]
+    # played out of order, one set missing (stopped before its first call)
+    sets = {"task_id": [ids[2], ids[0], ids[3]], "em": [1.0, 0.5, 0.0], "f1": [1.0, 0.75, 0.25]}
+    got = per_set_scores({"Q2": {"sets": sets, "peak_tokens": 90}}, world, 4)["Q2"]
+    assert got["task_id"] == ids and got["em"] == [0.5, 0.0, 1.0, 0.0] and got["f1"] == [0.75, 0.0, 1.0, 0.25]
+    assert got["em_mean"] == pytest.approx(0.375) and got["f1_mean"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="not the held-out sets"):
+        per_set_scores({"Q2": {"sets": {**sets, "task_id": ["elsewhere", ids[0], ids[3]]}}}, world, 4)
+
+
 def test_budgets_match_the_protocol():
     full = BUDGETS["full"]
     assert len(full.seeds) >= 3 and full.eval_tasks >= 100 and full.eval_every > 0
@@ -76,7 +91,9 @@ def test_quick_protocol_end_to_end_on_the_default_world(sft_dirs, tmp_path):
                 ps = r["per_set"][q]
                 assert len(ps["em"]) == len(ps["f1"]) == 3 and all(0 <= x <= 1 for x in ps["em"] + ps["f1"])
                 # the per-set scores are the run's own final evaluation, set by set
-                assert ps["em_mean"] == pytest.approx(r["eval"][q]["em_mean"], abs=1e-9)
+                final = json.loads((tmp_path / r["run_dir"] / "report.json").read_text())["eval"][q]
+                assert ps["em_mean"] == pytest.approx(final["em_mean"], abs=1e-12)
+                assert ps["task_id"] == final["sets"]["task_id"] and ps["f1"] == final["sets"]["f1"]
             assert r["costs"]["steps"] == 2 and r["costs"]["step_s"]["mean"] > 0
         # every arm read the same held-out sets
         assert runs[0]["per_set"]["Q2"]["task_id"] == rep["sft_student_per_set"]["Q2"]["task_id"]

@@ -23,7 +23,8 @@ from memopd.env.sft import (
     expert_examples,
     role_presets,
 )
-from memopd.env.world import MULTIWORD_VALUES, WORLD_PRESETS, fact_text, parse_question, world_preset
+from memopd.env.rollout import default_max_new_tokens
+from memopd.env.world import MULTIWORD_VALUES, WORLD_PRESETS, fact_text, max_answer_words, parse_question, world_preset
 
 # sha256 of the default world's corpus, facts, task streams and vocabulary texts (seeds 0
 # and 1), taken before the presets existed: the default world must stay bit for bit.
@@ -72,6 +73,30 @@ def test_presets_and_their_errors():
         WorldConfig(heldout_frac=1.0)
     with pytest.raises(ValueError, match="holds out no fact"):
         WorldConfig(n_entities=2, heldout_frac=0.05)
+    with pytest.raises(ValueError, match="answer_order must be one of ascending, descending"):
+        WorldConfig(answer_order="random")
+
+
+def test_descending_expert_ends_at_question_a_and_default_limits_are_unchanged(replication):
+    world, tok = replication
+    assert world.config.answer_order == "descending" and expert_options(world.config) == {"descending": True}
+    assert expert_options(WorldConfig()) == {"descending": False}
+    env = QAEnv.from_world(world, tok, EnvConfig(policy="summary"))
+    assert env.answer_words == max_answer_words(world.config) == 4
+    for t in expert_trajectories(env, world.sample_tasks(8, 10, split="eval"), descending=True):
+        acts = [env.decode(i.action_ids).split() for i in t.invocations]
+        assert acts[0][0] == "xh"  # the first entry opened is the last question's
+        labels = [w for w in acts[-1] if re.fullmatch(r"x[a-h]", w)]
+        # the answering call: its notes run h..a, then the answer in the same order
+        assert labels == [f"x{c}" for c in "hgfedcba"] * 2
+        assert all(len(a) < default_max_new_tokens(8, 4) for a in acts)
+        assert t.rewards["em_mean"] == 1.0
+    # the default world keeps one-word answers and its limit of 24 + 5k ids per call
+    default = World.generate(WorldConfig())
+    assert QAEnv.from_world(default, build_tokenizer(default.vocabulary_texts(), kind="word")).answer_words == 1
+    assert [default_max_new_tokens(k) for k in (1, 2, 16)] == [29, 34, 104]
+    with pytest.raises(ValueError, match="answer_words"):
+        QAEnv(default.documents, tok, answer_words=0)
 
 
 def _questions_of_prefix(text: str) -> list[tuple]:
@@ -148,7 +173,8 @@ def test_replication_recipe_and_cache_key(tmp_path):
     assert role_presets(WorldConfig()) == (MODEL_PRESETS, SFT_PRESETS)
     assert role_presets(None) == (MODEL_PRESETS, SFT_PRESETS)
     # a checkpoint written before the new fields existed still matches the default job ...
-    old_world = {k: v for k, v in WorldConfig().to_json().items() if k not in ("value_set", "heldout_frac", "preset")}
+    old_world = {k: v for k, v in WorldConfig().to_json().items()
+                 if k not in ("value_set", "heldout_frac", "preset", "answer_order")}
     old_sft = {k: v for k, v in SFTConfig().to_json().items() if k not in ("policies", "balance_policies")}
     meta = {"version": 2, "world": old_world, "env": {}, "sft_config": old_sft, "model_spec": {"hidden_size": 64}}
     (tmp_path / ENV_META_FILE).write_text(json.dumps(meta))
@@ -160,6 +186,12 @@ def test_replication_recipe_and_cache_key(tmp_path):
                               ("sft", "sft_config", SFTConfig(balance_policies=True).to_json())):
         diff = _cache_mismatch(str(tmp_path), {**job, key: value})
         assert diff and all(d.startswith(field + ".") for d in diff)
+    # a replication checkpoint of the ascending expert (written before answer_order
+    # existed) is not reused for the descending one
+    asc = {k: v for k, v in world_preset("replication").to_json().items() if k != "answer_order"}
+    (tmp_path / ENV_META_FILE).write_text(json.dumps({**meta, "world": asc}))
+    diff = _cache_mismatch(str(tmp_path), {**job, "world": world_preset("replication").to_json()})
+    assert diff == ["world.answer_order 'ascending' -> 'descending'"]
 
 
 def test_teacher_recipe_gives_compact_memory_half_the_steps(replication):

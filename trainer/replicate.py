@@ -21,7 +21,6 @@ and .png (the curves); `--publish` copies them to benchmarks/results/.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import statistics
@@ -123,25 +122,29 @@ def _engine(model, tok, batch_size: int = 32):
     return HFEngine(model, pad_id=pad, batch_size=batch_size, vocab_size=min(len(tok), rows))
 
 
-def per_set_scores(model_dir: str, ks, n: int, seed: int = 0) -> dict:
-    """Greedy EM/F1 of every held-out set: the sets, engine and decoding of
-    `memopd.env.evaluate.evaluate(model_dir, ks=ks, n=n, seed=seed)`, kept per set.
+def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
+    """Per-set greedy EM/F1 of one agent from an `memopd.env.evaluate` report's
+    `results` (the `sets` it records), laid out on the held-out sets
+    `world.sample_tasks(k, n, split="eval", seed=seed)` of every k, so that two agents
+    line up set by set. A set the report lacks (stopped before its first call) scores 0.
 
     {"Q2": {"task_id": [...], "em": [...], "f1": [...], "em_mean": .., "f1_mean": ..,
-    "peak_tokens": ..}, ...}; a set stopped before its first call scores 0."""
-    from memopd.env.rollout import rollout
-
-    model, tok, env, world = _agent_env(model_dir)
-    engine = _engine(model, tok)
+    "peak_tokens": ..}, ...}"""
     out = {}
-    for k in ks:
-        tasks = world.sample_tasks(k, n, split="eval", seed=seed)
-        by_id = {tr.task_id: tr for tr in rollout(env, engine, tasks, temperature=0.0, seed=seed)}
-        em = [float(by_id[t.task_id].rewards["em_mean"]) if t.task_id in by_id else 0.0 for t in tasks]
-        f1 = [float(by_id[t.task_id].rewards["f1_mean"]) if t.task_id in by_id else 0.0 for t in tasks]
-        out[f"Q{k}"] = {"task_id": [t.task_id for t in tasks], "em": em, "f1": f1, "em_mean": statistics.mean(em),
-                        "f1_mean": statistics.mean(f1),
-                        "peak_tokens": max((tr.info["peak_tokens"] for tr in by_id.values()), default=0)}
+    for q, res in results.items():
+        k = int(q[1:])
+        ids = [t.task_id for t in world.sample_tasks(k, n, split="eval", seed=seed)]
+        sets = res.get("sets") or {"task_id": [], "em": [], "f1": []}
+        em = dict(zip(sets["task_id"], sets["em"]))
+        f1 = dict(zip(sets["task_id"], sets["f1"]))
+        extra = set(em) - set(ids)
+        if extra:
+            raise ValueError(f"{q}: the report holds sets that are not the held-out sets asked for, e.g. "
+                             f"{sorted(extra)[0]!r} (another world, seed or n?)")
+        out[q] = {"task_id": ids, "em": [em.get(i, 0.0) for i in ids], "f1": [f1.get(i, 0.0) for i in ids],
+                  "peak_tokens": res.get("peak_tokens", 0)}
+        out[q]["em_mean"] = statistics.mean(out[q]["em"])
+        out[q]["f1_mean"] = statistics.mean(out[q]["f1"])
     return out
 
 
@@ -320,6 +323,8 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     arguments (arms, seeds, jobs, out, overwrite, quick, publish)."""
     from memopd.errors import RunDirError
 
+    from memopd.env.evaluate import evaluate
+
     from .compare import _run_dir, _run_one
     from .config import TrainConfig
     from .loop import prepare
@@ -338,12 +343,12 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
                           "pass --overwrite to replace them, or choose another --out")
     t0 = time.time()
     # the SFT is built once here, before the parallel runs that would race for its cache
-    _, _, _, _, _, student_dir, _ = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    _, _, _, world, _, student_dir, _ = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
     sft_wall = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
     ks = list(cfg.eval_k)
     log(f"[replication] SFT student {student_dir} ({sft_wall:.0f} s); evaluating it on {cfg.eval_tasks} sets per k")
-    base = per_set_scores(student_dir, ks, cfg.eval_tasks)
+    base = per_set_scores(evaluate(student_dir, ks=ks, n=cfg.eval_tasks)["results"], world, cfg.eval_tasks)
     rows_by_arm: dict[str, list] = {"sft student": [{"seed": None, "per_set": base}]}
     todo = [(a, s) for a in args.arms for s in seeds]
     log(f"[replication] {len(todo)} runs ({len(args.arms)} arms x seeds {seeds}), {args.jobs} at a time, "
@@ -353,11 +358,8 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
         futures = [ex.submit(_run_one, a, s, args.out, overrides, args.overwrite) for a, s in todo]
         for (a, s), fut in zip(todo, futures):
             r = fut.result()
-            r["per_set"] = per_set_scores(os.path.join(r["run_dir"], "final"), ks, cfg.eval_tasks)
-            for q, v in r["per_set"].items():  # the same greedy episodes `memopd train` evaluated
-                if not math.isclose(v["em_mean"], r["eval"][q]["em_mean"], abs_tol=1e-9):
-                    log(f"[replication] warning: {a} seed {s} {q}: per-set EM {v['em_mean']:.4f} differs from the "
-                        f"run's own evaluation {r['eval'][q]['em_mean']:.4f}")
+            # the final model's greedy episodes as the run evaluated them (report.json)
+            r["per_set"] = per_set_scores(r.pop("eval"), world, cfg.eval_tasks)
             r["costs"] = _run_costs(r["run_dir"])
             curves.setdefault(a, []).append(_run_curve(r["run_dir"], ks, base))
             rows_by_arm.setdefault(a, []).append(r)

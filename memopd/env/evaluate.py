@@ -11,7 +11,9 @@ the "train" stream SFT uses) for each k, runs greedy (or sampled) episodes with
 - peak_tokens: the largest |q| + |x_t| + |a_t| of any call (the longest sequence the
   model had to attend over), max and mean over episodes; turns: calls per episode;
 - format_errors per episode, answered (fraction of episodes that answered before the
-  budget ran out), wall and CPU seconds.
+  budget ran out), wall and CPU seconds;
+- sets: each episode's task id, EM mean and F1 mean, in the order played (what paired
+  comparisons of two agents on the same sets need).
 
 A user corpus (`--corpus docs.jsonl`) and question sets (`--questions sets.jsonl`)
 replace the generated ones; results are then grouped by the sets' k.
@@ -66,6 +68,8 @@ def summarize(trajectories) -> dict[str, Any]:
         "turns": statistics.mean(t.info["turns"] for t in trajectories),
         "format_errors": statistics.mean(x["format_errors"] for x in r),
         "answered": statistics.mean(1.0 if x["answered"] else 0.0 for x in r),
+        "sets": {"task_id": [t.task_id for t in trajectories], "em": [float(x["em_mean"]) for x in r],
+                 "f1": [float(x["f1_mean"]) for x in r]},
     }
 
 

@@ -6,7 +6,9 @@ visible state only (plus the closed list of attribute values, which tells a valu
 an entity name), so a model can in principle imitate it exactly.
 
 Its notes (the `<mem>` span) hold one entry per question, in order: "xa tailor xb rezu
-xc". The label "x<letters>" (`protocol.answer_label`) opens question i's entry when its
+xc" (or from the last question down, "xc tailor xb rezu xa", in a world whose
+`answer_order` is "descending": then the entry labelled "xa" is always the last one, and
+the decision to answer is made right after writing it). The label "x<letters>" (`protocol.answer_label`) opens question i's entry when its
 first search is sent; the entry then holds the answer, or, for a two-hop question half
 done, the middle entity (an entity name rather than a value is what marks "second hop
 pending"). Each turn the expert
@@ -70,11 +72,9 @@ def _wanted(q, values: list[str]) -> tuple[str, str] | None:
 
 
 def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text: str | None, *,
-                       final_notes: bool = True) -> str:
-    """The expert's next action as text, from what it can see. `final_notes=False`
-    leaves the answering action's notes empty (`<mem></mem>`): nothing reads them after
-    the answer, and multi-word answers written twice would outgrow the per-call token
-    limit (`rollout.default_max_new_tokens`)."""
+                       descending: bool = False) -> str:
+    """The expert's next action as text, from what it can see. `descending`: work from
+    the last question to the first (`WorldConfig.answer_order`), answering in that order."""
     qs = [parse_question(q) for q in questions]
     entries = [e for e in _parse_entries(mem_text) if 1 <= e[0] <= len(qs)]
     if entries and info_text is not None:
@@ -97,8 +97,11 @@ def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text
                 break
             if not vals:
                 vals.append("unknown")  # a question the expert cannot parse
-        nxt = entries[-1][0] + 1 if entries else 1
-        if nxt > len(qs):
+        if descending:
+            nxt = entries[-1][0] - 1 if entries else len(qs)
+        else:
+            nxt = entries[-1][0] + 1 if entries else 1
+        if not 1 <= nxt <= len(qs):
             break
         entries.append([nxt, []])
     # A space after each opening tag and none before a closing one: every word is then
@@ -108,21 +111,22 @@ def expert_action_text(questions: Sequence[str], mem_text: str | None, info_text
     if search is not None:
         return f"{mem_span}<search> {search}</search>"
     final = {i: " ".join(vals) for i, vals in entries}
-    ans = " ; ".join(f"{answer_label(i)} {final.get(i, 'unknown')}" for i in range(1, len(qs) + 1))
-    return f"{mem_span if final_notes else '<mem></mem>'}<answer> {ans}</answer>"
+    order = range(len(qs), 0, -1) if descending else range(1, len(qs) + 1)
+    ans = " ; ".join(f"{answer_label(i)} {final.get(i, 'unknown')}" for i in order)
+    return f"{mem_span}<answer> {ans}</answer>"
 
 
 def expert_options(world_config) -> dict:
-    """The expert's settings for a world: multi-word values leave the answer's notes empty."""
-    return {"final_notes": world_config.value_set == "default"}
+    """The expert's settings for a world (its `answer_order`)."""
+    return {"descending": world_config.answer_order == "descending"}
 
 
 class ScriptedExpert:
     """The expert as an `Engine`: prompts in, action ids out (deterministic)."""
 
-    def __init__(self, tokenizer, *, final_notes: bool = True):
+    def __init__(self, tokenizer, *, descending: bool = False):
         self.tokenizer = tokenizer
-        self.final_notes = final_notes
+        self.descending = descending
         self.tokens = ProtocolTokens.from_tokenizer(tokenizer)
         tk = self.tokens
         self._tags = {tk.mem_open, tk.mem_close, tk.search_open, tk.search_close, tk.answer_open,
@@ -148,7 +152,7 @@ class ScriptedExpert:
         questions = [q for _, q in found]
         mem = self._span_text(ids, tk.mem_open, tk.mem_close, end_q)
         info = self._span_text(ids, tk.info_open, tk.info_close, end_q)
-        text = expert_action_text(questions, mem, info, final_notes=self.final_notes)
+        text = expert_action_text(questions, mem, info, descending=self.descending)
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def generate(self, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, stop_ids=(), seed=None):
@@ -160,6 +164,6 @@ class ScriptedExpert:
         return out
 
 
-def expert_trajectories(env, tasks, *, final_notes: bool = True, **kwargs):
+def expert_trajectories(env, tasks, *, descending: bool = False, **kwargs):
     """Run the expert on `tasks` through `env` (the same loop as models); Trajectories."""
-    return rollout(env, ScriptedExpert(env.tokenizer, final_notes=final_notes), tasks, temperature=0.0, **kwargs)
+    return rollout(env, ScriptedExpert(env.tokenizer, descending=descending), tasks, temperature=0.0, **kwargs)

@@ -83,8 +83,13 @@ class StepResult:
 
 class QAEnv:
     def __init__(self, documents: Sequence[Document], tokenizer, config: EnvConfig | None = None,
-                 retriever: BM25Retriever | None = None):
+                 retriever: BM25Retriever | None = None, *, answer_words: int = 1):
+        """`answer_words`: words the longest answer may take; it sizes the per-call
+        token limit (`rollout.default_max_new_tokens`)."""
+        if answer_words < 1:
+            raise ValueError(f"answer_words must be >= 1, got {answer_words}")
         self.config = config or EnvConfig()
+        self.answer_words = int(answer_words)
         self.documents = list(documents)
         self.tokenizer = tokenizer
         self.tokens = ProtocolTokens.from_tokenizer(tokenizer)
@@ -105,7 +110,9 @@ class QAEnv:
 
     @classmethod
     def from_world(cls, world, tokenizer, config: EnvConfig | None = None) -> "QAEnv":
-        return cls(world.documents, tokenizer, config)
+        from .world import max_answer_words
+
+        return cls(world.documents, tokenizer, config, answer_words=max_answer_words(world.config))
 
     # ---- text <-> ids --------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

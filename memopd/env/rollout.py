@@ -201,10 +201,11 @@ class HFEngine:
         return out  # type: ignore[return-value]
 
 
-def default_max_new_tokens(k: int) -> int:
-    """Room for the longest expert action on k questions (notes + k answers + tags),
-    with one id per tag (`rollout` adds what multi-token tags take beyond that)."""
-    return 24 + 5 * k
+def default_max_new_tokens(k: int, answer_words: int = 1) -> int:
+    """Room for the longest expert action on k questions (notes + k labelled answers of
+    up to `answer_words` words each + separators + tags), with one id per tag (`rollout`
+    adds what multi-token tags take beyond that). 24 + 5k for one-word answers."""
+    return 24 + (3 + 2 * answer_words) * k
 
 
 def split_stops(stop_ids) -> tuple[set[int], tuple[tuple[int, ...], ...]]:
@@ -269,6 +270,7 @@ def rollout(
     max_pos = getattr(engine, "max_positions", None)
     stop_ids = env.tokens.stop_ids
     extra = getattr(env.tokens, "extra_tag_tokens", 0)  # multi-token tags take more room
+    answer_words = getattr(env, "answer_words", 1)
     bar = None
     if progress:
         from memopd.progress import progress_bar
@@ -282,7 +284,7 @@ def rollout(
         prompts, limits, active = [], [], []
         for e in live:
             p = e.prompt_ids()
-            lim = max_new_tokens if max_new_tokens is not None else default_max_new_tokens(e.task.k) + extra
+            lim = max_new_tokens if max_new_tokens is not None else default_max_new_tokens(e.task.k, answer_words) + extra
             if max_pos is not None:
                 lim = min(lim, max_pos - len(p))
                 if lim < 1:

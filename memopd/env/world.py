@@ -36,7 +36,7 @@ from .data import DataError, Document, Task
 from .protocol import MAX_QUESTIONS, marker
 
 __all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "MULTIWORD_VALUES", "VALUE_SETS", "HELDOUT_SPLITS", "WORLD_PRESETS",
-           "world_preset", "question_text", "parse_question", "fact_text", "is_value"]
+           "world_preset", "ANSWER_ORDERS", "max_answer_words", "question_text", "parse_question", "fact_text", "is_value"]
 
 DEFAULT_VALUES: dict[str, tuple[str, ...]] = {
     "city": ("paris", "rome", "oslo", "lima", "cairo", "delhi", "tokyo", "berlin", "madrid", "dublin", "quito", "seoul"),
@@ -73,6 +73,8 @@ VALUE_SETS: dict[str, dict[str, tuple[str, ...]]] = {"default": DEFAULT_VALUES, 
 # Splits whose questions have held-out facts as answers; every other split ("train", an
 # RL stream, SFT data) has the other facts only.
 HELDOUT_SPLITS = frozenset({"eval"})
+
+ANSWER_ORDERS = ("ascending", "descending")
 
 _ALL_VALUES = frozenset(v for vals in DEFAULT_VALUES.values() for v in vals)
 _VALUE_WORDS = frozenset(w for table in VALUE_SETS.values() for vals in table.values() for v in vals for w in v.split())
@@ -146,6 +148,12 @@ class WorldConfig:
     value_set: str = "default"
     heldout_frac: float = 0.0
     preset: str = "default"
+    # answer_order: the order in which the expert works through the questions. With
+    # "descending" it starts at the last question and ends at "a", so whether an entry is
+    # the last one is written in its own label: the decision to stop searching and
+    # answer is local, and a tiny model need not check that no further question exists
+    # (docs/design.md §10).
+    answer_order: str = "ascending"
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_entities <= 2000:
@@ -163,6 +171,8 @@ class WorldConfig:
             raise DataError(f"heldout_frac={self.heldout_frac} holds out no fact of {self.n_entities} entities")
         if self.preset not in WORLD_PRESETS:
             raise DataError(f"unknown world preset {self.preset!r}; choose from {', '.join(WORLD_PRESETS)}")
+        if self.answer_order not in ANSWER_ORDERS:
+            raise DataError(f"answer_order must be one of {', '.join(ANSWER_ORDERS)}, got {self.answer_order!r}")
         if not 0.0 <= self.two_hop_frac <= 1.0:
             raise DataError(f"two_hop_frac must be in [0, 1], got {self.two_hop_frac}")
         if self.two_hop_frac > 0 and not self.relations:
@@ -355,8 +365,13 @@ class World:
 # out for evaluation, multi-word values; the rest as in the default world. docs/design.md §10.
 WORLD_PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
-    "replication": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25},
+    "replication": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25, "answer_order": "descending"},
 }
+
+
+def max_answer_words(config: WorldConfig) -> int:
+    """Words in the longest value of a world's value set: what one answer may take."""
+    return max(len(v.split()) for a in config.attributes for v in VALUE_SETS[config.value_set][a])
 
 
 def world_preset(name: str, seed: int = 0) -> WorldConfig:
