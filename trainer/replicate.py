@@ -38,6 +38,8 @@ AUDIT_VARIANTS = ("aligned", "flatten", "positions_broken")
 # the paper's audit figures (flatten; the position-only break), shown next to ours
 PAPER_AUDIT = {"flatten": {"p99_dlogp": 1.774, "top1_changes": 651, "ratio_out_frac": 0.1329},
                "positions_broken": {"top1_changes": 260, "ratio_out_frac": 0.0497}}
+# an SFT stage shorter than this only checked and reused cached models
+SFT_REUSED_S = 60.0
 BOOTSTRAP_SEED = 0
 BOOTSTRAP_DRAWS = 10000
 BOOTSTRAP_LEVEL = 0.95
@@ -230,7 +232,8 @@ def format_report(rep: dict) -> str:
              f"World `{rep['config']['world']}`, RL on Q{'/Q'.join(map(str, rep['config']['train_k']))} only, "
              f"{rep['config']['steps']} steps, seeds {rep['budget']['seeds']}, greedy evaluation on "
              f"{rep['config']['eval_tasks']} held-out sets per k. Wall time {rep['wall_s'] / 60:.1f} min "
-             f"(SFT {rep['sft_wall_s'] / 60:.1f} min).", "",
+             + (f"(SFT {rep['sft_wall_s'] / 60:.1f} min)." if rep["sft_wall_s"] >= SFT_REUSED_S else
+                "(SFT models reused from the cache).") + f" Student: `{rep['student']}`.", "",
              "## EM and F1 (mean ± std over seeds)", "",
              "| arm | seeds | " + " | ".join(f"Q{k} EM | Q{k} F1" for k in ks) + " |",
              "|---|---|" + "---|---|" * len(ks)]
