@@ -17,14 +17,14 @@ import re
 def first_departures(model_dir: str, k: int, n: int, seed: int = 0) -> dict:
     import torch
 
+    from memopd.env.evaluate import agent_engine, load_agent_env
     from memopd.env.expert import ScriptedExpert, expert_options
     from memopd.env.rollout import rollout
-    from memopd.trainer.replicate import _agent_env, _engine
 
     torch.set_num_threads(1)
-    model, tok, env, world = _agent_env(model_dir)
+    model, tok, env, world = load_agent_env(model_dir)
     expert = ScriptedExpert(tok, **expert_options(world.config))
-    trajs = rollout(env, _engine(model, tok), world.sample_tasks(k, n, split="eval", seed=seed), temperature=0.0,
+    trajs = rollout(env, agent_engine(model, tok), world.sample_tasks(k, n, split="eval", seed=seed), temperature=0.0,
                     seed=seed)
 
     def words(ids):  # tags as words of their own

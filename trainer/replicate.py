@@ -105,25 +105,6 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------------
 # evaluation with per-set scores, and the audit, on a saved agent
 # ----------------------------------------------------------------------------------
-def _agent_env(model_dir: str):
-    """(model, tokenizer, env, world) of a memopd checkpoint of the generated world."""
-    from memopd.env.evaluate import load_agent
-    from memopd.env.qa import EnvConfig, QAEnv
-    from memopd.env.world import World, WorldConfig
-
-    model, tok, meta = load_agent(model_dir)
-    world = World.generate(WorldConfig.from_json(meta["world"]))
-    return model, tok, QAEnv.from_world(world, tok, EnvConfig(**meta.get("env", {}))), world
-
-
-def _engine(model, tok, batch_size: int = 32):
-    from memopd.env.rollout import HFEngine
-
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    rows = int(model.get_output_embeddings().weight.shape[0])
-    return HFEngine(model, pad_id=pad, batch_size=batch_size, vocab_size=min(len(tok), rows))
-
-
 def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
     """Per-set greedy EM/F1 of one agent from an `memopd.env.evaluate` report's
     `results` (the `sets` it records), laid out on the held-out sets
@@ -153,11 +134,12 @@ def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
 def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float = 1.0, seed: int = 0) -> dict:
     """RCE audit (memopd.rce.audit) of a trained agent on its own samples: `n` held-out
     sets per k played once at `temperature`, audited per k and pooled."""
+    from memopd.env.evaluate import agent_engine, load_agent_env
     from memopd.env.rollout import rollout
     from memopd.rce import audit
 
-    model, tok, env, world = _agent_env(model_dir)
-    engine = _engine(model, tok)
+    model, tok, env, world = load_agent_env(model_dir)
+    engine = agent_engine(model, tok)
     trajs = {}
     for k in ks:
         tasks = world.sample_tasks(k, n, split="eval", seed=seed)

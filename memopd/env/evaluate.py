@@ -32,7 +32,7 @@ from .qa import EnvConfig, QAEnv
 from .rollout import HFEngine, rollout
 from .world import World, WorldConfig
 
-__all__ = ["evaluate", "summarize", "format_table", "load_agent"]
+__all__ = ["evaluate", "summarize", "format_table", "load_agent", "load_agent_env", "agent_engine"]
 
 
 def load_agent(model_dir: str | os.PathLike, *, device: str = "cpu"):
@@ -48,6 +48,24 @@ def load_agent(model_dir: str | os.PathLike, *, device: str = "cpu"):
     tok = load_tokenizer(path)
     model = load_local_model(path, what="--model").to(device).eval()
     return model, tok, meta
+
+
+def agent_engine(model, tokenizer, *, batch_size: int = 32) -> HFEngine:
+    """The `HFEngine` that plays a loaded agent: the tokenizer's pad id (else eos), and
+    only ids the tokenizer has (lm_head rows past it are padding)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    return HFEngine(model, pad_id=pad, batch_size=batch_size, vocab_size=min(len(tokenizer), rows))
+
+
+def load_agent_env(model_dir: str | os.PathLike):
+    """(model, tokenizer, env, world) of a checkpoint of the generated world: the agent and
+    the environment it was trained in (world, memory policy: from `memopd_env.json`)."""
+    model, tok, meta = load_agent(model_dir)
+    if "world" not in meta:
+        raise DataError(f"{os.fspath(model_dir)!r} was trained on user data, not the generated world")
+    world = World.generate(WorldConfig.from_json(meta["world"]))
+    return model, tok, QAEnv.from_world(world, tok, EnvConfig(**meta.get("env", {}))), world
 
 
 def summarize(trajectories) -> dict[str, Any]:
@@ -99,10 +117,7 @@ def evaluate(
     meta: dict[str, Any] = {}
     if model_dir is not None:
         model, tok, meta = load_agent(model_dir)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        # only ids the tokenizer has (lm_head rows past it are padding)
-        rows = int(model.get_output_embeddings().weight.shape[0])
-        engine = HFEngine(model, pad_id=pad, batch_size=batch_size, vocab_size=min(len(tok), rows))
+        engine = agent_engine(model, tok, batch_size=batch_size)
         # a checkpoint trained on user data (`memopd train corpus=... tasks=...`) has no world
         wcfg = WorldConfig.from_json(meta["world"]) if "world" in meta else None
         env_kw = dict(meta.get("env", {}))
