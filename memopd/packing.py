@@ -247,7 +247,7 @@ def _pack_independent(trajs: Sequence[Trajectory], max_tokens: int, pad_id: int,
 def _pack_flatten(trajs: Sequence[Trajectory], max_tokens: int, b: _Builder) -> None:
     lengths = []
     for bi, tr in enumerate(trajs):
-        n = len(tr.prefix_ids) + sum(len(inv.context_ids) + len(inv.action_ids) for inv in tr.invocations)
+        n = tr.flattened_tokens
         if n > max_tokens:
             raise _budget_error(f"trajectory {bi} flattened", n, max_tokens)
         lengths.append(n)

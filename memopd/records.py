@@ -253,6 +253,12 @@ class Trajectory:
     def __len__(self) -> int:
         return len(self.invocations)
 
+    @property
+    def flattened_tokens(self) -> int:
+        """Tokens of the persistent history `[q, x_0, a_0, x_1, a_1, ...]` (the `flatten`
+        layout's one sequence per trajectory)."""
+        return len(self.prefix_ids) + sum(len(inv.context_ids) + len(inv.action_ids) for inv in self.invocations)
+
     def validate(self, vocab_size: int | None = None, where: str = "trajectory") -> None:
         if len(self.invocations) == 0:
             raise RecordError(f"{where}: has no invocations")

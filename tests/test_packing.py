@@ -132,6 +132,11 @@ def test_over_budget_errors():
         pack(trajs, layout="independent", max_tokens=longest - 1)
     with pytest.raises(PackError, match="flattened needs"):
         pack(trajs, layout="flatten", max_tokens=longest)
+    # Trajectory.flattened_tokens is the flatten layout's sequence length: it fits exactly
+    flat = max(tr.flattened_tokens for tr in trajs)
+    assert pack(trajs, layout="flatten", max_tokens=flat).num_tokens >= flat
+    with pytest.raises(PackError, match="flattened needs"):
+        pack(trajs, layout="flatten", max_tokens=flat - 1)
     with pytest.raises(PackError, match="unknown layout"):
         pack(trajs, layout="nope")
     with pytest.raises(PackError, match="no trajectories"):

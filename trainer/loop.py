@@ -53,8 +53,7 @@ def _teacher_context_peak(trajs, layout: str | None) -> int:
     if layout is None:
         return 0
     if layout == "flatten":
-        return max((len(tr.prefix_ids) + sum(len(i.context_ids) + len(i.action_ids) for i in tr.invocations)
-                    for tr in trajs), default=0)
+        return max((tr.flattened_tokens for tr in trajs), default=0)
     return max((len(inv.input_ids) for tr in trajs for inv in tr.invocations), default=0)
 
 

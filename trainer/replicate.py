@@ -147,7 +147,7 @@ def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float 
     trajs["all"] = [t for k in ks for t in trajs[f"Q{k}"]]
     out = {}
     for name, ts in trajs.items():
-        longest = max(len(t.prefix_ids) + sum(len(i.context_ids) + len(i.action_ids) for i in t.invocations) for t in ts)
+        longest = max(t.flattened_tokens for t in ts)
         res = audit(model.float(), ts, AUDIT_VARIANTS, max_tokens=max(8192, longest))
         out[name] = {"trajectories": len(ts), "results": {r.variant: r.to_dict() for r in res}}
     return out
