@@ -8,10 +8,10 @@ an entity name), so a model can in principle imitate it exactly.
 Its notes (the `<mem>` span) hold one entry per question, in order: "xa tailor xb rezu
 xc" (or from the last question down, "xc tailor xb rezu xa", in a world whose
 `answer_order` is "descending": then the entry labelled "xa" is always the last one, and
-the decision to answer is made right after writing it). The label "x<letters>" (`protocol.answer_label`) opens question i's entry when its
-first search is sent; the entry then holds the answer, or, for a two-hop question half
-done, the middle entity (an entity name rather than a value is what marks "second hop
-pending"). Each turn the expert
+the decision to answer is made right after writing it). The label "x<letters>"
+(`protocol.answer_label`) opens question i's entry when its first search is sent; the
+entry then holds the answer, or, for a two-hop question half done, the middle entity (an
+entity name rather than a value is what marks "second hop pending"). Each turn the expert
 
 1. copies its notes and fills the open entry from the `<info>` documents: the value of
    the fact its last search asked for ("friend of loro is rezu ." -> "rezu"; a second
