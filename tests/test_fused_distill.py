@@ -1,17 +1,15 @@
 """Fused linear reverse-KL / forward-KL / JSD + log-prob + entropy, and the teacher-less
 log-prob + entropy op (`fused_linear_logprob_entropy`): the PyTorch path.
 
-Every test draws fresh random inputs from a seed that is printed and put into the
-assertion messages (replay with MEMOPD_TEST_SEED=<seed>). Values and gradients are
-compared with the naive float64 reference (`reference_linear_distill`), which
-materialises the [N, V] logits. The Triton kernels are tested under the interpreter
+Every test draws random inputs from the `seed` fixture of conftest.py (fixed by default;
+MEMOPD_TEST_SEED=N or =random chooses another), printed and put into the assertion
+messages. Values and gradients are compared with the naive float64 reference
+(`reference_linear_distill`), which materialises the [N, V] logits. The Triton kernels are tested under the interpreter
 in tests/test_fused_distill_triton.py.
 """
 from __future__ import annotations
 
 import gc
-import os
-import random
 import weakref
 
 import pytest
@@ -31,14 +29,6 @@ from memopd.ops import (
 from memopd.ops.dispatch import BackendError
 
 DIVS = ["reverse_kl", "forward_kl", "jsd"]
-
-
-@pytest.fixture
-def seed(request):
-    """A fresh seed per test; MEMOPD_TEST_SEED replays one."""
-    s = int(os.environ.get("MEMOPD_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"[seed] {request.node.nodeid}: MEMOPD_TEST_SEED={s}")
-    return s
 
 
 def run(fn, inp, weights=None, grads=True, **kw):
@@ -316,14 +306,90 @@ def test_never_materialises_tokens_by_vocab(seed):
     inp = make_inputs(seed, N=N, Hs=H, Ht=H, V=V, mask_p=0.1)
     w = {"loss": 1.0, "logprobs": rand_w(seed, N), "entropy": rand_w(seed + 1, N)}
     with LargestTensor() as mode:
-        run(fused_linear_distill, inp, w, chunk_size=256, token_chunk_size=64)
+        run(fused_linear_distill, inp, w, chunk_size=256, token_chunk_size=64, gradients="recompute")
     assert mode.inner_ops > 100  # the probe sees the chunks inside the custom ops
     # the biggest legit tensors are the [V, H] weight gradient and [64, 256] chunks
     assert mode.largest <= max(V * H, 64 * 256), (mode.largest, mode.op)
     assert mode.largest < N * V // 8
+    # gradients in the forward: one token block's logits are resident, by default at most a
+    # quarter of the kept tokens (the [V, H] gradient is smaller here)
+    n_kept = int(inp["mask"].sum())
+    with LargestTensor() as fwd:
+        run(fused_linear_distill, inp, w, chunk_size=256, gradients="forward")
+    assert fwd.inner_ops > 100
+    assert fwd.largest <= -(-n_kept // 4) * V < N * V // 4, (fwd.largest, fwd.op)
     with LargestTensor() as ref_mode:
         run(reference_linear_distill, inp, w)
     assert ref_mode.largest >= N * V  # sanity: the probe does see the naive [N, V] logits
+
+
+# ----------------------------------------------------------------------------------
+# gradients taken in the forward (gradients="forward", the CPU default for a reduced loss)
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("divergence", DIVS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradients_in_forward_equal_the_recomputing_backward(seed, divergence, reduction):
+    inp = make_inputs(seed, N=57, V=301, mask_p=0.3)
+    kw = dict(divergence=divergence, reduction=reduction, temperature=0.8, chunk_size=64, token_chunk_size=16)
+    a, ga = run(fused_linear_distill, inp, {"loss": 0.6}, gradients="forward", **kw)
+    b, gb = run(fused_linear_distill, inp, {"loss": 0.6}, gradients="recompute", **kw)
+    # the same token blocks and chunks: the values are the same arithmetic, bit for bit
+    for name in ("loss", "kl", "logprobs", "entropy"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), (name, seed)
+    for name, x, y_ in zip(("d_hidden", "d_weight", "d_bias"), ga, gb):
+        assert_close(x, y_, 1e-6 * (y_.abs().max().item() + 1e-12), 1e-5, name, seed)
+
+
+@pytest.mark.parametrize("divergence", DIVS)
+def test_gradients_in_forward_with_per_token_outputs_vs_float64(seed, divergence):
+    """Gradients reaching kl / logprobs / entropy as well as loss: the held loss gradient
+    plus the recomputed per-token ones, against the float64 reference."""
+    inp = make_inputs(seed, N=45, V=257)
+    w = {"loss": 1.3, "kl": rand_w(seed, 45), "logprobs": rand_w(seed + 1, 45), "entropy": rand_w(seed + 2, 45)}
+    compare(seed, inp, w, dict(divergence=divergence, temperature=1.2), fused_kw=dict(gradients="forward"))
+    compare(seed, inp, {"logprobs": rand_w(seed + 3, 45)}, dict(divergence=divergence),
+            fused_kw=dict(gradients="forward", chunk_size=50))
+
+
+def test_gradients_in_forward_run_four_matmuls_per_chunk(seed):
+    inp = make_inputs(seed, N=40, V=300)
+    counts = {}
+    for mode in ("forward", "recompute"):
+        with CountMatmuls() as c:
+            run(fused_linear_distill, inp, {"loss": 1.0}, chunk_size=64, gradients=mode)
+        counts[mode] = c.n
+    # ceil(300 / 64) = 5 chunks, one token block: s and t per chunk, then dH and dW per chunk
+    assert counts == {"forward": 4 * 5, "recompute": 6 * 5}, counts
+
+
+def test_gradients_in_forward_refuse_a_second_backward(seed):
+    inp = make_inputs(seed)
+    out = fused_linear_reverse_kl(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], gradients="forward")
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="computes its gradients once"):
+        out.loss.backward()
+
+
+def test_gradients_in_forward_without_grad_match(seed):
+    inp = make_inputs(seed, N=33)
+    a, _ = run(fused_linear_distill, inp, grads=False, gradients="forward", chunk_size=64)
+    with torch.no_grad():
+        b, _ = run(fused_linear_distill, inp, grads=False, chunk_size=64)
+    for name in ("loss", "kl", "logprobs", "entropy"):
+        assert torch.equal(getattr(a, name).detach(), getattr(b, name)), name
+
+
+def test_gradient_mode_rules():
+    from memopd.ops.fused_distill import _gradient_mode
+
+    need, none = (True, True, False), (False, False, False)
+    assert _gradient_mode(None, "torch", "mean", need) == "forward"
+    assert _gradient_mode("auto", "torch", "none", need) == "recompute"  # no scalar loss
+    assert _gradient_mode(None, "triton", "mean", need) == "recompute"
+    assert _gradient_mode(None, "torch", "sum", none) == "recompute"  # nothing to differentiate
+    assert _gradient_mode("recompute", "torch", "mean", need) == "recompute"
+    with pytest.raises(ValueError, match="PyTorch back end only"):
+        _gradient_mode("forward", "triton", "mean", need)
 
 
 # ----------------------------------------------------------------------------------
@@ -385,6 +451,9 @@ def _bad_cases():
         "divergence": ({}, dict(divergence="tvd"), ValueError, "divergence"),
         "beta": ({}, dict(divergence="jsd", beta=1.5), ValueError, "beta"),
         "backend": ({}, dict(backend="cuda"), ValueError, "backend"),
+        "gradients": ({}, dict(gradients="later"), ValueError, "gradients must be one of"),
+        "gradients forward, no reduction": ({}, dict(gradients="forward", reduction="none"), ValueError,
+                                            "reduction='mean' or 'sum'"),
         "teacher grad": (dict(wt=torch.randn(V, H, requires_grad=True)), {}, ValueError, "frozen"),
         "teacher hidden grad": (dict(ht=torch.randn(N, H, requires_grad=True)), {}, ValueError, "frozen"),
         "not a tensor": (dict(hs=[[0.0] * H] * N), {}, TypeError, "torch.Tensor"),
@@ -413,10 +482,23 @@ def test_repartitioned_weight_is_detected(seed):
     """A ZeRO-3/FSDP weight freed between forward and backward must not give garbage."""
     inp = make_inputs(seed)
     lin = torch.nn.Linear(inp["ws"].shape[1], inp["ws"].shape[0], bias=False)
-    out = fused_linear_reverse_kl(inp["hs"], lin.weight, inp["ht"], inp["wt"], inp["y"])
+    out = fused_linear_reverse_kl(inp["hs"], lin.weight, inp["ht"], inp["wt"], inp["y"], gradients="recompute")
     lin.weight.data = torch.empty(0)  # what re-partitioning does to the parameter
     with pytest.raises(RuntimeError, match="re-partitioned"):
         out.loss.backward()
+
+
+def test_gradients_in_forward_survive_a_repartitioned_weight(seed):
+    """With the gradients taken in the forward, the weight is not read again: freeing it
+    between forward and backward (what ZeRO-3 does) changes nothing."""
+    inp = make_inputs(seed)
+    w = inp["ws"].detach().clone().requires_grad_()
+    args = (inp["hs"], w, inp["ht"], inp["wt"], inp["y"])
+    want = torch.autograd.grad(fused_linear_reverse_kl(*args, gradients="forward").loss, (inp["hs"], w))
+    out = fused_linear_reverse_kl(*args, gradients="forward")
+    w.data = torch.empty(0)
+    got = torch.autograd.grad(out.loss, (inp["hs"], w))
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
 
 
 # ----------------------------------------------------------------------------------

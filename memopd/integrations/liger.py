@@ -96,7 +96,10 @@ def liger_fused_linear_jsd(
         student_input, w_s, teacher_input.detach(), teacher_weight.detach(), jsd_targets, mask=kept,
         student_bias=b_s, teacher_bias=None if teacher_bias is None else teacher_bias.detach(),
         temperature=temperature, vocab_size=vocab_size, token_chunk_size=token_chunk, reduction="mean",
-        divergence="jsd", beta=beta, ignore_index=None)
+        divergence="jsd", beta=beta, ignore_index=None,
+        # the hard loss backpropagates through this call's logprobs too: one recomputing
+        # backward for both beats gradients in the forward plus a second, recomputing one
+        gradients="recompute" if need_hard and shared else None)
     soft = out.loss
     hard = soft.new_zeros(())
     if need_hard:

@@ -52,6 +52,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from . import _held_grads as held_grads
 from ._protocol import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
 from ._validate import check_target_range, choose_op_backend, resolve_check_targets, validate_head, validate_temperature
 
@@ -300,12 +301,12 @@ def _torch_actor_loss(student: LinearHead, teacher: Optional[LinearHead], target
 
 
 @torch.library.custom_op("memopd::fused_actor_loss", mutates_args=())
-def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Optional[Tensor], wt: Optional[Tensor],
+def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, need_dw: bool, need_db: bool,
+                   ht: Optional[Tensor], wt: Optional[Tensor],
                    bt: Optional[Tensor], targets: Tensor, adv: Tensor, old_lp: Tensor, keep: Tensor,
                    kl_keep: Tensor, clip_low: float, clip_high: float, dual_clip: float, entropy_coef: float,
                    kl_coef: float, temperature: float, vocab_size: int, normalizer: float, kl_normalizer: float,
-                   need_dh: bool, need_dw: bool, need_db: bool, token_chunk: int,
-                   backend: str, check_targets: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   token_chunk: int, backend: str, check_targets: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, stats [5, N], dh, dw, db); absent gradients are empty tensors."""
     if check_targets:
         check_target_range(targets, keep, vocab_size)
@@ -327,9 +328,9 @@ def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Optional[Te
 
 
 @_actor_loss_op.register_fake
-def _actor_loss_fake(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high, dual_clip,
-                     entropy_coef, kl_coef, temperature, vocab_size, normalizer, kl_normalizer, need_dh, need_dw,
-                     need_db, token_chunk, backend, check_targets):
+def _actor_loss_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, adv, old_lp, keep, kl_keep,
+                     clip_low, clip_high, dual_clip, entropy_coef, kl_coef, temperature, vocab_size, normalizer,
+                     kl_normalizer, token_chunk, backend, check_targets):
     dt = torch.float64 if hs.dtype == torch.float64 else torch.float32
     return (hs.new_empty((), dtype=dt), hs.new_empty((len(ActorStat), hs.shape[0]), dtype=dt),
             torch.empty_like(hs) if need_dh else hs.new_empty(0),
@@ -338,44 +339,24 @@ def _actor_loss_fake(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, keep, kl_keep
 
 
 class _ActorLoss(torch.autograd.Function):
-    """Autograd around the custom op: its forward already computed the gradients, so the
-    backward only scales them. They are held on ctx rather than saved: handing the only
-    reference back lets the autograd engine adopt the [V, H] weight gradient instead of
-    copying it (a custom op's registered backward returning a saved output is copied)."""
+    """Autograd around the custom op: its forward already computed the gradients
+    (`memopd.ops._held_grads`), so the backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, *rest):
-        loss, stats, dh, dw, db = _actor_loss_op(hs, ws, bs, *rest)
+    def forward(ctx, hs, ws, bs, need: tuple, *rest):
+        loss, stats, dh, dw, db = _actor_loss_op(hs, ws, bs, *need, *rest)
         ctx.mark_non_differentiable(stats)
-        ctx.flags = rest[17:20]  # need_dh, need_dw, need_db
+        ctx.need = need
         ctx.n_rest = len(rest)
-        if torch.compiler.is_compiling():
-            ctx.save_for_backward(dh, dw, db)
-            ctx.grads = None
-        else:
-            ctx.grads = [dh, dw, db]
+        held_grads.hold(ctx, (dh, dw, db))
         return loss, stats
 
     @staticmethod
     def backward(ctx, g_loss, _g_stats):
-        if ctx.grads is None:
-            dh, dw, db = ctx.saved_tensors
-        elif not ctx.grads:
-            raise RuntimeError("fused_linear_actor_loss computes its gradients once, in the forward: a second "
-                               "backward through the same call (retain_graph=True) is not supported")
-        else:
-            dh, dw, db = ctx.grads
-            ctx.grads = []
-        one = not torch.compiler.is_compiling() and bool((g_loss == 1).all())  # a traced graph just multiplies
-
-        def scaled(x, need):
-            if not need:
-                return None
-            return x if one else x * g_loss.to(x.dtype)
-
-        grads = (scaled(dh, ctx.flags[0]), scaled(dw, ctx.flags[1]), scaled(db, ctx.flags[2]))
-        del dh, dw, db
-        return grads + (None,) * ctx.n_rest
+        grads, _ = held_grads.take(ctx, "fused_linear_actor_loss")
+        out = tuple(held_grads.scaled(g_loss, g) if need else None for g, need in zip(grads, ctx.need))
+        del grads
+        return out + (None,) * (1 + ctx.n_rest)
 
 
 # --------------------------------------------------------------------------- public op
@@ -447,11 +428,11 @@ def fused_linear_actor_loss(
     backend = choose_op_backend("fused_linear_actor_loss", backend, dev, student_hidden.dtype,
                                 *(() if teacher_hidden is None else (teacher_hidden.dtype,)))
     loss, stats = _ActorLoss.apply(
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+        student_hidden, student_weight, student_bias, need, teacher_hidden, teacher_weight, teacher_bias,
         targets.contiguous(), advantages.detach().contiguous(), old_logprobs.detach().contiguous(), keep.contiguous(),
         kl_keep.contiguous(), float(clip_eps), clip_high, float(dual_clip or 0.0), float(entropy_coef),
-        float(kl_coef), temperature, V, normalizer, kl_normalizer, need[0], need[1], need[2],
-        int(token_chunk_size or 0), backend, check_targets)
+        float(kl_coef), temperature, V, normalizer, kl_normalizer, int(token_chunk_size or 0), backend,
+        check_targets)
     stats = stats.detach()
     return ActorLossOutput(loss, stats[ActorStat.LOGPROB], stats[ActorStat.ENTROPY], stats[ActorStat.KL],
                            stats[ActorStat.RATIO], stats[ActorStat.CLIPPED] > 0.5)

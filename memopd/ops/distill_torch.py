@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ._protocol import Divergence, DistillParams, DistillStat, LinearHead, head_tensors
 
-__all__ = ["compute_dtype", "torch_forward", "torch_backward", "student_outputs", "log1p_or_plain",
+__all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "student_outputs", "log1p_or_plain",
            "kl_from_sums", "stack_stats"]
 
 _TORCH_TOKEN_CHUNK = 1024  # rows of a token block (PyTorch path)
@@ -21,6 +21,7 @@ _TORCH_TILE_ELEMS = 1 << 20  # elements of one [rows, vocab chunk] piece (4 MiB 
 _TORCH_ROW_ELEMS = 1 << 23  # elements of one [rows, V] block in full-row mode (JSD forward)
 _TORCH_MIN_ROWS = 64  # ... but at least this many rows (GEMM efficiency)
 _TORCH_CONVERT_ROWS = 4096  # full-row mode: a bf16/fp16 weight is converted this many rows at a time
+_RESIDENT_MIN_BYTES = 64 << 20  # forward with gradients: resident logits may always take this much
 _NEG = -1.0e30
 
 
@@ -66,6 +67,47 @@ def _logits(h: Tensor, wc: Tensor, b: Optional[Tensor], v0: int, v1: int, inv_t:
 def _weight_chunk(w: Tensor, v0: int, v1: int, dtype: torch.dtype) -> Tensor:
     wc = w[v0:v1]
     return wc if wc.dtype == dtype else wc.to(dtype)  # bf16 @ bf16 on CPU would round to bf16
+
+
+class _HeadLogits:
+    """Logits / T of one token block against one head, vocabulary chunk by chunk.
+
+    Without `resident` every request runs the chunk's matmul. With it (the forward that
+    also takes the gradients) each chunk is computed once into a [rows, chunk] slot of
+    `resident`, laid out chunk after chunk so every slot is contiguous; later readers
+    copy it, and the gradient pass, its last reader, consumes the slot itself. That is
+    what saves the backward's two recomputed lm-head matmuls.
+    """
+
+    def __init__(self, h_t: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float,
+                 resident: Optional[Tensor] = None):
+        self.h_t, self.w, self.b, self.inv_t = h_t, w, b, inv_t
+        self.resident = resident
+        self._filled: set = set()
+
+    def _compute(self, v0: int, v1: int, out: Tensor) -> Tensor:
+        return _logits(self.h_t, _weight_chunk(self.w, v0, v1, self.h_t.dtype), self.b, v0, v1,
+                       self.inv_t, out)
+
+    def _slot(self, v0: int, v1: int) -> Tensor:
+        n = self.h_t.shape[0]
+        slot = self.resident[n * v0: n * v1].view(n, v1 - v0)
+        if v0 not in self._filled:
+            self._compute(v0, v1, slot)
+            self._filled.add(v0)
+        return slot
+
+    def scratch(self, v0: int, v1: int, out: Tensor) -> Tensor:
+        """The chunk in `out`, which the caller may overwrite."""
+        if self.resident is None:
+            return self._compute(v0, v1, out)
+        return out.copy_(self._slot(v0, v1))
+
+    def last_use(self, v0: int, v1: int, out: Tensor) -> Tensor:
+        """The chunk for its last reader, which may overwrite it (the resident slot itself)."""
+        if self.resident is None:
+            return self._compute(v0, v1, out)
+        return self._slot(v0, v1)
 
 
 def _centre2(x: Tensor, m: Tensor) -> Tensor:
@@ -144,7 +186,8 @@ def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta,
     """
     if vchunk >= V:
         return _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, wk)
-    return _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk)
+    src_t = None if ht_t is None else _HeadLogits(ht_t, wt, bt, inv_t)
+    return _forward_chunked(_HeadLogits(hs_t, ws, bs, inv_t), src_t, y, V, div_code, beta, vchunk, wk)
 
 
 def student_outputs(m_s, z_s, a_s, s_y):
@@ -255,12 +298,13 @@ def _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, 
     return div, lp, ent, stack_stats(lse_s=lse_s, lse_t=lse_t, dlse=dlse, aux=aux, entropy=ent)
 
 
-def _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk):
-    """Online statistics over vocabulary chunks (running maxima, rescaled sums)."""
-    n = hs_t.shape[0]
-    has_teacher = ht_t is not None
-    cdt = hs_t.dtype
-    f = dict(device=hs_t.device, dtype=cdt)
+def _forward_chunked(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, div_code, beta, vchunk, wk):
+    """Online statistics over vocabulary chunks (running maxima, rescaled sums);
+    `src_t` None is the teacher-less mode."""
+    n = src_s.h_t.shape[0]
+    has_teacher = src_t is not None
+    cdt = src_s.h_t.dtype
+    f = dict(device=src_s.h_t.device, dtype=cdt)
     m_s = torch.full((n,), _NEG, **f)
     z_s = torch.zeros(n, **f)
     a_s = torch.zeros(n, **f)
@@ -275,13 +319,13 @@ def _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vc
     for v0 in range(0, V, vchunk):
         v1 = min(V, v0 + vchunk)
         c = v1 - v0
-        s = _logits(hs_t, _weight_chunk(ws, v0, v1, cdt), bs, v0, v1, inv_t, wk("s", n, c))
+        s = src_s.scratch(v0, v1, wk("s", n, c))
         in_c = (y >= v0) & (y < v1)
         s_y += torch.where(in_c, s.gather(1, (y - v0).clamp(0, c - 1)[:, None])[:, 0], 0.0)
         m_s_new = torch.maximum(m_s, s.amax(1))
         alpha_s = torch.exp(m_s - m_s_new)
         if has_teacher:
-            t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t, wk("t", n, c))
+            t = src_t.scratch(v0, v1, wk("t", n, c))
             m_t_new = torch.maximum(m_t, t.amax(1))
             alpha_t = torch.exp(m_t - m_t_new)
             d = torch.sub(s, t, out=wk("d", n, c))  # before centring: exact where s ≈ t
@@ -328,8 +372,8 @@ def _forward_chunked(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vc
         for v0 in range(0, V, vchunk):
             v1 = min(V, v0 + vchunk)
             c = v1 - v0
-            s = _logits(hs_t, _weight_chunk(ws, v0, v1, cdt), bs, v0, v1, inv_t, wk("s", n, c))
-            t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t, wk("t", n, c))
+            s = src_s.scratch(v0, v1, wk("s", n, c))
+            t = src_t.scratch(v0, v1, wk("t", n, c))
             nd = torch.sub(s, t, out=wk("d", n, c))
             nd = torch.sub(dlse[:, None], nd, out=nd)  # -δ = log q - log p
             p = _centre2(s, lse_s).exp2_()
@@ -406,6 +450,119 @@ def torch_forward(student: LinearHead, teacher: Optional[LinearHead], targets: T
     return div, lp, ent, stats
 
 
+def _dlogit_coefficients(grads: tuple, rows: Tensor, st: Tensor, div_code, beta: float, f: dict):
+    """Per-token coefficients of dL/ds = p ⊙ (A + B ls2 + D X) + g_lp 1[v=y] (+ the
+    forward KL's relu term) for one token block: (A [n, 1], B, D, g_lp), B / D / g_lp None
+    where their output receives no gradient. `st` holds the block's saved statistics."""
+    g_div, g_lp, g_ent = grads
+    _lse_s, _lse_t, dlse, aux, ent = (st[r] for r in DistillStat)
+    A = torch.zeros(rows.numel(), **f)
+    B = D = glp = None
+    if g_lp is not None:
+        glp = g_lp.index_select(0, rows).to(f["dtype"])
+        A -= glp
+    if g_ent is not None:
+        gh = g_ent.index_select(0, rows).to(f["dtype"])
+        A -= gh * ent
+        B = (-_LN2 * gh)[:, None]  # -g_H ls = -g_H ln2 ls2
+    if g_div is not None:
+        gd = g_div.index_select(0, rows).to(f["dtype"])
+        if div_code == Divergence.REVERSE_KL:  # X = s - t:  g_kl p (X - dlse - KL)
+            A -= gd * (dlse + aux)
+            D = gd[:, None]
+        elif div_code == Divergence.FORWARD_KL:  # X = expm1(min(-δ, 1/2))
+            D = (-gd)[:, None]
+        else:  # X = -(δ - u)
+            A -= (1.0 - beta) * gd * aux
+            D = (-(1.0 - beta) * gd)[:, None]
+    return A[:, None], B, D, glp
+
+
+def _chunk_dlogits(s: Tensor, t: Optional[Tensor], y: Tensor, v0: int, v1: int, coef: tuple,
+                   st: Tensor, div_code, beta: float, wk) -> Tensor:
+    """dL/ds of one [rows, chunk] piece from its student (and, when the divergence has a
+    gradient, teacher) logits / T, both consumed. See `torch_backward` for the terms."""
+    A, B, D, glp = coef
+    lse_s, lse_t, dlse = st[DistillStat.LSE_S], st[DistillStat.LSE_T], st[DistillStat.DLSE]
+    n, c = s.shape
+    X = q = None
+    if D is not None:
+        X = torch.sub(s, t, out=wk("d", n, c))
+        if div_code != Divergence.REVERSE_KL:
+            X = torch.sub(dlse[:, None], X, out=X)  # -δ
+        if div_code == Divergence.JSD:
+            X = _jsd_negw(X, beta)
+        elif div_code == Divergence.FORWARD_KL:
+            if _any(X.amax(1) > 0.5):  # some q > √e p: the relu term is needed
+                q = _centre2(t, lse_t).exp2_()
+            X = X.clamp_max_(0.5).expm1_()
+    ls2 = _centre2(s, lse_s)  # log2 p
+    if X is not None:
+        ds = torch.addcmul(A, D, X, out=X)
+        if B is not None:
+            ds.addcmul_(B, ls2)
+    elif B is not None:
+        ds = torch.addcmul(A, B, ls2, out=wk("d", n, c))
+    else:
+        ds = None
+    p = ls2.exp2_()
+    if ds is None:
+        ds = p.mul_(A)  # log-prob gradient only: -g_lp p
+    else:
+        ds.mul_(p)
+        if q is not None:
+            ds.addcmul_(D, q.add_(p, alpha=-_SQRT_E).relu_())
+    if glp is not None:
+        in_c = (y >= v0) & (y < v1)
+        col = (y - v0).clamp(0, c - 1)[:, None]
+        ds.scatter_add_(1, col, torch.where(in_c, glp, 0.0)[:, None])
+    return ds
+
+
+def _block_gradients(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y: Tensor, coef: tuple,
+                     st: Tensor, params: DistillParams, vchunk: int, need: tuple,
+                     dw32: Optional[Tensor], db32: Optional[Tensor], wk) -> Optional[Tensor]:
+    """Reduce one token block's dL/ds into dW, db (accumulated in place) and return its
+    dH rows (hidden-row dtype of the compute, times 1/T still missing), None if not needed."""
+    hs_t = src_s.h_t
+    n = hs_t.shape[0]
+    V, div_code, beta = params.vocab_size, params.divergence, params.beta
+    cdt = hs_t.dtype
+    dh32 = torch.zeros(n, hs_t.shape[1], device=hs_t.device, dtype=cdt) if need[0] else None
+    with_teacher = coef[2] is not None
+    for v0 in range(0, V, vchunk):
+        v1 = min(V, v0 + vchunk)
+        c = v1 - v0
+        s = src_s.last_use(v0, v1, wk("s", n, c))
+        t = src_t.last_use(v0, v1, wk("t", n, c)) if with_teacher else None
+        ds = _chunk_dlogits(s, t, y, v0, v1, coef, st, div_code, beta, wk)
+        del s, t
+        if need[0]:
+            dh32.addmm_(ds, _weight_chunk(src_s.w, v0, v1, cdt))
+        if need[1]:
+            dw32[v0:v1].addmm_(ds.t(), hs_t)
+        if need[2]:
+            db32[v0:v1] += ds.sum(0)
+        del ds
+    return dh32
+
+
+def _gradient_buffers(hs: Tensor, ws: Tensor, cdt, need: tuple):
+    f = dict(device=hs.device, dtype=cdt)
+    return (torch.zeros_like(hs) if need[0] else None,
+            torch.zeros(ws.shape, **f) if need[1] else None,
+            torch.zeros(ws.shape[0], **f) if need[2] else None)
+
+
+def _finish_gradients(ws: Tensor, bs: Optional[Tensor], dw32, db32, inv_t: float):
+    """dW, db in the weight's dtype (db gets its 1/T here; dW none: h already carries it)."""
+    if db32 is not None:
+        db32.mul_(inv_t)
+    dw = None if dw32 is None else (dw32 if ws.dtype == dw32.dtype else dw32.to(ws.dtype))
+    db = None if db32 is None else (db32 if bs.dtype == db32.dtype else db32.to(bs.dtype))
+    return dw, db
+
+
 def torch_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHead], targets: Tensor,
                    keep: Tensor, stats: Tensor, params: DistillParams, need: tuple) -> tuple:
     """Recompute the chunks and reduce dL/ds (s = logits / T) into dH, dW, db.
@@ -430,109 +587,107 @@ def torch_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHe
     cancelling for the dominant tokens. Hidden rows are pre-multiplied by 1/T, so
     dW = (dL/ds)^T (h/T) needs no extra scaling and dH, db get one 1/T at the end.
     """
-    g_div, g_lp, g_ent = grads
-    need_dh, need_dw, need_db = need
     hs, ws, bs = head_tensors(student)
     ht, wt, bt = head_tensors(teacher)
-    V, div_code, beta = params.vocab_size, params.divergence, params.beta
-    temperature, chunk_size, token_chunk = params.temperature, params.chunk_size, params.token_chunk
-    N, Hs = hs.shape
-    dev = hs.device
     cdt = compute_dtype(hs, ht)
-    f = dict(device=dev, dtype=cdt)
-    dh = torch.zeros_like(hs) if need_dh else None
-    dw32 = torch.zeros(ws.shape, **f) if need_dw else None
-    db32 = torch.zeros(ws.shape[0], **f) if need_db else None
+    f = dict(device=hs.device, dtype=cdt)
+    dh, dw32, db32 = _gradient_buffers(hs, ws, cdt, need)
+    inv_t = 1.0 / params.temperature
     kept = keep.nonzero().squeeze(1)
     n_kept = kept.numel()
-    if n_kept > 0 and (g_div is not None or g_lp is not None or g_ent is not None):
-        rows_per_block, vchunk = _block_plan(n_kept, V, int(chunk_size or 0),
-                                             int(token_chunk or 0), False)
-        inv_t = 1.0 / temperature
-        wk = _Workspace(rows_per_block, vchunk, dev, cdt)
+    if n_kept > 0 and any(g is not None for g in grads):
+        rows_per_block, vchunk = _block_plan(n_kept, params.vocab_size, int(params.chunk_size or 0),
+                                             int(params.token_chunk or 0), False)
+        wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
+        for r0 in range(0, n_kept, rows_per_block):
+            rows = kept[r0:r0 + rows_per_block]
+            hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
+            src_t = None
+            if grads[0] is not None:
+                src_t = _HeadLogits(ht.index_select(0, rows).to(cdt).mul_(inv_t), wt, bt, inv_t)
+            st = stats.index_select(1, rows).to(cdt)
+            coef = _dlogit_coefficients(grads, rows, st, params.divergence, params.beta, f)
+            dh32 = _block_gradients(_HeadLogits(hs_t, ws, bs, inv_t), src_t, targets.index_select(0, rows).long(),
+                                    coef, st, params, vchunk, need, dw32, db32, wk)
+            if need[0]:
+                dh.index_copy_(0, rows, dh32.mul_(inv_t).to(dh.dtype))
+    return (dh,) + _finish_gradients(ws, bs, dw32, db32, inv_t)
+
+
+def _resident_plan(n_rows: int, V: int, H: int, n_heads: int, elem: int, chunk_size: int,
+                   token_chunk: int) -> tuple[int, int]:
+    """(rows per token block, vocabulary columns per chunk) of the forward that keeps its
+    logits for the gradient.
+
+    The block's resident logits (`n_heads` × rows × V) get at most half the bytes of the
+    weight gradient that the call returns anyway, and at least _RESIDENT_MIN_BYTES, and a
+    block holds at most a quarter of the kept tokens: the peak above the inputs is then
+    dW plus a bounded number of rows whatever N is, and never the batch's [N, V] logits.
+    Rows are clamped to [_TORCH_MIN_ROWS / 2, _TORCH_TOKEN_CHUNK] and split evenly over
+    the kept tokens; an explicit `token_chunk_size` / `chunk_size` takes precedence.
+    """
+    if token_chunk <= 0:
+        budget = max(_RESIDENT_MIN_BYTES, V * H * elem // 2)
+        cap = min(_TORCH_TOKEN_CHUNK, budget // (n_heads * V * elem), -(-n_rows // 4))
+        cap = max(_TORCH_MIN_ROWS // 2, cap)
+        n_blocks = -(-n_rows // cap)
+        token_chunk = -(-n_rows // n_blocks)
+    return _block_plan(n_rows, V, chunk_size, token_chunk, False)
+
+
+def torch_forward_with_grads(student: LinearHead, teacher: LinearHead, targets: Tensor, keep: Tensor,
+                             params: DistillParams, loss_weight: float, need: tuple) -> tuple:
+    """`torch_forward` plus the gradients of loss = loss_weight · Σ_kept divergence, in one
+    sweep: (divergence, logprobs, entropy, stats, dh, dw, db), None where not needed.
+
+    Each token block's logit chunks are computed once and kept (`_HeadLogits` with a
+    resident buffer): the statistics pass reads them, then the gradient pass consumes
+    them, so the call runs 4 lm-head-sized matmuls instead of the 6 of forward +
+    recomputing backward, with the same arithmetic per chunk. The cost is holding the
+    weight gradient from the forward on (the recomputing path is for callers who cannot,
+    e.g. a ZeRO-3 weight gathered only for the forward) and `_resident_plan`'s rows.
+    """
+    hs, ws, bs = head_tensors(student)
+    ht, wt, bt = head_tensors(teacher)
+    V = params.vocab_size
+    N = hs.shape[0]
+    cdt = compute_dtype(hs, ht)
+    f = dict(device=hs.device, dtype=cdt)
+    div = torch.zeros(N, **f)
+    lp = torch.zeros(N, **f)
+    ent = torch.zeros(N, **f)
+    stats = torch.zeros(len(DistillStat), N, **f)
+    dh, dw32, db32 = _gradient_buffers(hs, ws, cdt, need)
+    inv_t = 1.0 / params.temperature
+    kept = keep.nonzero().squeeze(1)
+    n_kept = kept.numel()
+    if n_kept > 0:
+        elem = torch.empty((), dtype=cdt).element_size()
+        rows_per_block, vchunk = _resident_plan(n_kept, V, ws.shape[1], 2, elem, int(params.chunk_size or 0),
+                                                int(params.token_chunk or 0))
+        wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
+        res_s = torch.empty(rows_per_block * V, **f)
+        res_t = torch.empty(rows_per_block * V, **f)
+        g_div = torch.full((N,), loss_weight, **f)
         for r0 in range(0, n_kept, rows_per_block):
             rows = kept[r0:r0 + rows_per_block]
             n = rows.numel()
-            hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
-            ht_t = ht.index_select(0, rows).to(cdt).mul_(inv_t) if g_div is not None else None
+            src_s = _HeadLogits(hs.index_select(0, rows).to(cdt).mul_(inv_t), ws, bs, inv_t, res_s[: n * V])
+            src_t = _HeadLogits(ht.index_select(0, rows).to(cdt).mul_(inv_t), wt, bt, inv_t, res_t[: n * V])
             y = targets.index_select(0, rows).long()
-            st = stats.index_select(1, rows).to(cdt)
-            lse_s, lse_t, dlse, aux, ent = (st[r] for r in DistillStat)
-            # per-token coefficients of dL/ds = p ⊙ (A + B ls2 + D X) + g_lp 1[v=y] (+ relu)
-            A = torch.zeros(n, **f)
-            B = D = glp = None
-            if g_lp is not None:
-                glp = g_lp.index_select(0, rows).to(cdt)
-                A -= glp
-            if g_ent is not None:
-                gh = g_ent.index_select(0, rows).to(cdt)
-                A -= gh * ent
-                B = (-_LN2 * gh)[:, None]  # -g_H ls = -g_H ln2 ls2
-            if g_div is not None:
-                gd = g_div.index_select(0, rows).to(cdt)
-                if div_code == Divergence.REVERSE_KL:  # X = s - t:  g_kl p (X - dlse - KL)
-                    A -= gd * (dlse + aux)
-                    D = gd[:, None]
-                elif div_code == Divergence.FORWARD_KL:  # X = expm1(min(-δ, 1/2))
-                    D = (-gd)[:, None]
-                else:  # X = -(δ - u)
-                    A -= (1.0 - beta) * gd * aux
-                    D = (-(1.0 - beta) * gd)[:, None]
-            A = A[:, None]
-            dh32 = torch.zeros(n, Hs, **f) if need_dh else None
-            for v0 in range(0, V, vchunk):
-                v1 = min(V, v0 + vchunk)
-                c = v1 - v0
-                wc = _weight_chunk(ws, v0, v1, cdt)
-                s = _logits(hs_t, wc, bs, v0, v1, inv_t, wk("s", n, c))
-                X = q = None
-                if D is not None:
-                    t = _logits(ht_t, _weight_chunk(wt, v0, v1, cdt), bt, v0, v1, inv_t,
-                                wk("t", n, c))
-                    X = torch.sub(s, t, out=wk("d", n, c))
-                    if div_code != Divergence.REVERSE_KL:
-                        X = torch.sub(dlse[:, None], X, out=X)  # -δ
-                    if div_code == Divergence.JSD:
-                        X = _jsd_negw(X, beta)
-                    elif div_code == Divergence.FORWARD_KL:
-                        if _any(X.amax(1) > 0.5):  # some q > √e p: the relu term is needed
-                            q = _centre2(t, lse_t).exp2_()
-                        X = X.clamp_max_(0.5).expm1_()
-                ls2 = _centre2(s, lse_s)  # log2 p
-                if X is not None:
-                    ds = torch.addcmul(A, D, X, out=X)
-                    if B is not None:
-                        ds.addcmul_(B, ls2)
-                elif B is not None:
-                    ds = torch.addcmul(A, B, ls2, out=wk("d", n, c))
-                else:
-                    ds = None
-                p = ls2.exp2_()
-                if ds is None:
-                    ds = p.mul_(A)  # log-prob gradient only: -g_lp p
-                else:
-                    ds.mul_(p)
-                    if q is not None:
-                        ds.addcmul_(D, q.add_(p, alpha=-_SQRT_E).relu_())
-                del s, ls2, p, X, q
-                if glp is not None:
-                    in_c = (y >= v0) & (y < v1)
-                    col = (y - v0).clamp(0, c - 1)[:, None]
-                    ds.scatter_add_(1, col, torch.where(in_c, glp, 0.0)[:, None])
-                if need_dh:
-                    dh32.addmm_(ds, wc)
-                if need_dw:
-                    dw32[v0:v1].addmm_(ds.t(), hs_t)
-                if need_db:
-                    db32[v0:v1] += ds.sum(0)
-                del ds, wc
-            if need_dh:
+            d_, l_, e_, st = _forward_chunked(src_s, src_t, y, V, params.divergence, params.beta, vchunk, wk)
+            div.index_copy_(0, rows, d_)
+            lp.index_copy_(0, rows, l_)
+            ent.index_copy_(0, rows, e_)
+            stats.index_copy_(1, rows, st)
+            if not any(need):
+                continue
+            coef = _dlogit_coefficients((g_div, None, None), torch.arange(n, device=hs.device), st,
+                                        params.divergence, params.beta, f)
+            dh32 = _block_gradients(src_s, src_t, y, coef, st, params, vchunk, need, dw32, db32, wk)
+            if need[0]:
                 dh.index_copy_(0, rows, dh32.mul_(inv_t).to(dh.dtype))
-        if need_db:
-            db32.mul_(inv_t)
-    dw = None if dw32 is None else (dw32 if ws.dtype == cdt else dw32.to(ws.dtype))
-    db = None if db32 is None else (db32 if bs.dtype == cdt else db32.to(bs.dtype))
-    return dh, dw, db
+    return (div, lp, ent, stats, dh) + _finish_gradients(ws, bs, dw32, db32, inv_t)
 
 
 # ----------------------------------------------------------------------------------

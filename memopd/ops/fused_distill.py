@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _held_grads as held_grads
 from ._protocol import Divergence, DistillOutput, DistillParams, DistillStat, LinearHead, LogProbEntropy, Partial
 from ._validate import (
     check_target_range,
@@ -27,7 +28,16 @@ from ._validate import (
     validate_distill,
     validate_student_only,
 )
-from .distill_torch import compute_dtype, kl_from_sums, log1p_or_plain, stack_stats, student_outputs, torch_backward, torch_forward
+from .distill_torch import (
+    compute_dtype,
+    kl_from_sums,
+    log1p_or_plain,
+    stack_stats,
+    student_outputs,
+    torch_backward,
+    torch_forward,
+    torch_forward_with_grads,
+)
 from .reference_distill import reference_linear_distill, reference_linear_logprob_entropy, reference_linear_reverse_kl
 
 __all__ = [
@@ -156,9 +166,8 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = (temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend)
 
 
-def _backward(ctx, g_div, g_lp, g_ent, _g_stats):
-    hs, ws, bs, ht, wt, bt, targets, keep, stats = ctx.saved_tensors
-    temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend = ctx.scalars
+def _check_heads_unchanged(hs, ws, ht, wt, vocab_size: int) -> None:
+    """A recomputing backward needs the weights the forward saw: refuse re-partitioned ones."""
     for name, w, h in (("student", ws, hs), ("teacher", wt, ht)):
         if w is None:  # teacher-less op
             continue
@@ -167,6 +176,12 @@ def _backward(ctx, g_div, g_lp, g_ent, _g_stats):
                 f"the {name} lm_head weight changed shape between forward and backward "
                 f"(now {tuple(w.shape)}): a ZeRO-3/FSDP parameter was re-partitioned. Keep "
                 f"it gathered until the backward has run (see docs/deepspeed.md §4)")
+
+
+def _backward(ctx, g_div, g_lp, g_ent, _g_stats):
+    hs, ws, bs, ht, wt, bt, targets, keep, stats = ctx.saved_tensors
+    temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend = ctx.scalars
+    _check_heads_unchanged(hs, ws, ht, wt, vocab_size)
     need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = bool(need_db and bs is not None)
     if not (need_dh or need_dw or need_db):
@@ -178,6 +193,93 @@ def _backward(ctx, g_div, g_lp, g_ent, _g_stats):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------
+# gradients in the forward (PyTorch path): the loss's gradients taken during the sweep
+# ----------------------------------------------------------------------------------
+@torch.library.custom_op("memopd::fused_distill_fwd_grad", mutates_args=())
+def _fwd_grad_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, need_dw: bool, need_db: bool,
+                 ht: Tensor, wt: Tensor, bt: Optional[Tensor], targets: Tensor, keep: Tensor,
+                 temperature: float, vocab_size: int, divergence: int, beta: float, chunk_size: int,
+                 token_chunk: int, mean: bool, check_targets: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(divergence, logprobs, entropy, stats, dh, dw, db) of loss = Σ_kept div (/ n_kept
+    when `mean`); absent gradients are empty tensors."""
+    if check_targets:
+        check_target_range(targets, keep, vocab_size)
+    student, teacher = _heads(hs, ws, bs, ht, wt, bt)
+    params = DistillParams(temperature, vocab_size, Divergence(divergence), beta, chunk_size, token_chunk)
+    weight = 1.0 / max(1, int(keep.sum())) if mean else 1.0
+    div, lp, ent, stats, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, params, weight,
+                                                               (need_dh, need_dw, need_db))
+    empty = hs.new_empty((0,))
+    return (div, lp, ent, stats, dh if dh is not None else empty, dw if dw is not None else empty,
+            db if db is not None else empty)
+
+
+@_fwd_grad_op.register_fake
+def _fwd_grad_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, keep, temperature, vocab_size,
+                   divergence, beta, chunk_size, token_chunk, mean, check_targets):
+    div, lp, ent, stats = _fwd_fake(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_size, divergence,
+                                    beta, chunk_size, token_chunk, "torch", check_targets)
+    empty = hs.new_empty((0,))
+    return (div, lp, ent, stats, torch.empty_like(hs) if need_dh else empty,
+            torch.empty_like(ws) if need_dw else empty,
+            torch.empty_like(bs) if (need_db and bs is not None) else empty)
+
+
+class _DistillGradsInForward(torch.autograd.Function):
+    """Autograd around `_fwd_grad_op`: the gradients of `loss` were taken in the forward
+    (held by `memopd.ops._held_grads`) and are only scaled here. Gradients that reach the
+    per-token outputs (kl, logprobs, entropy) as well go through the recomputing backward
+    and are added, so every output stays differentiable."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bs, need: tuple, ht, wt, bt, targets, keep, temperature, vocab_size, divergence,
+                beta, chunk_size, token_chunk, reduction, check_targets):
+        div, lp, ent, stats, dh, dw, db = _fwd_grad_op(
+            hs, ws, bs, *need, ht, wt, bt, targets, keep, temperature, vocab_size, divergence, beta, chunk_size,
+            token_chunk, reduction == "mean", check_targets)
+        ctx.set_materialize_grads(False)
+        ctx.need = need
+        ctx.scalars = (temperature, vocab_size, divergence, beta, chunk_size, token_chunk)
+        held_grads.hold(ctx, (dh, dw, db), saved=(hs, ws, bs, ht, wt, bt, targets, keep, stats))
+        return reduce_loss(div, keep, reduction), div, lp, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, g_div, g_lp, g_ent):
+        grads, saved = held_grads.take(ctx, "fused_linear_distill(gradients='forward')")
+        out = [held_grads.scaled(g_loss, g) if need else None for g, need in zip(grads, ctx.need)]
+        del grads
+        if g_div is not None or g_lp is not None or g_ent is not None:
+            hs, ws, bs, ht, wt, bt, targets, keep, stats = saved
+            temperature, vocab_size, divergence, beta, chunk_size, token_chunk = ctx.scalars
+            _check_heads_unchanged(hs, ws, ht, wt, vocab_size)
+            more = _bwd_op(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, stats, temperature,
+                           vocab_size, divergence, beta, *ctx.need, chunk_size, token_chunk, "torch")
+            out = [None if not need else (m if o is None else o + m) for o, m, need in zip(out, more, ctx.need)]
+        return tuple(out) + (None,) * 14
+
+
+GRADIENT_MODES = ("auto", "forward", "recompute")
+
+
+def _gradient_mode(gradients: Optional[str], backend: str, reduction: str, need: tuple) -> str:
+    """'forward' or 'recompute' for one call (`fused_linear_distill`'s `gradients`)."""
+    mode = "auto" if gradients is None else gradients
+    if mode not in GRADIENT_MODES:
+        raise ValueError(f"gradients must be one of {GRADIENT_MODES} (or None), got {gradients!r}")
+    if mode == "auto":
+        return "forward" if backend == "torch" and reduction != "none" and any(need) else "recompute"
+    if mode == "forward":
+        if reduction == "none":
+            raise ValueError("gradients='forward' differentiates the reduced loss in the forward: it needs "
+                             "reduction='mean' or 'sum', not 'none' (use gradients='recompute')")
+        if backend != "torch":
+            raise ValueError("gradients='forward' runs on the PyTorch back end only for now; the Triton "
+                             "kernels recompute in the backward (use gradients='recompute' or backend='torch')")
+    return mode
 
 
 # ----------------------------------------------------------------------------------
@@ -203,6 +305,7 @@ def fused_linear_distill(
     ignore_index: Optional[int] = -100,
     backend: Optional[str] = None,
     check_targets: Optional[bool] = None,
+    gradients: Optional[str] = None,
 ) -> DistillOutput:
     """Fused lm_head + divergence + student log-prob + entropy, without [N, V] logits.
 
@@ -228,6 +331,15 @@ def fused_linear_distill(
         backend: "auto" (default), "torch" or "triton": memopd.ops.dispatch, docs/design.md §6.2.
         check_targets: check 0 <= target < vocab_size on kept tokens. Default: on for
             CPU tensors, on for CUDA only with MEMOPD_DEBUG_CHECKS=1 (it syncs).
+        gradients: when the gradients are taken. "forward": during the forward sweep, for
+            `loss` (the backward only scales them; 4 lm-head-sized matmuls instead of 6;
+            PyTorch back end, reduction "mean"/"sum"; the weight gradient is held from
+            the forward on). "recompute": in the backward, which recomputes the logits
+            (the Triton path; and for callers who backpropagate through the per-token
+            outputs only, or cannot hold the weight gradient, e.g. a ZeRO-3 head gathered
+            for the forward alone). None / "auto": "forward" where it applies and an
+            input requires grad, else "recompute". Either way every output is
+            differentiable (per-token outputs' gradients are recomputed).
 
     Returns:
         DistillOutput(loss, kl, logprobs, entropy); per-token tensors are fp32 [N].
@@ -246,6 +358,14 @@ def fused_linear_distill(
     wt = teacher_weight.contiguous()
     bs = None if student_bias is None else student_bias.contiguous()
     bt = None if teacher_bias is None else teacher_bias.contiguous()
+    grad_on = torch.is_grad_enabled()
+    need = (grad_on and hs.requires_grad, grad_on and ws.requires_grad,
+            grad_on and bs is not None and bs.requires_grad)
+    if _gradient_mode(gradients, be, reduction, need) == "forward":
+        loss, div, lp, ent = _DistillGradsInForward.apply(
+            hs, ws, bs, need, ht, wt, bt, targets.contiguous(), keep.contiguous(), temperature, vocab_size,
+            int(div_code), beta, int(chunk_size or 0), int(token_chunk_size or 0), reduction, check_targets)
+        return DistillOutput(loss, div, lp, ent)
     div, lp, ent, _stats = _fwd_op(
         hs, ws, bs, ht, wt, bt, targets.contiguous(), keep.contiguous(), temperature, vocab_size,
         int(div_code), beta, int(chunk_size or 0), int(token_chunk_size or 0), be, check_targets)
@@ -270,6 +390,7 @@ def fused_linear_reverse_kl(
     ignore_index: Optional[int] = -100,
     backend: Optional[str] = None,
     check_targets: Optional[bool] = None,
+    gradients: Optional[str] = None,
 ) -> DistillOutput:
     """Per-token reverse KL(p_student ‖ p_teacher), student log-probs and entropy, fused.
 
@@ -280,7 +401,7 @@ def fused_linear_reverse_kl(
         temperature=temperature, student_bias=student_bias, teacher_bias=teacher_bias,
         vocab_size=vocab_size, chunk_size=chunk_size, token_chunk_size=token_chunk_size,
         reduction=reduction, divergence="reverse_kl", ignore_index=ignore_index,
-        backend=backend, check_targets=check_targets)
+        backend=backend, check_targets=check_targets, gradients=gradients)
 
 
 def fused_linear_logprob_entropy(
