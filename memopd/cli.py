@@ -8,7 +8,8 @@
     memopd plot    learning curves of a run directory
 
 Errors: bad input is one line on stderr and exit code 2 (3: run-directory conflict), a
-failed audit exits 1, a bug prints its traceback and exits 70; `--debug` (anywhere before
+write the operating system fails (no space, read-only, I/O error) is one line and exit
+code 74, a failed audit exits 1, a bug prints its traceback and exits 70; `--debug` (anywhere before
 a `--`) or MEMOPD_DEBUG=1 shows the traceback of bad input too (`memopd.errors`).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import sys
 import time
 
-__all__ = ["main"]
+__all__ = ["main", "die_with_parent", "DIE_WITH_PARENT"]
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 
@@ -85,8 +86,10 @@ def _cmd_audit(args) -> int:
     report["seconds"] = round(time.time() - t0, 2)
     report["passed"] = not failed
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        from memopd.trainer.rundir import atomic_write_text
+
+        # all at once: a failed write (exit 74) leaves no partial report
+        atomic_write_text(args.json, json.dumps(report, indent=2))
         print(f"\nJSON report written to {args.json}")
     print(f"\naudit finished in {report['seconds']} s: " + ("aligned layouts PASS" if not failed else f"FAILED: {', '.join(failed)}"))
     return 0 if not failed else 1
@@ -230,20 +233,67 @@ def _install_hint(package: str, extra: str) -> str:
 _PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
 
 
+def _user_facing(e: Exception) -> tuple[int, str] | None:
+    """(exit code, one-line message) of an error that is not a bug; None for a bug."""
+    import errno
+
+    from .errors import UserError, os_failure, output_error
+
+    if isinstance(e, UserError):
+        return e.exit_code, _one_line(e)
+    code = os_failure(e, getattr(e, "filename", None))
+    # a failed write that was not reported where it happened (EACCES alone may also be an
+    # input that cannot be read: that stays bad input, below)
+    if code is not None and code not in (errno.EACCES, errno.EPERM):
+        name = getattr(e, "filename", None)
+        err = output_error(code, os.fspath(name) if name else "an output", "")
+        return err.exit_code, _one_line(err)
+    if isinstance(e, _PATH_ERRORS):
+        return UserError.exit_code, _one_line(e)
+    missing = _missing_extra(e) if isinstance(e, ImportError) else None
+    if missing is not None:  # an optional dependency, not a bug
+        return UserError.exit_code, _install_hint(*missing)
+    return None
+
+
+DIE_WITH_PARENT = "MEMOPD_DIE_WITH_PARENT"  # set by `memopd compare` for its children: its pid
+
+
+def die_with_parent() -> None:
+    """In a child of `memopd compare` (DIE_WITH_PARENT names the parent's pid): have Linux
+    SIGKILL this process when the parent dies (prctl PR_SET_PDEATHSIG), so no orphan keeps
+    training and holding its run-directory lock; exit at once if the parent is already
+    gone. Elsewhere a no-op."""
+    want = os.environ.pop(DIE_WITH_PARENT, None)  # this process's own parent only, not its children's
+    if not want or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if str(os.getppid()) != want:  # it died before the prctl: no signal will come
+        os._exit(128 + int(signal.SIGKILL))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; return the process exit code (see `memopd.errors`).
 
     Bad input (`UserError` and its subclasses, argparse errors, a path that cannot be
     opened) is one line on stderr, `memopd <command>: error: <message>`, and exit code 2
-    (3 for a run-directory conflict); anything else is a bug: traceback and exit code 70.
+    (3 for a run-directory conflict); an OS failure of a write is one line and exit code 74;
+    anything else is a bug: traceback and exit code 70.
     `--debug` or MEMOPD_DEBUG=1 prints the traceback for bad input too.
     """
     import traceback
 
-    from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, UserError
+    from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED
 
     from .progress import no_library_bars_in_logs
 
+    die_with_parent()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
     no_library_bars_in_logs()  # stderr to a file: no library progress bars either
@@ -253,32 +303,22 @@ def main(argv: list[str] | None = None) -> int:
         code = _dispatch(argv)
         ok = True
         return code
-    except UserError as e:
-        if debug:
-            traceback.print_exc()
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return e.exit_code
-    except _PATH_ERRORS as e:
-        if debug:
-            traceback.print_exc()
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return UserError.exit_code
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the last resort of the command line
-        missing = _missing_extra(e) if isinstance(e, ImportError) else None
-        if missing is not None:  # an optional dependency, not a bug
-            if debug:
-                traceback.print_exc()
-            print(f"{prog}: error: {_install_hint(*missing)}", file=sys.stderr)
-            return UserError.exit_code
-        traceback.print_exc()
-        print(f"{prog}: internal error ({type(e).__name__}): this is a bug in memopd; "
-              "please report it with the traceback above", file=sys.stderr)
-        return EXIT_INTERNAL
+        known = _user_facing(e)
+        if known is None:
+            traceback.print_exc()
+            print(f"{prog}: internal error ({type(e).__name__}): this is a bug in memopd; "
+                  "please report it with the traceback above", file=sys.stderr)
+            return EXIT_INTERNAL
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {known[1]}", file=sys.stderr)
+        return known[0]
     finally:
         _end_process_group(orderly=ok)
 
@@ -307,7 +347,8 @@ def _dispatch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="memopd", description="Memory-Aligned On-Policy Distillation",
         epilog="Exit codes: 0 success, 1 a check failed (audit), 2 bad input, 3 run-directory conflict, "
-               "70 internal error, 130 interrupted. MEMOPD_DEBUG=1 shows tracebacks for bad input.",
+               "70 internal error, 74 an output could not be written (disk full, read-only, I/O error), 130 interrupted. "
+               "MEMOPD_DEBUG=1 shows tracebacks for bad input.",
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -13,13 +13,24 @@ Exit codes (stable, documented in the README):
     3   run-directory conflict: in use by another process, not empty without
         --resume/--overwrite, or resumed with a different config
     70  internal error (a bug: the traceback is printed)
+    74  an output could not be written: the operating system refused or failed the
+        write (no space, quota, read-only filesystem, permission, I/O error); the
+        message names the path, the cause and what is still complete
     130 interrupted (Ctrl-C)
 """
 from __future__ import annotations
 
+import errno
+import os
+
 __all__ = [
     "UserError",
     "RunDirError",
+    "UnsafeFileError",
+    "OutputError",
+    "os_failure",
+    "output_error",
+    "EXIT_IO_ERROR",
     "EXIT_OK",
     "EXIT_CHECK_FAILED",
     "EXIT_BAD_INPUT",
@@ -33,6 +44,7 @@ EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_RUN_CONFLICT = 3
 EXIT_INTERNAL = 70
+EXIT_IO_ERROR = 74  # EX_IOERR of sysexits.h
 EXIT_INTERRUPTED = 130
 
 
@@ -46,3 +58,82 @@ class RunDirError(UserError):
     """A run directory that cannot be used as asked (locked, not empty, other config)."""
 
     exit_code = EXIT_RUN_CONFLICT
+
+
+class UnsafeFileError(UserError):
+    """A file memopd will not load because loading it could run code (a pickle holding
+    more than tensors and plain values, or a checkpoint format that needs unpickling)."""
+
+
+class OutputError(UserError):
+    """An operating-system failure while writing an output (not a bug, not bad input)."""
+
+    exit_code = EXIT_IO_ERROR
+    code: int | None = None  # the errno of the failure
+
+
+# the OS failures of a write that the user fixes outside memopd, worded for a message
+_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EIO: "I/O error of the device",
+}
+_FIXES = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space or raise the quota",
+    errno.EROFS: "make the filesystem writable",
+    errno.EACCES: "fix the permissions",
+    errno.EPERM: "fix the permissions",
+    errno.EIO: "check the device",
+}
+
+
+def _free_bytes(path: str | os.PathLike | None) -> int | None:
+    p = os.path.abspath(os.fspath(path)) if path is not None else None
+    while p:
+        try:
+            st = os.statvfs(p)
+            return st.f_bavail * st.f_frsize
+        except OSError:
+            parent = os.path.dirname(p)
+            p = None if parent == p else parent
+    return None
+
+
+def os_failure(exc: BaseException, path: str | os.PathLike | None = None) -> int | None:
+    """The errno of `exc` when it is an operating-system failure of a write (one of
+    ENOSPC, EDQUOT, EROFS, EACCES, EPERM, EIO), else None.
+
+    torch.save reports a failed write as a RuntimeError of its zip writer ("[enforce fail
+    at inline_container.cc] ... file write failed"), without the errno; `path` (what was
+    being written) then decides: no free space left there means ENOSPC, else EIO."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:  # also an OSError a library re-raised as another type
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _CAUSES:
+            return e.errno
+        e = e.__cause__ or e.__context__
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text) \
+            and ("write" in text.lower()):
+        free = _free_bytes(path)
+        return errno.ENOSPC if free is not None and free < (1 << 20) else errno.EIO
+    return None
+
+
+def output_error(code: int, what: str, path: str | os.PathLike, survived: str = "",
+                 then: str = "run again") -> "OutputError":
+    """The one-line OutputError of a failed write: "<what> not written: <cause> (<path>);
+    <survived>; <remedy of the cause> and <then>"."""
+    where = "" if os.fspath(path) in ("", what) else f" ({os.fspath(path)})"
+    parts = [f"{what} not written: {_CAUSES.get(code, os.strerror(code))}{where}"]
+    if survived:
+        parts.append(survived)
+    parts.append(f"{_FIXES.get(code, 'fix the cause')} and {then}")
+    err = OutputError("; ".join(parts))
+    err.code = code
+    return err

@@ -123,14 +123,21 @@ def load_local_model(path, *, what: str = "model", dtype: torch.dtype | None = N
     """
     from transformers import AutoModelForCausalLM
 
-    from .errors import UserError
+    from .errors import UnsafeFileError, UserError
 
     p = check_model_dir(path, what)
     kw = {"local_files_only": True}
     if dtype is not None:
         kw["dtype"] = dtype
+    import pickle
+
     try:
         return AutoModelForCausalLM.from_pretrained(p, **kw)
+    except pickle.UnpicklingError:
+        # transformers reads pickled weights (pytorch_model.bin) with the weights-only
+        # unpickler: this file holds more, and loading it could run code
+        raise UnsafeFileError(f"{what}: refused to load the weights in {p!r}: the pickled weights file holds more "
+                              "than tensors, and unpickling it could run code; use safetensors weights") from None
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{what}: cannot load the model in {p!r}: {first}") from e

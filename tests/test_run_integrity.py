@@ -116,7 +116,7 @@ def test_dangling_latest_falls_back_to_an_older_checkpoint(parts, sft_dirs, ref,
     assert verify_manifest(d / "checkpoints" / "step_4") == []
 
 
-CKPT_FILES = ["actor/backend.pt", "actor/client_state_rank0.pt", "critic/backend.pt", "critic/client_state_rank0.pt",
+CKPT_FILES = ["actor/backend.pt", "actor/client_state_rank0.json", "critic/backend.pt", "critic/client_state_rank0.json",
               MANIFEST]
 
 

@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -419,17 +420,84 @@ class TrainBackend:
         """Context in which `param` holds its full value (a no-op unless partitioned)."""
         return contextlib.nullcontext()
 
-    # per-rank client state, same layout for both backends
+    # per-rank client state, same layout for both backends: JSON, so loading runs no code
     def _save_client_state(self, path: str, client_state: dict | None) -> None:
+        from .rundir import atomic_write_text
+
         os.makedirs(path, exist_ok=True)
-        torch.save(client_state, os.path.join(path, f"client_state_rank{self.rank}.pt"))
+        # strict: a value JSON cannot hold is a bug here, not something to stringify
+        text = json.dumps(client_state if client_state is not None else {}, allow_nan=False)
+        atomic_write_text(os.path.join(path, f"client_state_rank{self.rank}.json"), text + "\n")
 
     def _load_client_state(self, path: str) -> dict | None:
-        f = os.path.join(path, f"client_state_rank{self.rank}.pt")
+        from memopd.errors import UnsafeFileError
+
+        f = os.path.join(path, f"client_state_rank{self.rank}.json")
+        legacy = os.path.join(path, f"client_state_rank{self.rank}.pt")
         if not os.path.exists(f):
+            if os.path.exists(legacy):
+                raise UnsafeFileError(
+                    f"{legacy}: a checkpoint of an older memopd, whose client state is a pickle; memopd no "
+                    "longer unpickles checkpoint files (a crafted one runs code when loaded). Start the run "
+                    "over with --overwrite (or finish it with the memopd version that wrote it)")
             return None
-        # our own checkpoint; may hold numpy RNG state, which weights_only refuses
-        return torch.load(f, map_location="cpu", weights_only=False)
+        try:
+            with open(f) as fh:
+                state = json.load(fh)
+        except ValueError as e:
+            raise UnsafeFileError(f"{f}: not a JSON client state ({e}); the checkpoint is damaged") from None
+        if not isinstance(state, dict):
+            raise UnsafeFileError(f"{f}: the client state is a {type(state).__name__}, not a JSON object")
+        return state
+
+
+# the values a checkpoint file may hold besides tensors (torch.load(weights_only=True)
+# admits a few more torch types, e.g. dtypes and sizes, which no memopd state holds)
+_PLAIN = (dict, list, tuple, str, int, float, bool, type(None), torch.Tensor)
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    from memopd.errors import UnsafeFileError
+
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, _PLAIN):
+            raise UnsafeFileError(f"{where}: holds a {type(x).__module__}.{type(x).__qualname__}, not only "
+                                  "tensors and plain values; refusing it")
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+
+
+def load_tensor_file(path: str, safe_types: tuple = ()) -> Any:
+    """torch.load of a checkpoint file that runs no code: the weights-only unpickler (it
+    builds tensors and plain containers and refuses any other global, `safe_types` aside:
+    classes the caller names), then a check that only tensors, plain values and
+    `safe_types` came out. Anything else is an UnsafeFileError naming the file."""
+    import pickle
+
+    from memopd.errors import UnsafeFileError
+
+    try:
+        with torch.serialization.safe_globals(list(safe_types)):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found is None:  # not a pickle the weights-only reader can parse at all
+            raise UnsafeFileError(f"{path}: not a readable torch checkpoint file; it is damaged") from None
+        raise UnsafeFileError(f"{path}: refused to load: it needs more than tensors and plain values (it names "
+                              f"{found.group(1)}), and unpickling it could run code. Only load checkpoints memopd "
+                              "wrote") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UnsafeFileError(f"{path}: not a readable torch checkpoint file ({type(e).__name__}: "
+                              f"{first}); it is damaged") from None
+    if not safe_types:
+        _check_plain(state, path)
+    return state
 
 
 # --------------------------------------------------------------------------- plain
@@ -515,9 +583,10 @@ class PlainBackend(TrainBackend):
         if self.is_main:
             state = self.state_dict()
             state["model"] = self.unwrapped.state_dict()
-            tmp = os.path.join(path, "backend.pt.tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, os.path.join(path, "backend.pt"))  # never a half-written file
+            from .rundir import atomic_file
+
+            with atomic_file(os.path.join(path, "backend.pt")) as tmp:  # never a half-written file
+                torch.save(state, tmp)
         self.barrier()
 
     def load_checkpoint(self, path: str) -> dict | None:
@@ -525,7 +594,7 @@ class PlainBackend(TrainBackend):
         if not os.path.exists(f):
             raise FileNotFoundError(f"no plain-backend checkpoint at {f}")
         # replicated state: loading under another world size is fine (client_state is per rank)
-        state = torch.load(f, map_location="cpu", weights_only=True)
+        state = load_tensor_file(f)
         with torch.no_grad():
             self.unwrapped.load_state_dict(state["model"])
         # tensors of the optimiser state are moved to the params' device by Optimizer.load_state_dict
@@ -610,6 +679,10 @@ def resolve_deepspeed_config(
         raise ValueError("managed_gradient_accumulation=false conflicts with this backend, which marks the "
                          "accumulation boundary itself (set_gradient_accumulation_boundary); remove it")
 
+    if (cfg.get("checkpoint") or {}).get("load_universal"):
+        raise ValueError("checkpoint.load_universal is not supported: DeepSpeed reads universal checkpoints by "
+                         "unpickling them (weights_only=False), which can run code; remove it")
+
     gas = cfg.get("gradient_accumulation_steps")
     if gas is not None and gas != 1:
         raise ValueError(
@@ -652,6 +725,17 @@ def _import_deepspeed():
         raise ImportError("deepspeed_config given but deepspeed is not installed "
                           "(pip install 'memopd[deepspeed]')") from e
     return deepspeed
+
+
+def _deepspeed_checkpoint_types() -> tuple:
+    """The classes DeepSpeed pickles into its ZeRO optimiser-state files (measured on
+    ZeRO 1/2/3 checkpoints of DeepSpeed 0.19: the loss scaler, the fragment addresses of
+    ZeRO 1/2 and the stage enum); plain data holders whose construction runs no user code."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
 
 
 def _attach_deepspeed_comm(deepspeed, backend: str) -> None:
@@ -727,6 +811,10 @@ class DeepSpeedBackend(TrainBackend):
         self.barrier()
 
     def load_checkpoint(self, path: str) -> dict | None:
+        # DeepSpeed's own reader unpickles with weights_only=False: read its files with the
+        # weights-only unpickler instead, admitting only the DeepSpeed classes it writes
+        safe = _deepspeed_checkpoint_types()
+        self.engine.checkpoint_engine.load = lambda f, map_location=None: load_tensor_file(f, safe)
         load_path, _ = self.engine.load_checkpoint(path, tag="backend")
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag 'backend') under {path}")

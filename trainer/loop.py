@@ -196,19 +196,20 @@ class Trainer:
     def save(self, step: int) -> str:
         """Collective: checkpoints/step_N/{actor,critic}; once every rank's files are down
         (barrier), rank 0 writes the manifest that makes it complete, then `latest`."""
-        from .rundir import atomic_write_text, clear_checkpoint_dir, write_manifest
+        from .rundir import atomic_write_text, checkpoint_write, clear_checkpoint_dir, write_manifest
 
-        path = os.path.join(self.ckpt_root, f"step_{step}")
-        if self.rank == 0:
-            clear_checkpoint_dir(path)  # an unfinished or damaged copy from an earlier attempt
-        self.actor.barrier()
-        client = {"step": step, "config": self.cfg.to_dict()}
-        self.actor.save_checkpoint(os.path.join(path, "actor"), client_state=client)
-        self.critic.save_checkpoint(os.path.join(path, "critic"), client_state=client)
-        self.actor.barrier()
-        if self.rank == 0:
-            write_manifest(path, step=step, config=self.cfg.to_dict())
-            atomic_write_text(os.path.join(self.ckpt_root, "latest"), f"step_{step}\n")
+        # an OS write failure: one line saying which checkpoint is complete, no partial step_N
+        with checkpoint_write(self.ckpt_root, step) as path:
+            if self.rank == 0:
+                clear_checkpoint_dir(path)  # an unfinished or damaged copy from an earlier attempt
+            self.actor.barrier()
+            client = {"step": step, "config": self.cfg.to_dict()}
+            self.actor.save_checkpoint(os.path.join(path, "actor"), client_state=client)
+            self.critic.save_checkpoint(os.path.join(path, "critic"), client_state=client)
+            self.actor.barrier()
+            if self.rank == 0:
+                write_manifest(path, step=step, config=self.cfg.to_dict())
+                atomic_write_text(os.path.join(self.ckpt_root, "latest"), f"step_{step}\n")
         self.actor.barrier()
         return path
 
@@ -262,7 +263,11 @@ class Trainer:
     def write_metrics(self, m: dict) -> None:
         if self.rank != 0:
             return
-        with open(self.metrics_path, "a") as f:  # one line per append; resume drops a partial last one
+        from .rundir import guarded_write
+
+        with guarded_write(f"the metrics of step {m['step']}", self.metrics_path,
+                           "the earlier steps' lines are intact (--resume drops a partial last line)",
+                           "run with --resume"), open(self.metrics_path, "a") as f:  # one line per append
             f.write(json.dumps(m) + "\n")
             f.flush()
             os.fsync(f.fileno())  # durable before the checkpoint of this step is

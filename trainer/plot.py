@@ -31,7 +31,7 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.exists(path):
         raise UserError(f"{path} not found: is {run_dir!r} a memopd run directory (written by `memopd train`)?")
     rows = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # not text: the JSON check below says so
         for i, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -64,6 +64,15 @@ def _matplotlib():
     return matplotlib
 
 
+def _save_png(fig, out: str) -> None:
+    """The figure to `out` all at once: a failed write (full disk, read-only) leaves no
+    partial PNG and is one `OutputError` (exit 74)."""
+    from .rundir import atomic_file
+
+    with atomic_file(out, what=f"plot {out}") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     matplotlib = _matplotlib()
     matplotlib.use("Agg")
@@ -92,7 +101,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         ax.axis("off")
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _save_png(fig, out)
     plt.close(fig)
     return out
 
@@ -120,7 +129,7 @@ def plot_protocol_curves(bands: dict, ks, out: str, title: str = "") -> str:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _save_png(fig, out)
     plt.close(fig)
     return out
 

@@ -25,7 +25,6 @@ import os
 import shutil
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -305,27 +304,21 @@ def _costs(rows_by_arm: dict) -> dict:
 
 def run_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol paper`: see the module doc. `args`: compare's parsed
-    arguments (arms, seeds, jobs, out, overwrite, quick, publish)."""
-    from memopd.errors import RunDirError
-
+    arguments (arms, seeds, jobs, out, overwrite, resume, quick, publish)."""
     from memopd.env.evaluate import evaluate
 
-    from .compare import _run_dir, _run_one
+    from .compare import _run_dir, refuse_earlier_runs, run_all
     from .config import TrainConfig
     from .loop import prepare
     from .plot import plot_protocol_curves
-    from .rundir import previous_outputs
+    from .rundir import atomic_write_text
 
     name = "quick" if args.quick else "full"
     budget = BUDGETS[name]
     seeds = list(args.seeds) if args.seeds else list(budget.seeds)
     overrides = budget.overrides() + list(user_overrides)
     cfg = TrainConfig.load(None, overrides)
-    used = [d for d in (_run_dir(args.out, a, s) for a in args.arms for s in seeds)
-            if os.path.isdir(d) and previous_outputs(d)]
-    if used and not args.overwrite:  # refused before any SFT or training work
-        raise RunDirError(f"--out {args.out}: {len(used)} run(s) of an earlier compare are there (e.g. {used[0]}); "
-                          "pass --overwrite to replace them, or choose another --out")
+    refuse_earlier_runs(args, seeds)
     t0 = time.time()
     # the SFT is built once here, before the parallel runs that would race for its cache
     _, _, _, world, _, student_dir, _ = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
@@ -339,17 +332,17 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     log(f"[replication] {len(todo)} runs ({len(args.arms)} arms x seeds {seeds}), {args.jobs} at a time, "
         f"under {args.out}")
     curves: dict[str, list] = {}
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-        futures = [ex.submit(_run_one, a, s, args.out, overrides, args.overwrite) for a, s in todo]
-        for (a, s), fut in zip(todo, futures):
-            r = fut.result()
-            # the final model's greedy episodes as the run evaluated them (report.json)
-            r["per_set"] = per_set_scores(r.pop("eval"), world, cfg.eval_tasks)
-            r["costs"] = _run_costs(r["run_dir"])
-            curves.setdefault(a, []).append(_run_curve(r["run_dir"], ks, base))
-            rows_by_arm.setdefault(a, []).append(r)
-            log(f"[replication] {a} seed {s}: " + ", ".join(f"{q} EM {v['em_mean']:.3f} F1 {v['f1_mean']:.3f}"
-                                                           for q, v in r["per_set"].items()))
+
+    def on_row(a: str, s: int, r: dict) -> None:
+        # the final model's greedy episodes as the run evaluated them (report.json)
+        r["per_set"] = per_set_scores(r.pop("eval"), world, cfg.eval_tasks)
+        r["costs"] = _run_costs(r["run_dir"])
+        curves.setdefault(a, []).append(_run_curve(r["run_dir"], ks, base))
+        rows_by_arm.setdefault(a, []).append(r)
+        log(f"[replication] {a} seed {s}: " + ", ".join(f"{q} EM {v['em_mean']:.3f} F1 {v['f1_mean']:.3f}"
+                                                       for q, v in r["per_set"].items()))
+
+    run_all(todo, args.out, overrides, jobs=args.jobs, overwrite=args.overwrite, resume=args.resume, on_row=on_row)
     audit = None
     audit_arm = "memopd" if "memopd" in rows_by_arm else None
     if audit_arm:
@@ -373,11 +366,9 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     paths = {ext: os.path.join(args.out, f"replication_{name}.{ext}") for ext in ("json", "md", "png")}
     plot_protocol_curves(bands, ks, paths["png"], title=f"paper protocol ({name}): held-out EM over training steps")
     rep["wall_s"] = round(time.time() - t0, 1)
-    with open(paths["json"], "w") as f:
-        json.dump(rep, f, indent=1)
+    atomic_write_text(paths["json"], json.dumps(rep, indent=1))
     table = format_report(rep)
-    with open(paths["md"], "w") as f:
-        f.write(table)
+    atomic_write_text(paths["md"], table)
     log(table)
     if args.publish:
         for ext, src in paths.items():

@@ -22,13 +22,16 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from memopd.errors import RunDirError, UserError
+from memopd.errors import OutputError, RunDirError, UserError, os_failure, output_error
 
 __all__ = [
     "MANIFEST",
     "LOCK_FILE",
     "RUN_OUTPUTS",
     "SAFE_RESUME_KEYS",
+    "guarded_write",
+    "checkpoint_write",
+    "atomic_file",
     "atomic_write_text",
     "atomic_write_json",
     "write_manifest",
@@ -83,25 +86,58 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace `path` by `text` all at once: readers (and a resumed run after a kill) see
-    the old content or the new one, never a part."""
+@contextlib.contextmanager
+def guarded_write(what: str, path: str | os.PathLike, survived: str = "", fix: str = ""):
+    """Turn an operating-system failure of the writes inside (ENOSPC, EDQUOT, EROFS,
+    EACCES, EPERM, EIO, and torch.save's errno-less RuntimeError of a full disk) into one
+    `OutputError` (exit 74) naming `what`, `path`, the cause and what `survived`; other
+    errors pass unchanged. The block must itself leave no partial file behind."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except Exception as e:
+        code = os_failure(e, path)
+        if code is None:
+            raise
+        raise output_error(code, what, path, survived, fix) from e
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, what: str | None = None):
+    """Yield a temp path next to `path` to write; on success it replaces `path` all at
+    once, so readers (and a resumed run after a kill) see the old content or the new one,
+    never a part. On an error the temp file is removed and `path` keeps its content; an OS
+    failure of the write is an `OutputError` naming `what` (default: the path)."""
     path = os.fspath(path)
     d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
+    before = "its previous content is unchanged" if os.path.exists(path) else ""
+    with guarded_write(what or path, path, before):
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        os.close(fd)
+        try:
+            yield tmp
+            os.replace(tmp, path)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+    _fsync_dir(d)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace `path` by `text` all at once (`atomic_file`), durably (fsync)."""
+    with atomic_file(path) as tmp:
+        with open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(d)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -109,30 +145,33 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike):
+def atomic_directory(path: str | os.PathLike, what: str | None = None):
     """Yield a fresh sibling directory to fill; on success it takes `path`'s place, so
     `path` holds either the previous complete content or the new one, never a mix or a
     part (a kill in between leaves `path` as it was, or absent for one rename, plus a
-    `.tmp` sibling). On an error the partial directory is removed and `path` is untouched."""
+    `.tmp` sibling). On an error the partial directory is removed and `path` is untouched;
+    an OS failure of a write is an `OutputError` naming `what` (default: the path)."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise become the final directory's mode
-    try:
-        yield tmp
-        old = None
-        if os.path.lexists(path):
-            old = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".old.tmp")
-            os.rmdir(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    before = "its previous content is unchanged" if os.path.lexists(path) else ""
+    with guarded_write(what or path, path, before):
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        try:
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise become the final directory's mode
+            yield tmp
+            old = None
+            if os.path.lexists(path):
+                old = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".old.tmp")
+                os.rmdir(old)
+                os.replace(path, old)
+            os.replace(tmp, path)
+            _fsync_dir(parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 # --------------------------------------------------------------------------- manifests
@@ -253,6 +292,33 @@ def clear_checkpoint_dir(path: str) -> None:
         pass
     if os.path.isdir(path):
         shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def checkpoint_write(ckpt_root: str | os.PathLike, step: int):
+    """The writes of checkpoint step_`step` (its files, manifest and the `latest` pointer):
+    an OS failure among them becomes one `OutputError` saying which checkpoint is complete.
+    A step_N whose manifest was not written is removed (best effort: on a read-only
+    filesystem it stays, and never verifies); one whose manifest verifies is kept, and
+    only `latest`, which --resume does not need, is then behind."""
+    ckpt_root = os.fspath(ckpt_root)
+    path = os.path.join(ckpt_root, f"step_{step}")
+    try:
+        yield path
+    except Exception as e:
+        code = e.code if isinstance(e, OutputError) else os_failure(e, path)
+        if code is None:
+            raise
+        if not verify_manifest(path):
+            raise output_error(code, os.path.join(ckpt_root, "latest"), ckpt_root,
+                               f"checkpoint step_{step} is complete (the pointer is only a hint)",
+                               "run with --resume") from e
+        with contextlib.suppress(OSError):
+            clear_checkpoint_dir(path)
+        found, _ = newest_complete_checkpoint(ckpt_root)
+        survived = (f"{os.path.basename(found[1])} is complete" if found
+                    else "no earlier checkpoint is complete (--resume starts from step 0)")
+        raise output_error(code, f"checkpoint step_{step}", path, survived, "run with --resume") from e
 
 
 # --------------------------------------------------------------------------- metrics
@@ -409,9 +475,10 @@ def clear_outputs(run_dir: str) -> list[str]:
 class RunDirLock:
     """Exclusive ownership of a run directory: flock on RUN_DIR/.lock for the run's life."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, name: str = LOCK_FILE, what: str = "run directory"):
         self.run_dir = run_dir
-        self.path = os.path.join(run_dir, LOCK_FILE)
+        self.path = os.path.join(run_dir, name)
+        self.what = what
         self._fd: int | None = None
 
     @property
@@ -427,7 +494,10 @@ class RunDirLock:
         except (OSError, ValueError, AttributeError):
             return "another process (it has not recorded itself yet)"
 
-    def acquire(self, command: str | None = None) -> None:
+    def acquire(self, command: str | None = None, wait: Callable[[str], None] | None = None) -> None:
+        """Take the lock or raise RunDirError naming its holder; with `wait`, call
+        `wait(message)` once and block until the holder releases it (or dies: the kernel
+        frees a dead process's flock)."""
         import fcntl
 
         if self._fd is not None:
@@ -436,12 +506,20 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise UserError(f"cannot lock the run directory {self.run_dir!r}: {e.strerror or e}") from None
-            raise RunDirError(
-                f"run directory {self.run_dir!r} is in use by {self.holder()}. Wait for that run to finish "
-                "(or stop it), or choose another run_dir") from None
+                os.close(fd)
+                raise UserError(f"cannot lock the {self.what} {self.run_dir!r}: {e.strerror or e}") from None
+            if wait is None:
+                os.close(fd)
+                raise RunDirError(
+                    f"{self.what} {self.run_dir!r} is in use by {self.holder()}. Wait for that run to finish "
+                    "(or stop it), or choose another run_dir") from None
+            wait(f"{self.what} {self.run_dir!r} is in use by {self.holder()}; waiting for it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 "command": command if command is not None else " ".join(sys.argv)}

@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 ENV_META_FILE = "memopd_env.json"
+SFT_LOCK_FILE = ".memopd_sft.lock"  # in the cache (output) directory, held while it is built
 
 
 @dataclass(frozen=True)
@@ -380,21 +381,19 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
 
 def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, meta: dict[str, Any]) -> None:
     """HF save_pretrained of model + tokenizer, plus the environment metadata, then the
-    manifest (size + sha256 of every file) that `run_sft` verifies before reusing it."""
-    from memopd.trainer.rundir import MANIFEST, write_manifest
+    manifest (size + sha256 of every file) that `run_sft` verifies before reusing it.
+    Written into a sibling directory that replaces `out_dir` in one rename: a reader sees
+    the previous checkpoint or this one, never a part; a failed write (e.g. a full disk)
+    leaves `out_dir` as it was and is one `OutputError` (exit 74)."""
+    from memopd.trainer.rundir import atomic_directory, write_manifest
 
     out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(out_dir, MANIFEST)):
-        os.remove(os.path.join(out_dir, MANIFEST))  # a re-save is incomplete until its own manifest
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    tmp = os.path.join(out_dir, ENV_META_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, ENV_META_FILE))
-    # Written last and atomically: its presence marks a complete checkpoint.
-    write_manifest(out_dir)
+    with atomic_directory(out_dir, what=f"SFT checkpoint {out_dir}") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, ENV_META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+        write_manifest(tmp)  # complete once the directory takes its name
 
 
 # Bumped whenever a change of the data, tokenizer or training recipe makes older cached
@@ -443,8 +442,15 @@ def read_env_meta(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.exists(f):
         raise DataError(f"{os.fspath(path)!r} is not a memopd env checkpoint (no {ENV_META_FILE}); "
                         "train one with `memopd sft --out DIR`")
-    with open(f) as fh:
-        return json.load(fh)
+    try:
+        with open(f, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except ValueError as e:  # JSON only: a file of another kind is damaged, never unpickled
+        raise DataError(f"{f}: not JSON ({type(e).__name__}: {str(e)[:120]}); the checkpoint is damaged, "
+                        "retrain it with `memopd sft --force`") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{f}: not a JSON object; the checkpoint is damaged, retrain it with `memopd sft --force`")
+    return meta
 
 
 def _train_role(job: dict[str, Any]) -> dict[str, Any]:
@@ -543,9 +549,28 @@ def run_sft(
     world_config = world_config or WorldConfig()
     env_config = env_config or EnvConfig()
     EnvConfig(**asdict(env_config))  # validate before spawning anything
-    from memopd.trainer.rundir import check_writable_dir, verify_manifest
+    from memopd.trainer.rundir import RunDirLock, check_writable_dir
 
     check_writable_dir(out_dir, "SFT output directory")  # a file or read-only place fails now, not after training
+    # one builder per cache: a second waits, then reuses what the first built (the lock
+    # is the run directory's: its holder is named, and the kernel frees it if that dies)
+    lock = RunDirLock(out_dir, name=SFT_LOCK_FILE, what="SFT cache")
+    lock.acquire(wait=lambda msg: log(f"[memopd sft] {msg}"))
+    try:
+        return _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs, jobs, progress, log)
+    finally:
+        lock.release()
+
+
+def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs, jobs, progress, log) -> dict[str, Any]:
+    """`run_sft`'s work once it holds the cache lock."""
+    import shutil
+
+    from memopd.trainer.rundir import verify_manifest
+
+    for name in os.listdir(out_dir):  # the half-built directory of a builder that was killed
+        if name.endswith(".tmp") and name.split(".")[0] in roles and os.path.isdir(os.path.join(out_dir, name)):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     summary: dict[str, Any] = {}
     todo = []
     jobs_by_role = {
