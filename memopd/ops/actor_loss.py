@@ -23,8 +23,8 @@ one visit. The block's student and teacher logits [rows, vocab_size] are compute
 place, and multiplied out into dH and dW (2 more): 4 lm_head-sized matmuls against the
 6 of a forward + recomputing backward, and 3 without a teacher. The backward only scales
 the stored gradients by the incoming scalar. Nothing of size [N, vocab] is ever held:
-the largest temporaries are a few [rows, vocab] blocks (`token_chunk_size` rows, by
-default as many as fit ~8 Mi fp32 elements per block).
+the largest temporaries are one block's [rows, vocab] logits per model (`token_chunk_size`
+rows; by default sized from the batch and the vocabulary, docs/design.md §6.2).
 
 With δ_v = log p_v - log q_v and g_pg = dpg/dlogprob, the gradient per token is
 
@@ -35,9 +35,9 @@ and dL/dh = (dL/ds) W / T, dL/dW = (dL/ds)^T h / T, dL/db = Σ dL/ds / T. KL and
 a' = (s - max s) - (t - max t), where the teacher and student agree to float noise
 when p ≈ q: KL = E_p[a'] - log1p(Σ_v q_v expm1(a'_v)), accurate (and >= 0) for close
 distributions where the textbook E_p[log p] - E_p[log q] would cancel two O(10)
-numbers. The PyTorch path spends that extra pass only on rows whose plain estimate is
-below 1e-2, where the plain form would lose digits; rows whose a' exceeds 30 anywhere
-use the plain log-sum-exp difference (expm1 would overflow).
+numbers. The PyTorch path is the distillation op's sweep (`memopd.ops.distill_torch`,
+whose log-normaliser difference is exact and overflow-free at any a'); the Triton
+kernels use the plain log-sum-exp difference where a' exceeds 30 (expm1 would overflow).
 
 Back ends: the PyTorch path (any device, float64 capable) and on CUDA the Triton
 kernels of `memopd.kernels.actor_loss`, chosen by `memopd.ops.dispatch` (docs/design.md
@@ -53,17 +53,11 @@ import torch
 from torch import Tensor
 
 from . import _held_grads as held_grads
-from ._protocol import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
+from ._protocol import ActorLossParams, ActorStat, Divergence, DistillParams, LinearHead
 from ._validate import check_target_range, choose_op_backend, resolve_check_targets, validate_head, validate_temperature
+from .distill_torch import compute_dtype, torch_forward_with_grads
 
 __all__ = ["ActorLossOutput", "fused_linear_actor_loss", "reference_actor_loss"]
-
-# Rows of one token block on the PyTorch path: ~8 Mi logits per [rows, vocab] piece (four
-# such pieces live at once), but never fewer than 128 rows: a 64-row sgemm is markedly
-# slower on CPU, and at a 152k vocabulary the matmuls are most of the time.
-_BLOCK_ELEMS = 1 << 23
-_MIN_BLOCK_ROWS = 128
-
 
 class ActorLossOutput(NamedTuple):
     """The scalar loss (differentiable) and detached per-token fp32 [N] statistics; masked
@@ -170,130 +164,46 @@ def _policy_terms(lp, old_lp, adv, clip_low, clip_high, dual_clip):
 # --------------------------------------------------------------------------- PyTorch path
 
 
-def _rowdot(x: Tensor, y: Tensor) -> Tensor:
-    """Σ_v x[i, v] y[i, v] per row, without a [rows, V] temporary."""
-    return torch.linalg.vecdot(x, y, dim=1)
-
-
-def _reverse_kl(es, z_s, log_zs, et, z_t, a):
-    """Per-row KL(p || q) and the log-normaliser difference dlse' = log(z_s / z_t).
-
-    KL = E_p[a'] - dlse'. Rows whose distributions are close (plain KL below 1e-2) get
-    dlse' from log1p(Σ q expm1(a')), which keeps its relative precision where
-    log z_s - log z_t would cancel; the others (and rows with a' > 30 anywhere, where
-    expm1 could overflow) keep the plain difference, exact enough there.
-    """
-    e_pa = _rowdot(es, a) / z_s
-    dlse = log_zs - torch.log(z_t)
-    close = (e_pa - dlse) < 1e-2
-    if bool(close.any()):
-        idx = close.nonzero().squeeze(1)
-        a_c = a.index_select(0, idx)
-        ok = a_c.amax(1) <= PRECISE_LIMIT
-        em1 = torch.expm1(a_c.clamp_max_(PRECISE_LIMIT))
-        ratio_q = _rowdot(et.index_select(0, idx), em1) / z_t.index_select(0, idx)
-        ok = ok & (ratio_q > -1.0)
-        precise = torch.log1p(torch.where(ok, ratio_q, 0.0))
-        dlse.index_copy_(0, idx, torch.where(ok, precise, dlse.index_select(0, idx)))
-    return (e_pa - dlse).clamp_min(0.0), dlse
-
-
-def _block_rows(V: int, token_chunk: int) -> int:
-    if token_chunk and token_chunk > 0:
-        return int(token_chunk)
-    return max(_MIN_BLOCK_ROWS, _BLOCK_ELEMS // max(V, 1))
-
-
-def _centred_logits(h_t: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float) -> tuple[Tensor, Tensor]:
-    """(s - max s, max s) of one block; h_t is the hidden rows times 1/T, in the compute dtype."""
-    s = h_t @ w.t() if b is None else torch.addmm(b * inv_t, h_t, w.t())
-    m = s.amax(1)
-    return s.sub_(m[:, None]), m
-
-
 def _torch_actor_loss(student: LinearHead, teacher: Optional[LinearHead], targets, adv, old_lp, keep, kl_keep,
                       params: ActorLossParams, need_grad: tuple, token_chunk: int):
     """(loss, stats [len(ActorStat), N], dh | None, dw | None, db | None), gradients already
-    taken (the Triton path `memopd.kernels.actor_loss.actor_loss_forward` returns the same)."""
-    hs, ws, bs = student.hidden, student.weight, student.bias
-    ht, wt, bt = (None, None, None) if teacher is None else (teacher.hidden, teacher.weight, teacher.bias)
-    V, temperature = params.vocab_size, params.temperature
-    normalizer, kl_normalizer = params.normalizer, params.kl_normalizer
-    N, Hs = hs.shape
-    cdt = torch.float64 if hs.dtype == torch.float64 else torch.float32
-    f = dict(device=hs.device, dtype=cdt)
+    taken (the Triton path `memopd.kernels.actor_loss.actor_loss_forward` returns the same).
+
+    The sweep is the distillation op's (`distill_torch.torch_forward_with_grads`, reverse
+    KL, or its teacher-less mode): per token block the logits are computed once, reduced
+    to log-prob, entropy and KL, and the PPO terms of the block set the per-token
+    gradient coefficients dL/dlogprob = g_pg, dL/dH = g_H, dL/dKL = g_kl.
+    """
+    N = student.hidden.shape[0]
+    cdt = compute_dtype(student.hidden, None if teacher is None else teacher.hidden)
+    f = dict(device=student.hidden.device, dtype=cdt)
     stats = torch.zeros(len(ActorStat), N, **f)
     stats[ActorStat.RATIO] = 1.0
     total = torch.zeros((), **f)
-    dh = torch.zeros(N, Hs, device=hs.device, dtype=hs.dtype) if need_grad[0] else None
-    # the weights are read once per block: convert a half-precision head once (CPU path)
-    w = ws[:V] if ws.dtype == cdt else ws[:V].to(cdt)
-    b = None if bs is None else bs[:V].to(cdt)
-    wt_ = None if wt is None else (wt[:V] if wt.dtype == cdt else wt[:V].to(cdt))
-    bt_ = None if bt is None else bt[:V].to(cdt)
-    dw = torch.zeros(ws.shape, **f) if need_grad[1] else None
-    db = torch.zeros(ws.shape[0], **f) if need_grad[2] else None
-    kept = keep.nonzero().squeeze(1)
-    inv_t = 1.0 / temperature
-    g_h = -params.entropy_coef / normalizer
-    rows_per_block = _block_rows(V, token_chunk)
-    for r0 in range(0, kept.numel(), rows_per_block):
-        rows = kept[r0:r0 + rows_per_block]
-        h_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
-        y = targets.index_select(0, rows).long()
-        s, _ = _centred_logits(h_t, w, b, inv_t)  # s' = s - max s
-        es = torch.exp(s)  # p = es / z_s, never formed: 1 / z_s goes into per-row scalars
-        z_s = es.sum(1)
-        log_zs = torch.log(z_s)
-        ent = log_zs - _rowdot(es, s) / z_s
-        lp = s.gather(1, y[:, None])[:, 0] - log_zs
-        a = None
-        if wt_ is not None:
-            ht_t = ht.index_select(0, rows).to(cdt).mul_(inv_t)
-            t, _ = _centred_logits(ht_t, wt_, bt_, inv_t)  # t' = t - max t
-            del ht_t
-            a = s - t  # a' = s' - t'
-            et = t.exp_()
-            z_t = et.sum(1)
-            kl, dlse = _reverse_kl(es, z_s, log_zs, et, z_t, a)
-            del t, et
+    g_h = -params.entropy_coef / params.normalizer
+    kl_weight = params.kl_coef / params.kl_normalizer
+
+    def block_grads(rows, kl, lp, ent, _st):
+        nonlocal total
         pg, ratio, clipped, g_lp = _policy_terms(lp, old_lp.index_select(0, rows).to(cdt),
-                                                 adv.index_select(0, rows).to(cdt), params.clip_low, params.clip_high,
-                                                 params.dual_clip)
-        g_pg = g_lp / normalizer
-        part = pg.sum() / normalizer + g_h * ent.sum()
+                                                 adv.index_select(0, rows).to(cdt), params.clip_low,
+                                                 params.clip_high, params.dual_clip)
+        part = pg.sum() / params.normalizer + g_h * ent.sum()
         g_kl = None
-        if a is not None:
-            g_kl = kl_keep.index_select(0, rows).to(cdt) * (params.kl_coef / kl_normalizer)
+        if teacher is not None:
+            g_kl = kl_keep.index_select(0, rows).to(cdt) * kl_weight
             part = part + (g_kl * kl).sum()
-            stats[ActorStat.KL].index_copy_(0, rows, kl)
         total += part
-        stats[ActorStat.LOGPROB].index_copy_(0, rows, lp)
-        stats[ActorStat.ENTROPY].index_copy_(0, rows, ent)
         stats[ActorStat.RATIO].index_copy_(0, rows, ratio)
         stats[ActorStat.CLIPPED].index_copy_(0, rows, clipped.to(cdt))
-        if not any(need_grad):
-            continue
-        # dL/ds = p (A + B log p + g_kl a') + g_pg 1[v = y]   (δ - KL = a' - dlse - KL)
-        #       = es (A' + B s' + g_kl a') / z_s + g_pg 1[v = y],  A' = A - B log z_s
-        A = -g_pg - g_h * ent + g_h * log_zs
-        if g_kl is not None:
-            A = A - g_kl * (dlse + kl)
-        inv_z = 1.0 / z_s
-        ds = s.mul_((-g_h) * inv_z[:, None]).add_((A * inv_z)[:, None])
-        if g_kl is not None:
-            ds.addcmul_(a, (g_kl * inv_z)[:, None])
-            del a
-        ds.mul_(es)
-        del es
-        ds.scatter_add_(1, y[:, None], g_pg[:, None])
-        if dh is not None:
-            dh.index_copy_(0, rows, (ds @ w).mul_(inv_t).to(dh.dtype))
-        if dw is not None:
-            dw[:V].addmm_(ds.t(), h_t)  # h_t already carries the 1/T
-        if db is not None:
-            db[:V] += ds.sum(0).mul_(inv_t)
-        del ds
+        return g_kl, g_lp / params.normalizer, (torch.full_like(ent, g_h) if g_h != 0.0 else None)
+
+    dparams = DistillParams(params.temperature, params.vocab_size, Divergence.REVERSE_KL, 0.5, 0, token_chunk)
+    kl, lp, ent, _, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, dparams, block_grads,
+                                                         need_grad)
+    stats[ActorStat.LOGPROB] = lp
+    stats[ActorStat.ENTROPY] = ent
+    stats[ActorStat.KL] = kl
     return total, stats, dh, dw, db
 
 
@@ -408,7 +318,7 @@ def fused_linear_actor_loss(
             required when the heads differ in rows); padded rows get zero gradient.
         normalizer, kl_normalizer: the denominators of the two means (defaults: the local
             kept-token counts). Pass global counts for micro-batches and ranks.
-        token_chunk_size: tokens per block (default: ~8 Mi logits per block).
+        token_chunk_size: tokens per block (default: sized from N, V and H; docs/design.md §6.2).
         backend: "auto" (Triton on CUDA, PyTorch elsewhere; env MEMOPD_BACKEND), "torch" or
             "triton" (memopd.ops.dispatch).
 

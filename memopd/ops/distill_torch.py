@@ -6,15 +6,15 @@ and the costs are in docs/design.md §6.2.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ._protocol import Divergence, DistillParams, DistillStat, LinearHead, head_tensors
 
-__all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "student_outputs", "log1p_or_plain",
-           "kl_from_sums", "stack_stats"]
+__all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "loss_weight_grads",
+           "student_outputs", "log1p_or_plain", "kl_from_sums", "stack_stats"]
 
 _TORCH_TOKEN_CHUNK = 1024  # rows of a token block (PyTorch path)
 _TORCH_TILE_ELEMS = 1 << 20  # elements of one [rows, vocab chunk] piece (4 MiB fp32)
@@ -450,23 +450,24 @@ def torch_forward(student: LinearHead, teacher: Optional[LinearHead], targets: T
     return div, lp, ent, stats
 
 
-def _dlogit_coefficients(grads: tuple, rows: Tensor, st: Tensor, div_code, beta: float, f: dict):
+def _dlogit_coefficients(grads: tuple, st: Tensor, div_code, beta: float):
     """Per-token coefficients of dL/ds = p ⊙ (A + B ls2 + D X) + g_lp 1[v=y] (+ the
     forward KL's relu term) for one token block: (A [n, 1], B, D, g_lp), B / D / g_lp None
-    where their output receives no gradient. `st` holds the block's saved statistics."""
-    g_div, g_lp, g_ent = grads
+    where their output receives no gradient. `grads` = the block's (g_div, g_lp, g_ent),
+    each [n] or None; `st` its saved statistics."""
+    g_div, g_lp, g_ent = (None if g is None else g.to(st.dtype) for g in grads)
     _lse_s, _lse_t, dlse, aux, ent = (st[r] for r in DistillStat)
-    A = torch.zeros(rows.numel(), **f)
+    A = torch.zeros_like(ent)
     B = D = glp = None
     if g_lp is not None:
-        glp = g_lp.index_select(0, rows).to(f["dtype"])
+        glp = g_lp
         A -= glp
     if g_ent is not None:
-        gh = g_ent.index_select(0, rows).to(f["dtype"])
+        gh = g_ent
         A -= gh * ent
         B = (-_LN2 * gh)[:, None]  # -g_H ls = -g_H ln2 ls2
     if g_div is not None:
-        gd = g_div.index_select(0, rows).to(f["dtype"])
+        gd = g_div
         if div_code == Divergence.REVERSE_KL:  # X = s - t:  g_kl p (X - dlse - KL)
             A -= gd * (dlse + aux)
             D = gd[:, None]
@@ -590,7 +591,6 @@ def torch_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHe
     hs, ws, bs = head_tensors(student)
     ht, wt, bt = head_tensors(teacher)
     cdt = compute_dtype(hs, ht)
-    f = dict(device=hs.device, dtype=cdt)
     dh, dw32, db32 = _gradient_buffers(hs, ws, cdt, need)
     inv_t = 1.0 / params.temperature
     kept = keep.nonzero().squeeze(1)
@@ -606,7 +606,8 @@ def torch_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHe
             if grads[0] is not None:
                 src_t = _HeadLogits(ht.index_select(0, rows).to(cdt).mul_(inv_t), wt, bt, inv_t)
             st = stats.index_select(1, rows).to(cdt)
-            coef = _dlogit_coefficients(grads, rows, st, params.divergence, params.beta, f)
+            coef = _dlogit_coefficients(tuple(None if g is None else g.index_select(0, rows) for g in grads), st,
+                                        params.divergence, params.beta)
             dh32 = _block_gradients(_HeadLogits(hs_t, ws, bs, inv_t), src_t, targets.index_select(0, rows).long(),
                                     coef, st, params, vchunk, need, dw32, db32, wk)
             if need[0]:
@@ -635,14 +636,28 @@ def _resident_plan(n_rows: int, V: int, H: int, n_heads: int, elem: int, chunk_s
     return _block_plan(n_rows, V, chunk_size, token_chunk, False)
 
 
-def torch_forward_with_grads(student: LinearHead, teacher: LinearHead, targets: Tensor, keep: Tensor,
-                             params: DistillParams, loss_weight: float, need: tuple) -> tuple:
-    """`torch_forward` plus the gradients of loss = loss_weight · Σ_kept divergence, in one
-    sweep: (divergence, logprobs, entropy, stats, dh, dw, db), None where not needed.
+BlockGrads = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple]
 
-    Each token block's logit chunks are computed once and kept (`_HeadLogits` with a
-    resident buffer): the statistics pass reads them, then the gradient pass consumes
-    them, so the call runs 4 lm-head-sized matmuls instead of the 6 of forward +
+
+def loss_weight_grads(weight: float) -> BlockGrads:
+    """The block gradients of loss = weight · Σ_kept divergence (`torch_forward_with_grads`)."""
+    def grads(rows, div, lp, ent, st):
+        return torch.full_like(div, weight), None, None
+    return grads
+
+
+def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead], targets: Tensor, keep: Tensor,
+                             params: DistillParams, block_grads: BlockGrads, need: tuple) -> tuple:
+    """`torch_forward` plus the gradients of a loss known in the forward, in one sweep:
+    (divergence, logprobs, entropy, stats, dh, dw, db), None where not needed.
+
+    `block_grads(rows, div, lp, ent, stats)` gives, for one token block (the kept rows
+    `rows` and their outputs), the loss's (dL/d div, dL/d logprob, dL/d entropy) per
+    token, each [n] or None: a fixed weight for a reduced divergence
+    (`loss_weight_grads`), the PPO terms for the actor loss. Each token block's logit
+    chunks are computed once and kept (`_HeadLogits` with a resident buffer): the
+    statistics pass reads them, then the gradient pass consumes them, so the call runs
+    4 lm-head-sized matmuls (3 without a teacher) instead of the 6 of forward +
     recomputing backward, with the same arithmetic per chunk. The cost is holding the
     weight gradient from the forward on (the recomputing path is for callers who cannot,
     e.g. a ZeRO-3 weight gathered only for the forward) and `_resident_plan`'s rows.
@@ -662,28 +677,30 @@ def torch_forward_with_grads(student: LinearHead, teacher: LinearHead, targets: 
     kept = keep.nonzero().squeeze(1)
     n_kept = kept.numel()
     if n_kept > 0:
+        n_heads = 1 if ht is None else 2
         elem = torch.empty((), dtype=cdt).element_size()
-        rows_per_block, vchunk = _resident_plan(n_kept, V, ws.shape[1], 2, elem, int(params.chunk_size or 0),
-                                                int(params.token_chunk or 0))
+        rows_per_block, vchunk = _resident_plan(n_kept, V, ws.shape[1], n_heads, elem,
+                                                int(params.chunk_size or 0), int(params.token_chunk or 0))
         wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
         res_s = torch.empty(rows_per_block * V, **f)
-        res_t = torch.empty(rows_per_block * V, **f)
-        g_div = torch.full((N,), loss_weight, **f)
+        res_t = None if ht is None else torch.empty(rows_per_block * V, **f)
         for r0 in range(0, n_kept, rows_per_block):
             rows = kept[r0:r0 + rows_per_block]
             n = rows.numel()
             src_s = _HeadLogits(hs.index_select(0, rows).to(cdt).mul_(inv_t), ws, bs, inv_t, res_s[: n * V])
-            src_t = _HeadLogits(ht.index_select(0, rows).to(cdt).mul_(inv_t), wt, bt, inv_t, res_t[: n * V])
+            src_t = None
+            if ht is not None:
+                src_t = _HeadLogits(ht.index_select(0, rows).to(cdt).mul_(inv_t), wt, bt, inv_t, res_t[: n * V])
             y = targets.index_select(0, rows).long()
             d_, l_, e_, st = _forward_chunked(src_s, src_t, y, V, params.divergence, params.beta, vchunk, wk)
             div.index_copy_(0, rows, d_)
             lp.index_copy_(0, rows, l_)
             ent.index_copy_(0, rows, e_)
             stats.index_copy_(1, rows, st)
-            if not any(need):
+            grads = block_grads(rows, d_, l_, e_, st)
+            if not any(need) or all(g is None for g in grads):
                 continue
-            coef = _dlogit_coefficients((g_div, None, None), torch.arange(n, device=hs.device), st,
-                                        params.divergence, params.beta, f)
+            coef = _dlogit_coefficients(grads, st, params.divergence, params.beta)
             dh32 = _block_gradients(src_s, src_t, y, coef, st, params, vchunk, need, dw32, db32, wk)
             if need[0]:
                 dh.index_copy_(0, rows, dh32.mul_(inv_t).to(dh.dtype))

@@ -32,6 +32,7 @@ from .distill_torch import (
     compute_dtype,
     kl_from_sums,
     log1p_or_plain,
+    loss_weight_grads,
     stack_stats,
     student_outputs,
     torch_backward,
@@ -211,8 +212,8 @@ def _fwd_grad_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, ne
     student, teacher = _heads(hs, ws, bs, ht, wt, bt)
     params = DistillParams(temperature, vocab_size, Divergence(divergence), beta, chunk_size, token_chunk)
     weight = 1.0 / max(1, int(keep.sum())) if mean else 1.0
-    div, lp, ent, stats, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, params, weight,
-                                                               (need_dh, need_dw, need_db))
+    div, lp, ent, stats, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, params,
+                                                               loss_weight_grads(weight), (need_dh, need_dw, need_db))
     empty = hs.new_empty((0,))
     return (div, lp, ent, stats, dh if dh is not None else empty, dw if dw is not None else empty,
             db if db is not None else empty)
