@@ -66,7 +66,7 @@ import triton.language as tl
 
 from memopd.ops._protocol import Divergence, DistillParams, DistillStat, LinearHead, Partial, head_tensors
 
-from .runtime import INTERPRET, NEG, USE_AUTOTUNE, dot_precision, or_dummy, upcast
+from .runtime import INTERPRET, NEG, USE_AUTOTUNE, autotuned, dot_precision, or_dummy, upcast
 
 # Protocol values as constexprs: compiled Triton reads only constexpr globals in kernels.
 _REVERSE_KL = tl.constexpr(int(Divergence.REVERSE_KL))
@@ -540,7 +540,9 @@ def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
         return _KERNELS[kind], dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
     name = (kind, divergence, fp32, has_teacher)
     if name not in _TUNERS:
-        _TUNERS[name] = triton.autotune(cfgs, key=_KEYS[kind])(_KERNELS[kind])
+        label = (f"{_KERNELS[kind].__name__}[{Divergence(divergence).name.lower()}"
+                 f"{'' if has_teacher else ',no-teacher'}{',fp32' if fp32 else ''}]")
+        _TUNERS[name] = autotuned(_KERNELS[kind], cfgs, _KEYS[kind], name=label)
     return _TUNERS[name], {}
 
 

@@ -79,7 +79,7 @@ import triton.language as tl
 
 from ..ops.attention import TRITON_DTYPES as _SUPPORTED_DTYPES
 from ..ops.attention import TRITON_HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from .runtime import INTERPRET, GPU_DRIVER_PRESENT, LOG2E, USE_AUTOTUNE, dot_precision, helper, upcast
+from .runtime import INTERPRET, GPU_DRIVER_PRESENT, LOG2E, USE_AUTOTUNE, autotuned, dot_precision, helper, upcast
 
 __all__ = [
     "INTERPRET",
@@ -287,7 +287,7 @@ def _fwd_block(
     Q, K, V, O, LSE, SEG, PST, PEND, T,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
 ):
     """One (query block, query head): writes O and LSE; returns, per row, whether its
@@ -325,12 +325,14 @@ def _fwd_block(
     return tl.sum(acc - acc, 1) != 0
 
 
-@triton.jit
+# the GQA group is a runtime argument, never specialised (not even 1): it only picks the
+# kv head, so one binary per configuration serves every group (and every model)
+@triton.jit(do_not_specialize=["GROUP"])
 def _fwd_kernel(
     Q, K, V, O, LSE, SEG, PST, PEND, FLAGS, T,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
 ):
     # FLAGS [Hq, T] int8: the plain launch (SAFE=False) flags the rows whose accumulator is
@@ -690,7 +692,7 @@ def _bwd_dq_block(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     sm_scale, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
 ):
     """One (query block, query head): writes dQ; returns, per row, whether it is non-finite."""
@@ -721,13 +723,15 @@ def _bwd_dq_block(
     return tl.sum(dq - dq, 1) != 0
 
 
-@triton.jit
+# the GQA group is a runtime argument, never specialised (not even 1): it only picks the
+# kv head, so one binary per configuration serves every group (and every model)
+@triton.jit(do_not_specialize=["GROUP"])
 def _bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, SEG, PST, PEND, FLAGS, T,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     sm_scale, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr,
 ):
     # as in the forward: the plain launch flags rows with a non-finite dQ, the SAFE launch
@@ -780,7 +784,11 @@ def _make_prune(resident: str, n_acc: int, smem_factor: float = 1.0):
             if elt == 4:
                 operands = (res * (2 if resident == "N" else 1) + 2 * stream) * d
                 regs = 2 * (n_acc * res * d + operands) // (32 * c.num_warps)
-            if smem <= 220 * 1024 and regs <= 128 and bm >= min_m:
+            # 16-bit inputs at D >= 64: the resident side is the M side of the kernel's
+            # main dots; below 64 rows Hopper's warp-group MMA cannot run them, and such a
+            # tile never beats one that can (it is only compiled, on the first call, to lose)
+            wgmma_ok = elt == 4 or d < 64 or res >= 64
+            if smem <= 220 * 1024 and regs <= 128 and bm >= min_m and wgmma_ok:
                 keep.append(c)
         if keep:
             return keep
@@ -825,14 +833,11 @@ AUTOTUNE = USE_AUTOTUNE
 _FIXED: dict = {}
 
 if GPU_DRIVER_PRESENT:
-    _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=["HEAD_DIM", "GROUP", "PREC"],
-                                 prune_configs_by={"early_config_prune": _FWD_PRUNE})(_fwd_kernel)
+    _fwd_tuned = autotuned(_fwd_kernel, _FWD_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"], prune=_FWD_PRUNE)
     # DQ is accumulated with atomics: the tuner must re-zero it between its trial runs
-    _bwd_dkdv_tuned = triton.autotune(_BWD_KV_CONFIGS, key=["HEAD_DIM", "GROUP", "GROUP_P2", "PREC", "ATOMIC_DQ"],
-                                      reset_to_zero=["DQ"],
-                                      prune_configs_by={"early_config_prune": _BWD_KV_PRUNE})(_bwd_dkdv_kernel)
-    _bwd_dq_tuned = triton.autotune(_BWD_DQ_CONFIGS, key=["HEAD_DIM", "GROUP", "PREC"],
-                                    prune_configs_by={"early_config_prune": _BWD_DQ_PRUNE})(_bwd_dq_kernel)
+    _bwd_dkdv_tuned = autotuned(_bwd_dkdv_kernel, _BWD_KV_CONFIGS, ["HEAD_DIM", "GROUP", "GROUP_P2", "PREC", "ATOMIC_DQ"],
+                                prune=_BWD_KV_PRUNE, reset_to_zero=["DQ"])
+    _bwd_dq_tuned = autotuned(_bwd_dq_kernel, _BWD_DQ_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"], prune=_BWD_DQ_PRUNE)
 else:
     _fwd_tuned = _bwd_dkdv_tuned = _bwd_dq_tuned = None
 

@@ -10,6 +10,8 @@ Names (stable: kernel modules and `memopd.ops.dispatch.interpreter_active` rely 
     upcast(*dtypes)    whether 16-bit loads must be computed in fp32 (interpreter only)
     dot_precision(dt)  `input_precision` of tl.dot for inputs of dtype dt ("ieee" for fp32)
     or_dummy(t, d)     t, or the stand-in pointer d for an absent tensor
+    autotuned(fn, ...) the one way the kernel modules build an autotuner (registered by name)
+    chosen_configs()   {autotuner name: the configuration it picked} of those that have run
     NEG                finite "minus infinity" (a tl.constexpr, usable inside kernels)
     LOG2E              log2(e), a Python float (host side; wrap in tl.constexpr in kernels)
 """
@@ -22,7 +24,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["INTERPRET", "GPU_DRIVER_PRESENT", "USE_AUTOTUNE", "helper", "upcast", "dot_precision",
-           "or_dummy", "NEG", "LOG2E"]
+           "or_dummy", "autotuned", "chosen_configs", "NEG", "LOG2E"]
 
 # Read once: triton.jit chooses between the interpreter and the compiler when a kernel is
 # decorated, so a later change of the variable could not take effect anyway.
@@ -71,3 +73,36 @@ def or_dummy(tensor, stand_in: torch.Tensor) -> torch.Tensor:
     """A pointer for a kernel argument that may be absent; the kernel must not read it then
     (its HAS_* constexpr is False), so any tensor of the right device will do."""
     return stand_in if tensor is None else tensor
+
+
+_AUTOTUNERS: dict = {}
+
+
+def autotuned(fn, configs, key, name=None, prune=None, reset_to_zero=None):
+    """triton.autotune over `configs` (keyed by the argument names `key`), with an optional
+    early pruner, registered under `name` (default: the kernel's name) so that the
+    benchmarks can report which configuration each tuned kernel chose."""
+    kwargs = {}
+    if prune is not None:
+        kwargs["prune_configs_by"] = {"early_config_prune": prune}
+    if reset_to_zero:
+        kwargs["reset_to_zero"] = list(reset_to_zero)
+    tuner = triton.autotune(list(configs), key=list(key), **kwargs)(fn)
+    _AUTOTUNERS[name or fn.__name__] = tuner
+    return tuner
+
+
+def _describe(config) -> str:
+    blocks = ",".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"{blocks},w{config.num_warps},s{config.num_stages}"
+
+
+def chosen_configs() -> dict:
+    """Per registered autotuner that has tuned at least once, its current pick, e.g.
+    {"_fwd_kernel": "BLOCK_M=128,BLOCK_N=64,w8,s3"} (the last key it was called with)."""
+    out = {}
+    for name, tuner in _AUTOTUNERS.items():
+        best = getattr(tuner, "best_config", None)
+        if best is not None:
+            out[name] = _describe(best)
+    return out

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from _fused_cases import as64, make_inputs, run_aot_compile
+from _fused_cases import as64, make_inputs
 
 _CHILD = os.environ.get("MEMOPD_TRITON_INTERP_CHILD") == "1"
 _TRITON_COMPILED_LOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
@@ -105,31 +105,3 @@ def test_matches_torch_path(seed):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6)
     for x, y_ in zip(ga, gb):
         torch.testing.assert_close(x, y_, rtol=1e-4, atol=1e-6)
-
-
-# The kernels must also compile for a real GPU (sm_90), ahead of time (see _fused_cases).
-_AOT_BODY = r"""
-import memopd.kernels.actor_loss as k
-
-done = []
-meta = dict(k._logits_meta(False))
-nw, ns = meta.pop("num_warps"), meta.pop("num_stages")
-logits = dict(h_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", order_ptr="*i32", count_ptr="*i32", out_ptr="*fp32",
-              H="i32", V="i32", c0="i32", n_rows="i32", stride_h="i32", stride_w="i32", stride_out="i32",
-              inv_temp="fp32")
-compile_kernel(k._scaled_logits_kernel, logits, dict(HAS_BIAS=True, UPCAST=False, PREC="tf32", **meta), nw, ns)
-done.append("logits")
-rows = dict(s_ptr="*fp32", t_ptr="*fp32", targets_ptr="*i64", adv_ptr="*fp32", old_ptr="*fp32", klkeep_ptr="*i1",
-            order_ptr="*i32", count_ptr="*i32", stats_ptr="*fp32", part_ptr="*fp32", N="i32", V="i32", c0="i32",
-            stride_s="i32", stride_t="i32", clip_low="fp32", clip_high="fp32", dual_clip="fp32", g_h="fp32",
-            kl_scale="fp32", inv_norm="fp32", inv_temp="fp32", precise_limit="fp32")
-for teacher in (True, False):
-    compile_kernel(k._actor_rows_kernel, rows, dict(HAS_TEACHER=teacher, DUAL=True, NEED_GRAD=True,
-                                                     BLOCK_V=k._rows_block(151936)), 8, 1)
-    done.append(f"rows-teacher={teacher}")
-print(json.dumps(done))
-"""
-
-
-def test_kernels_compile_for_sm90():
-    assert "rows-teacher=False" in run_aot_compile(_AOT_BODY)

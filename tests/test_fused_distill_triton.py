@@ -195,60 +195,6 @@ def test_triton_matches_torch_path(seed):
 
 
 # ----------------------------------------------------------------------------------
-# compiled mode: the kernels must also compile for a real GPU (sm_90), which the
-# interpreter cannot show (it accepts e.g. plain Python globals that nvcc-bound
-# Triton rejects). Ahead-of-time compilation needs no GPU, only Triton's bundled ptxas.
-# ----------------------------------------------------------------------------------
-_AOT_BODY = r"""
-import memopd.kernels.fused_distill as k
-from memopd.ops._protocol import Divergence
-
-loss = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16", wt_ptr="*bf16",
-            bt_ptr="*bf16", tgt_ptr="*i64", order_ptr="*i32", count_ptr="*i32", div_ptr="*fp32",
-            lp_ptr="*fp32", ent_ptr="*fp32", stats_ptr="*fp32", gdiv_ptr="*fp32", glp_ptr="*fp32",
-            gent_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", N="i32", Hs="i32", Ht="i32",
-            V="i32", c0="i32", n_rows="i32", v_per_split="i32", stride_hs="i32", stride_ws="i32",
-            stride_ht="i32", stride_wt="i32", stride_out="i32", inv_temp="fp32", beta="fp32")
-gemm = dict(g_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", order_ptr="*i32", count_ptr="*i32",
-            dh_ptr="*bf16", dw_ptr="*fp32", V="i32", H="i32", c0="i32", n_rows="i32",
-            stride_g="i32", stride_w="i32", stride_dh="i32", stride_h="i32", stride_dw="i32")
-done = []
-# (name, kernel, divergence, with teacher?, config index); the teacher-less variants
-# (fused_linear_logprob_entropy) compile with HAS_TEACHER=False / HAS_GDIV=False, the
-# forward at its largest (128x128) tile
-for name, fn, div, teacher, ci in (("fwd", k._distill_fwd_kernel, Divergence.REVERSE_KL, True, 0),
-                                   ("jsd", k._jsd_pass_kernel, Divergence.JSD, True, 0),
-                                   ("dlogits", k._distill_dlogits_kernel, Divergence.JSD, True, 0),
-                                   ("fwd-no-teacher", k._distill_fwd_kernel, Divergence.REVERSE_KL, False, -1),
-                                   ("dlogits-no-teacher", k._distill_dlogits_kernel, Divergence.REVERSE_KL,
-                                    False, 0)):
-    kind = name.split("-")[0]
-    cfg = k._configs(kind, div, False, teacher)[ci]
-    consts = dict(HAS_BS=True, HAS_BT=teacher, UPCAST=False, PREC_S="tf32", PREC_T="tf32",
-                  **cfg.kwargs)
-    if kind != "jsd":
-        consts["DIV"] = int(div)
-    if kind == "fwd":
-        consts["HAS_TEACHER"] = teacher
-    if kind == "dlogits":
-        consts.update(HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True)
-    compile_kernel(fn, loss, consts, cfg.num_warps, cfg.num_stages)
-    done.append(name)
-g = dict(k._GEMM_GPU)
-nw, ns = g.pop("num_warps"), g.pop("num_stages")
-for fn in (k._dh_kernel, k._dw_kernel):
-    compile_kernel(fn, gemm, dict(UPCAST=False, PREC="tf32", **g), nw, ns)
-    done.append(fn.__name__)
-print(json.dumps(done))
-"""
-
-
-def test_kernels_compile_for_sm90():
-    out = cases.run_aot_compile(_AOT_BODY)
-    assert "_dw_kernel" in out and "fwd-no-teacher" in out
-
-
-# ----------------------------------------------------------------------------------
 # teacher-less mode: fused_linear_logprob_entropy (HAS_TEACHER=False forward kernel)
 # ----------------------------------------------------------------------------------
 def check_lpe(seed, inp, weights, kw, val_tol=(3e-5, 3e-5), grad_tol=(3e-5, 2e-4), **triton_kw):

@@ -140,15 +140,32 @@ def test_every_output_element_is_written():
         assert_close(name, a, b, torch.float32)
 
 
-def test_deterministic_and_atomic_backward_agree(monkeypatch):
-    meta = random_meta(8, 120)
-    q, k, v, do = make_inputs(meta.num_tokens, 2, 1, 16, torch.float32, 8)
-    a = run_triton(q, k, v, do, meta, (16, 16), False, monkeypatch=monkeypatch)
-    b = run_triton(q, k, v, do, meta, (16, 16), True, monkeypatch=monkeypatch)
-    c = run_triton(q, k, v, do, meta, (16, 16), True, monkeypatch=monkeypatch)
-    for x, y, z in zip(a, b, c):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-        assert torch.equal(y, z)  # deterministic mode is bitwise reproducible
+@pytest.mark.parametrize("dtype,Hq,Hkv,D,blocks,shuffle", [
+    pytest.param(torch.float32, 2, 1, 16, (16, 16), False, id="fp32-gqa2-d16"),
+    # GQA group 8 (one dK/dV tile stacks 8 heads, so 8 query heads add to one dQ row of
+    # each head from every key block), shared prefixes read by several calls, shuffled
+    pytest.param(torch.bfloat16, 8, 1, 16, (32, 16), True, id="bf16-gqa8-d16-shuffled"),
+])
+def test_deterministic_and_atomic_backward_agree(dtype, Hq, Hkv, D, blocks, shuffle, monkeypatch):
+    """The atomic dQ (relaxed fp32 adds from the dK/dV programs, in any order) and the
+    deterministic query-major dQ are the same sum: equal up to rounding, both as close to
+    the float64 oracle as the dtype allows; dK/dV and the output are the same kernels in
+    both modes, so bitwise equal; the deterministic mode is bitwise reproducible."""
+    meta = random_meta(8 + Hq, 64 if Hq > 2 else 120, shuffle=shuffle)
+    q, k, v, do = make_inputs(meta.num_tokens, Hq, Hkv, D, dtype, 8)
+    a = run_triton(q, k, v, do, meta, blocks, False, monkeypatch=monkeypatch)
+    b = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch)
+    c = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch)
+    want = oracle(q, k, v, do, meta)
+    for name, x, y, z, w in zip(("out", "dq", "dk", "dv"), a, b, c, want):
+        assert torch.equal(y, z), f"{name}: deterministic mode not reproducible"
+        assert_close(name + " (atomic)", x, w, dtype)
+        assert_close(name + " (deterministic)", y, w, dtype)
+        if name == "dq":
+            tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # one rounding of the fp32 sum apart
+            torch.testing.assert_close(x, y, atol=tol, rtol=tol)
+        else:
+            assert torch.equal(x, y), f"{name}: differs between the two backward modes"
 
 
 def _needed_block_pairs(meta, bm, bn):
@@ -352,66 +369,3 @@ def test_errors():
     with pytest.raises(ValueError, match="out must be"):
         kern.packed_attention_fwd(q, q, q, dmeta.seg_start, dmeta.prefix_start, dmeta.prefix_end,
                                   out=torch.empty(T, 2, 8, device=DEVICE))
-
-
-_COMPILE_SCRIPT = r'''
-import sys
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import memopd.kernels.packed_attention as kern
-
-assert not kern.INTERPRET
-D, GROUP = 128, 4
-q = torch.empty(1, 1, D, dtype=torch.bfloat16)
-P = "*bf16"
-jobs = [
-    (kern._fwd_kernel, kern._FWD_CONFIGS, kern._FWD_PRUNE,
-     dict(Q=P, K=P, V=P, O=P, LSE="*fp32", SEG="*i32", PST="*i32", PEND="*i32", FLAGS="*i8"), dict(GROUP=GROUP)),
-    (kern._bwd_dkdv_kernel, kern._BWD_KV_CONFIGS, kern._BWD_KV_PRUNE,
-     dict(Q=P, K=P, V=P, DO=P, DQ="*fp32", DK=P, DV=P, LSE="*fp32", DELTA="*fp32", SEG="*i32", PST="*i32",
-          PEND="*i32", KQR="*i32", FLAGS="*i8"), dict(GROUP=GROUP, GROUP_P2=GROUP, ATOMIC_DQ=True)),
-    (kern._bwd_dq_kernel, kern._BWD_DQ_CONFIGS, kern._BWD_DQ_PRUNE,
-     dict(Q=P, K=P, V=P, DO=P, DQ=P, LSE="*fp32", DELTA="*fp32", SEG="*i32", PST="*i32", PEND="*i32",
-          FLAGS="*i8"), dict(GROUP=GROUP)),
-]
-# each kernel in both variants: the plain launch and the SAFE rerun of blocks that met a NaN/inf
-for (fn, configs, prune, ptrs, extra), safe in [(j, s) for j in jobs for s in (False, True)]:
-    c = prune(configs, {"HEAD_DIM": D, "Q": q, "GROUP_P2": GROUP})[0]
-    consts = dict(HEAD_DIM=D, BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"], UPCAST=False, PREC="tf32",
-                  SAFE=safe, **extra)
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n.endswith("scale") else "i32")
-           for n in fn.arg_names}
-    # what the launcher specialises: 16-byte aligned pointers, strides divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n.startswith("stride")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
-    ttgir = out.asm["ttgir"]
-    print(fn.__name__, "safe" if safe else "plain", "shared", out.metadata.shared, "wgmma", "warp_group_dot" in ttgir)
-    assert out.metadata.shared <= 232448, "over the 227 KB of shared memory a block may use"
-    assert "warp_group_dot" in ttgir, "expected Hopper wgmma instructions"
-'''
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile and run the kernels")
-def test_kernels_compile_for_hopper():
-    """The interpreter does not check what only the compiler does (types, layouts, shared
-    memory): compile the three kernels (each in its plain and SAFE variant) offline for
-    sm_90 (H100/H200) in a process without TRITON_INTERPRET, at the production shape (bf16,
-    D=128, 4 query heads per kv head) with the configuration used when autotuning is off.
-    Triton's own compiler and ptxas run on CPU; the compiled kernels are cached in Triton's
-    cache directory."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("wgmma True") == 6, r.stdout

@@ -1,0 +1,70 @@
+"""Every Triton kernel of memopd compiles for sm_90a (H100/H200) with every Triton we
+support, at production shapes, without spilling: the AOT matrix of `tests/_aot.py`.
+
+The Triton installed with the project is always used. Others are named by
+MEMOPD_AOT_TRITONS (os.pathsep-separated directories, each holding one Triton, e.g.
+`pip install --no-deps --target DIR triton==3.6.0`); `.ci/run` sets it to Triton 3.6.0,
+the one torch 2.11 ships. MEMOPD_AOT_CACHE keeps each compiled job's row (keyed by the
+Triton version and the kernel's source hash), so a rerun recompiles only changed kernels;
+MEMOPD_AOT_TABLE names a file for the Markdown table (it is printed too).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import _aot
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="compiles for a GPU; the interpreter is set in this process")
+
+
+def _site_dirs():
+    extra = [d for d in os.environ.get("MEMOPD_AOT_TRITONS", "").split(os.pathsep) if d]
+    return [""] + extra
+
+
+def test_every_kernel_compiles_for_sm90a_with_every_triton():
+    pytest.importorskip("triton.backends.nvidia")
+    sites = _site_dirs()
+    versions = {}
+    for site in sites:
+        v = _aot.triton_version_at(site)
+        assert v is not None, f"no importable Triton in {site or 'the default environment'}"
+        versions[site] = v
+    assert len(set(versions.values())) == len(sites), f"the same Triton named twice: {versions}"
+
+    start = time.monotonic()
+    shards = max(1, (os.cpu_count() or 1) // len(sites))
+    rows, failures = _aot.run_matrix(sites, shards_per_triton=shards, cache_dir=os.environ.get("MEMOPD_AOT_CACHE"))
+    elapsed = time.monotonic() - start
+    table = _aot.format_table(rows)
+    compiled = [r for r in rows if not r["cached"]]
+    summary = (f"AOT matrix: {len(rows)} jobs over Triton {', '.join(sorted(versions.values()))}, "
+               f"{len(compiled)} compiled ({sum(r['seconds'] for r in compiled):.0f} s of compiler time), "
+               f"{len(rows) - len(compiled)} from the cache, {elapsed:.0f} s wall")
+    print(summary)
+    print(table)
+    if os.environ.get("MEMOPD_AOT_TABLE"):
+        with open(os.environ["MEMOPD_AOT_TABLE"], "w") as f:
+            f.write(summary + "\n\n" + table + "\n")
+
+    assert not failures, "\n".join(failures)
+    # every job ran under every Triton
+    per_version = {}
+    for r in rows:
+        per_version[r["triton"]] = per_version.get(r["triton"], 0) + 1
+    assert len(set(per_version.values())) == 1 and set(per_version) == set(versions.values()), per_version
+    errors = [f"Triton {r['triton']} {r['kernel']} {r['variant']} {r['shape']} {r['config']}: {r['error']}"
+              for r in rows if r["error"]]
+    assert not errors, f"{len(errors)} compile error(s):\n" + "\n".join(errors)
+    for r in rows:
+        what = f"Triton {r['triton']} {r['family']} {r['kernel']} {r['variant']} {r['shape']} {r['config']}"
+        assert r["shared"] <= _aot.SM90_SHARED_LIMIT, f"{what}: {r['shared']} B of shared memory"
+        assert r["regs"] is not None and r["spills"] is not None, f"{what}: no ptxas report"
+        # every candidate the pruner keeps fits in registers (all these shapes have D >= 64)
+        assert r["spills"] == 0, f"{what}: {r['spills']} bytes of spills ({r['regs']} registers)"
+        if r["family"] == "attention":
+            assert r["wgmma"], f"{what}: no Hopper warp-group MMA"
