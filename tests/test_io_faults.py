@@ -7,7 +7,6 @@ run and a run directory is remounted read-only during a run; everywhere, each wr
 checkpoint (and of SFT, audit --json, plot, the atomic writes) gets an injected OSError,
 and torch.save's errno-less RuntimeError of a full disk is injected too.
 """
-import copy
 import errno
 import json
 import os
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memopd.trainer.config import TrainConfig
+# the tiny models and trainers of the run-directory tests (`parts`: one `prepare` per module)
+from test_run_integrity import _cfg, _trainer, parts  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -130,40 +130,16 @@ def test_real_full_tmpfs_torch_save_is_recognised(small_tmpfs):
 # ----------------------------------------------------------------- checkpoint writes
 
 
-def _cfg(sft_dirs, run_dir, **kw):
-    base = dict(steps=2, checkpoint_every=1, run_dir=str(run_dir), student=sft_dirs[0], teacher=sft_dirs[1],
-                tasks_per_step=2, group_size=2, train_k=[1], eval_k=[1], eval_tasks=1, ppo_epochs=1, minibatches=1,
-                progress=False)
-    base.update(kw)
-    return TrainConfig(**base).validate()
-
-
-@pytest.fixture(scope="module")
-def parts(sft_dirs, tmp_path_factory):
-    from memopd.trainer.loop import prepare
-
-    student, teacher, env, world, *_ = prepare(_cfg(sft_dirs, tmp_path_factory.mktemp("prep")), log=lambda *_: None)
-    return student, teacher, env, world
-
-
-def _trainer(parts, cfg):
-    from memopd.trainer.loop import Trainer
-
-    student, teacher, env, world = parts
-    return Trainer(cfg, student_lm=copy.deepcopy(student), teacher_lm=copy.deepcopy(teacher), env=env, world=world,
-                   log=lambda *_: None)
-
-
 # the writes of one checkpoint, in order: (kind, index among that kind)
 SAVE_POINTS = [("replace", 1), ("torch.save", 1), ("replace", 2), ("replace", 3), ("torch.save", 2),
                ("replace", 4), ("replace", 5), ("replace", 6)]
 
 
 @pytest.fixture(scope="module")
-def trainer(parts, sft_dirs, tmp_path_factory):
+def trainer(parts, sft_dirs, tmp_path_factory):  # noqa: F811 - the imported fixture
     run = tmp_path_factory.mktemp("ck") / "run"
     os.makedirs(run / "checkpoints")
-    return _trainer(parts, _cfg(sft_dirs, run))
+    return _trainer(parts, _cfg(sft_dirs, run, steps=2, checkpoint_every=1))
 
 
 @pytest.mark.parametrize("code", sorted(CAUSES))

@@ -1,0 +1,77 @@
+"""Two `memopd sft` builders of one cache directory: one builds, the other waits (saying
+whose lock it waits for) and then reuses that build; a reader polling the cache never
+sees a half-written model; a builder killed mid-build frees the lock.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _builder(out: Path, log: Path) -> subprocess.Popen:
+    # enough steps that the first build is still running when the second starts
+    cmd = [sys.executable, "-m", "memopd.cli", "sft", "--out", str(out), "--roles", "student", "--ks", "1",
+           "--calls-per-k", "4", "--student-steps", "150", "--copy-warmup-steps", "0", "--threads", "1",
+           "--no-progress"]
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_second_builder_waits_then_reuses_and_readers_never_see_a_part(tmp_path):
+    from memopd.trainer.rundir import verify_manifest
+
+    out = tmp_path / "cache"
+    a = _builder(out, tmp_path / "a.log")
+    # the second starts once the first holds the lock (it has begun building)
+    t0 = time.time()
+    while "expert data" not in (tmp_path / "a.log").read_text():
+        assert a.poll() is None, (tmp_path / "a.log").read_text()
+        assert time.time() - t0 < 300
+        time.sleep(0.05)
+    b = _builder(out, tmp_path / "b.log")
+    seen_partial = []
+    while a.poll() is None or b.poll() is None:
+        d = out / "student"
+        if d.exists():
+            problems = verify_manifest(d)
+            if problems and d.exists():  # not the instant of the rename
+                seen_partial.append(problems)
+        time.sleep(0.01)
+    la, lb = (tmp_path / "a.log").read_text(), (tmp_path / "b.log").read_text()
+    assert a.returncode == 0 and b.returncode == 0, la[-2000:] + lb[-2000:]
+    assert seen_partial == []
+    trained = [name for name, text in (("a", la), ("b", lb)) if "student: saved to" in text]
+    assert trained == ["a"], (la[-1500:], lb[-1500:])
+    assert "SFT cache" in lb and "is in use by pid" in lb and "waiting for it" in lb, lb
+    assert "student: checkpoint exists" in lb and "skipping" in lb, lb
+    assert verify_manifest(out / "student") == []
+
+
+def test_a_killed_builder_frees_the_lock(tmp_path):
+    from memopd.env.sft import SFT_LOCK_FILE
+    from memopd.trainer.rundir import RunDirLock
+
+    out = tmp_path / "cache"
+    a = _builder(out, tmp_path / "a.log")
+    t0 = time.time()
+    while "expert data" not in (tmp_path / "a.log").read_text():
+        assert a.poll() is None and time.time() - t0 < 300
+        time.sleep(0.05)
+    lock = RunDirLock(str(out), name=SFT_LOCK_FILE, what="SFT cache")
+    try:
+        lock.acquire()
+    except Exception as e:  # held: the holder is named
+        assert f"pid {a.pid}" in str(e), e
+    else:
+        raise AssertionError("the lock was free while a builder ran")
+    a.send_signal(signal.SIGKILL)
+    a.wait(timeout=30)
+    lock.acquire()  # freed by the kernel with its holder
+    assert json.loads((out / SFT_LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (out / "student").exists()  # the half-built model is only in a temp sibling
