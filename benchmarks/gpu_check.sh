@@ -1,233 +1,223 @@
 #!/usr/bin/env bash
-# GPU check of memopd: build the C++ core offline, run the kernel correctness tests on CUDA
-# (Triton compiled for the device, TRITON_INTERPRET unset), run the benchmark suite, and
-# print a short results table last.
+# GPU check of memopd, sized for a borrowed GPU: one command of at most 10 minutes, 8 files
+# back, time left in a 15-minute lease for one rerun of a phase.
 #
-#   bash benchmarks/gpu_check.sh            # from anywhere; runs in the repository root
+#   bash benchmarks/gpu_check.sh              # both phases (about 8 min at most)
+#   bash benchmarks/gpu_check.sh --phase 1    # environment, core, compiled correctness
+#   bash benchmarks/gpu_check.sh --phase 2    # GPU benchmarks only
+#   bash benchmarks/gpu_check.sh --dry-run    # on CPU: walk every step, say what would run
+#                                             # and what is missing (runs in CI)
 #
-# Installs nothing from the network. Logs and JSON go to $OUT when that is set (the
-# device runner's output folder), else to benchmarks/results/gpu_check/. Every step runs
-# under its own time limit (about 8 minutes in all on an H200); a failing step does not
-# stop the next ones, and the script exits non-zero at the end if any step failed.
-# Knobs (seconds): GPU_CHECK_TEST_TIMEOUT (150, shared by the kernel test files),
-# GPU_CHECK_PACKING_TIMEOUT (150, bench_packing.py), GPU_CHECK_BENCH_TIMEOUT (110, the other
-# benchmark files); PYTHON (default python3); the MEMOPD_BENCH_* variables of bench_packing.py.
+# Phase 1 (at most GPU_CHECK_PHASE1_S = 210 s): versions and device; the C++ core
+# (memopd._C imported, else built from pybind11 by benchmarks/build_core_for.sh); the
+# compiled-correctness tests (tests/test_kernels_cuda.py: production shapes, autotune
+# off, pytest-xdist when present, stopping at the first failure). No interpreter suites,
+# no CPU benchmarks. Phase 2 (at most GPU_CHECK_PHASE2_S = 270 s): the cases of
+# benchmarks/gpu_bench.py, attention first, one process and one time limit each; a case
+# that no longer fits in the phase's budget is listed as not run.
+#
+# Output ($OUT when set, the device runner's folder; else benchmarks/results/gpu_check/):
+# summary.md (the pasteable table), results.json (everything in it, machine-readable),
+# logs.tar.gz (every step's full log, junit XML, benchmark rows). Both are rewritten
+# after every step, so a killed run still leaves what it had. Installs nothing.
+# PYTHON (default python3); MEMOPD_TRITON_AUTOTUNE is left alone (on: the benchmarks tune).
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 PY="${PYTHON:-python3}"
+PHASE=all
+DRY=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --phase) PHASE="${2:-}"; shift ;;
+    --phase=*) PHASE="${1#--phase=}" ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "gpu_check: unknown argument '$1' (use --dry-run, --phase 1|2|all)" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$PHASE" in 1|2|all) ;; *) echo "gpu_check: --phase must be 1, 2 or all, got '$PHASE'" >&2; exit 2 ;; esac
+
 OUT_DIR="${OUT:-$ROOT/benchmarks/results/gpu_check}"
 mkdir -p "$OUT_DIR" || exit 2
-rm -f "$OUT_DIR"/bench_packing.json "$OUT_DIR"/bench_ops.json "$OUT_DIR"/packing_summary.json  # no stale results
-PACKING_TIMEOUT="${GPU_CHECK_PACKING_TIMEOUT:-150}"
-BENCH_TIMEOUT="${GPU_CHECK_BENCH_TIMEOUT:-110}"
-TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-150}"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+PHASE1_S="${GPU_CHECK_PHASE1_S:-210}"
+PHASE2_S="${GPU_CHECK_PHASE2_S:-270}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export MEMOPD_BENCH_RESULTS_DIR="$OUT_DIR"
 export PYTHONDONTWRITEBYTECODE=1
 unset TRITON_INTERPRET
+FAILED=0
 
-FAILED=()
-STATUS_LINES=()
-T_START=$(date +%s)
+finish() {  # rewrite summary.md, results.json and logs.tar.gz from what is there so far
+  "$PY" benchmarks/gpu_bench.py --summary "$WORK" "$OUT_DIR" > "$WORK/summary.txt" 2>"$WORK/summary.err" \
+    || echo "gpu_check: the summary failed: $(tail -1 "$WORK/summary.err")"
+  tar -czf "$OUT_DIR/logs.tar.gz.tmp" -C "$WORK" --exclude=summary.txt . 2>/dev/null \
+    && mv "$OUT_DIR/logs.tar.gz.tmp" "$OUT_DIR/logs.tar.gz"
+}
 
-# run_step NAME TIMEOUT_S CMD...: tee output to $OUT_DIR/NAME.log, remember failures.
-# SIGINT first (pytest then still writes its JSON and summary), SIGKILL 20 s later.
-run_step() {
+record() {  # record STEP STATUS SECONDS LIMIT NOTE
+  "$PY" -c 'import json, sys; print(json.dumps(dict(step=sys.argv[1], status=sys.argv[2], seconds=int(sys.argv[3]),
+limit=int(sys.argv[4]), note=sys.argv[5])))' "$@" >> "$WORK/steps.jsonl"
+}
+
+# step NAME LIMIT CMD...: full output to $WORK/NAME.log, its last lines to the console
+step() {
   local name="$1" limit="$2"
   shift 2
-  local t0 rc
-  t0=$(date +%s)
   echo
   echo "=== [$name] $* (limit ${limit}s)"
-  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
-  rc=${PIPESTATUS[0]}
-  local dt=$(( $(date +%s) - t0 ))
-  if [ "$rc" -eq 0 ]; then
-    STATUS_LINES+=("ok    $name (${dt}s)")
-  else
-    [ "$rc" -eq 124 ] && echo "[$name] timed out after ${limit}s"
-    STATUS_LINES+=("FAIL  $name (rc=$rc, ${dt}s)")
-    FAILED+=("$name")
+  if [ "$limit" -lt 5 ]; then
+    echo "[$name] not run: its phase's time budget is spent"
+    record "$name" "not run" 0 "$limit" "phase budget spent"
+    FAILED=1
+    finish
+    return 1
   fi
+  local t0 rc dt note=""
+  t0=$(date +%s)
+  timeout -s INT -k 15 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  dt=$(( $(date +%s) - t0 ))
+  tail -n 15 "$WORK/$name.log" | cut -c1-300
+  if [ "$rc" -eq 0 ]; then
+    record "$name" ok "$dt" "$limit" ""
+  else
+    [ "$rc" -eq 124 ] && note="timed out"
+    [ -z "$note" ] && note="exit $rc: $(grep -v '^\s*$' "$WORK/$name.log" | tail -n 1 | cut -c1-150)"
+    record "$name" FAIL "$dt" "$limit" "$note"
+    FAILED=1
+  fi
+  finish
+  return "$rc"
+}
+
+# dry-run counterpart of a step: run a check of its prerequisites on CPU, report it
+dry() {  # dry NAME "WHAT WOULD RUN" CHECK-CMD...
+  local name="$1" what="$2"
+  shift 2
+  echo
+  echo "=== [$name] would run: $what"
+  local t0 rc
+  t0=$(date +%s)
+  "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  sed 's/^/    /' "$WORK/$name.log" | tail -n 12 | cut -c1-300
+  if [ "$rc" -eq 0 ]; then
+    record "$name" "dry-run ok" $(( $(date +%s) - t0 )) 0 "$what"
+  else
+    record "$name" "dry-run FAIL" $(( $(date +%s) - t0 )) 0 "$(tail -n 1 "$WORK/$name.log" | cut -c1-150)"
+    FAILED=1
+  fi
+  finish
+}
+
+# ----------------------------------------------------------------------------- the steps
+env_check() {  # versions and device, one JSON line into env.jsonl; fails without CUDA unless dry
+  "$PY" - "$WORK/env.jsonl" "$DRY" <<'EOF'
+import importlib, json, platform, sys
+info = {"python": platform.python_version()}
+for mod in ("torch", "triton", "pytest", "xdist", "pybind11"):
+    try:
+        info[mod] = getattr(importlib.import_module(mod), "__version__", "present")
+    except Exception as e:  # noqa: BLE001
+        info[mod] = "missing"
+import torch
+info["cuda"] = torch.version.cuda
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info["device"] = f"{p.name} ({p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor})"
+else:
+    info["device"] = "none"
+print(json.dumps(info))
+open(sys.argv[1], "a").write(json.dumps(info) + "\n")
+if info["device"] == "none":
+    print("missing: a CUDA device" + (" (expected in a dry run)" if sys.argv[2] == "1" else ""))
+    sys.exit(0 if sys.argv[2] == "1" else 1)
+EOF
+}
+
+core_check() {  # memopd._C importable, or buildable here
+  if "$PY" -c "import memopd._C" 2>/dev/null; then
+    echo "memopd._C imports: $("$PY" -c 'import memopd._C as c; print(c.__file__)')"
+    return 0
+  fi
+  if [ "$DRY" = 1 ]; then
+    bash benchmarks/build_core_for.sh --check
+  else
+    bash benchmarks/build_core_for.sh && "$PY" -c "import memopd._C"
+  fi
+}
+
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 6)
+TESTS=(tests/test_kernels_cuda.py -k "not on_cpu")  # (its CPU harness check runs in CI)
+
+phase1() {
+  local end=$(( $(date +%s) + PHASE1_S ))
+  step env 30 env_check || return 1
+  step core $(( end - $(date +%s) < 90 ? end - $(date +%s) : 90 )) core_check || return 1
+  # -x: stop at the first failure; -p no:randomly etc. are not assumed to exist
+  step correctness $(( end - $(date +%s) )) "$PY" -m pytest "${TESTS[@]}" -x -q -p no:cacheprovider \
+    "${XDIST[@]}" -rfE --junitxml="$WORK/correctness.xml"
+}
+
+BENCH_LIMITS=(  # case:limit seconds, attention first
+  "attn-fwd-32/8:60" "attn-fwd_bwd-32/8:75" "attn-fwd_bwd_det-32/8:60" "attn-fwd_bwd-16/2:60"
+  "distill-reverse_kl:60" "distill-jsd:45" "logprob_entropy:45" "actor_loss:45"
+)
+
+phase2() {
+  local end=$(( $(date +%s) + PHASE2_S )) item case limit left
+  for item in "${BENCH_LIMITS[@]}"; do
+    case="${item%:*}"
+    limit="${item##*:}"
+    left=$(( end - $(date +%s) ))
+    [ "$left" -lt "$limit" ] && limit="$left"
+    step "bench-${case//\//_}" "$limit" "$PY" benchmarks/gpu_bench.py "$case" --json "$WORK/bench_rows.jsonl"
+  done
   return 0
 }
 
-note_failure() {  # note_failure NAME MESSAGE
-  echo "[$1] $2" | tee -a "$OUT_DIR/$1.log"
-  STATUS_LINES+=("FAIL  $1 ($2)")
-  FAILED+=("$1")
-}
-
-# ---------------------------------------------------------------- 1. environment
-run_step env 60 "$PY" - <<'EOF'
-import importlib, platform, sys
-print("python", platform.python_version(), sys.executable)
-for mod in ("torch", "triton", "transformers", "pytest", "pytest_benchmark", "pybind11", "cmake"):
-    try:
-        m = importlib.import_module(mod)
-        print(f"{mod:17s}", getattr(m, "__version__", "present"))
-    except Exception as e:  # noqa: BLE001
-        print(f"{mod:17s} MISSING ({type(e).__name__}: {e})")
-import torch
-print("cuda available   ", torch.cuda.is_available())
-if torch.cuda.is_available():
-    p = torch.cuda.get_device_properties(0)
-    print("device           ", p.name, f"{p.total_memory / 2**30:.0f} GiB", "capability", f"{p.major}.{p.minor}")
-    print("torch cuda       ", torch.version.cuda)
-else:
-    sys.exit("no CUDA device visible: the kernel tests and GPU benchmarks below will not exercise a GPU")
-EOF
-command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv \
-  >"$OUT_DIR/nvidia-smi.csv" 2>&1
-
-# ---------------------------------------------------------------- 2. C++ core, offline
-build_core() {
-  if "$PY" -c "import memopd._C" >/dev/null 2>&1; then
-    echo "memopd._C already importable: $("$PY" -c 'import memopd._C as c; print(c.__file__)')"
-    return 0
-  fi
-  if "$PY" -c "import pybind11" >/dev/null 2>&1; then
-    if command -v cmake >/dev/null 2>&1 || "$PY" -c "import cmake" >/dev/null 2>&1; then
-      echo "building memopd._C with setup.py build_ext --inplace (CMake, no network)"
-      "$PY" setup.py build_ext --inplace && "$PY" -c "import memopd._C" && return 0
-      echo "setup.py build_ext failed; trying a direct compiler call"
-    fi
-    local cxx="${CXX:-$(command -v c++ || command -v g++ || true)}"
-    if [ -n "$cxx" ]; then
-      local suffix incs
-      suffix=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-      incs=$("$PY" -m pybind11 --includes)
-      echo "compiling csrc/planner.cpp with $cxx"
-      # shellcheck disable=SC2086
-      "$cxx" -O2 -std=c++17 -shared -fPIC $incs csrc/planner.cpp -o "memopd/_C$suffix" \
-        && "$PY" -c "import memopd._C" && return 0
-    fi
-  fi
-  echo "memopd._C is not importable and cannot be built here (needs pybind11 and cmake or a C++"
-  echo "compiler). Carry a build of it for this Python version (memopd/_C*.so) along with the tree."
-  return 1
-}
-export -f build_core
-export PY
-run_step build 120 bash -c build_core
-
-# ---------------------------------------------------------------- 3. kernel tests on CUDA
-# One pytest process per file, TRITON_INTERPRET unset: a file that turns the interpreter on
-# for itself (the CPU fallback of some tests) cannot silently turn the compiled-kernel
-# tests of another file into skips. The files share one time budget.
-shopt -s nullglob
-KERNEL_TESTS=(tests/test_packed_attention*.py tests/test_fused_distill*.py tests/test_actor_loss*.py)
-shopt -u nullglob
-if [ "${#KERNEL_TESTS[@]}" -eq 0 ]; then
-  note_failure kernel-tests "no tests/test_packed_attention*.py or tests/test_fused_distill*.py found"
-else
-  TESTS_DEADLINE=$(( $(date +%s) + TEST_TIMEOUT ))
-  for f in "${KERNEL_TESTS[@]}"; do
-    left=$(( TESTS_DEADLINE - $(date +%s) ))
-    name="tests-$(basename "$f" .py)"
-    if [ "$left" -lt 10 ]; then
-      note_failure "$name" "not run: the kernel-test budget (${TEST_TIMEOUT}s) is spent"
-      continue
-    fi
-    run_step "$name" "$left" "$PY" -m pytest "$f" -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/$name.xml"
-  done
-fi
-
-# ---------------------------------------------------------------- 3b. trainer collectives
-# Two trainer steps under torchrun with NCCL need two GPUs; with fewer, the CPU emulation
-# (tests/test_real_scale.py: a default group that serves CUDA tensors only) is the test.
-TRAINER_TIMEOUT="${GPU_CHECK_TRAINER_TIMEOUT:-120}"
-NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "${NGPU:-0}" -ge 2 ]; then
-  run_step trainer-nccl "$TRAINER_TIMEOUT" env MEMOPD_TEST_DEVICE=cuda "$PY" -m torch.distributed.run --standalone \
-    --nproc_per_node 2 tests/_dist_worker_trainer.py "$OUT_DIR/trainer_nccl" exact plain
-else
+dry_run() {
+  dry env "versions and device (limit 30s)" env_check
+  dry core "import memopd._C, else bash benchmarks/build_core_for.sh (limit 90s)" core_check
+  dry correctness "$PY -m pytest ${TESTS[*]} -x -q ${XDIST[*]:-(no pytest-xdist: one process)} (limit: the rest of ${PHASE1_S}s); here: collect only" \
+    "$PY" -m pytest "${TESTS[@]}" --collect-only -q -p no:cacheprovider
+  local item cases=()
+  for item in "${BENCH_LIMITS[@]}"; do cases+=("${item%:*}"); done
+  dry bench "$PY benchmarks/gpu_bench.py CASE, one process each: ${BENCH_LIMITS[*]} (phase limit ${PHASE2_S}s); here: the smoke run on CPU" \
+    "$PY" benchmarks/gpu_bench.py --smoke "${cases[@]}" --json "$WORK/bench_rows.jsonl"
+  local n
+  n=$(find "$OUT_DIR" -maxdepth 1 -type f | wc -l)
   echo
-  echo "=== [trainer-nccl] skipped: $NGPU GPU(s); a two-rank NCCL step needs 2 (CPU emulation: tests/test_real_scale.py)"
-  STATUS_LINES+=("skip  trainer-nccl (needs 2 GPUs, found $NGPU)")
-fi
+  echo "=== [outputs] $n file(s) in $OUT_DIR: $(cd "$OUT_DIR" && ls | tr '\n' ' ')"
+  if [ "$n" -gt 8 ]; then echo "more than 8 output files"; FAILED=1; fi
+}
 
-# ---------------------------------------------------------------- 4. benchmarks
-# = `pytest benchmarks/ --benchmark-only`, in two processes so that the packing benchmark
-# (the headline numbers) runs first and keeps its own time budget.
-if "$PY" -c "import pytest_benchmark" >/dev/null 2>&1 \
-   || "$PY" -m pip install --no-index --no-deps --quiet pytest-benchmark py-cpuinfo >/dev/null 2>&1; then
-  run_step bench-packing "$PACKING_TIMEOUT" "$PY" -m pytest benchmarks/bench_packing.py --benchmark-only -q \
-    -p no:cacheprovider --benchmark-json="$OUT_DIR/bench_packing.json" --benchmark-columns=min,median,max,rounds
-  run_step bench-ops "$BENCH_TIMEOUT" "$PY" -m pytest benchmarks/ --ignore=benchmarks/bench_packing.py \
-    --benchmark-only -q -p no:cacheprovider --benchmark-json="$OUT_DIR/bench_ops.json" \
-    --benchmark-columns=min,median,max,rounds
+T0=$(date +%s)
+rm -f "$OUT_DIR/summary.md" "$OUT_DIR/results.json" "$OUT_DIR/logs.tar.gz"
+if [ "$DRY" = 1 ]; then
+  dry_run
 else
-  note_failure benchmarks "pytest-benchmark is not installed and no local wheel was found (no network install)"
+  if [ "$PHASE" = 1 ] || [ "$PHASE" = all ]; then phase1; fi
+  if [ "$PHASE" = 2 ] || [ "$PHASE" = all ]; then
+    if [ "$PHASE" = 2 ] && ! env_check >/dev/null 2>&1; then
+      echo "gpu_check: no CUDA device"; FAILED=1
+    else
+      phase2
+    fi
+  fi
 fi
-
-# ---------------------------------------------------------------- 5. table (last)
-echo
-echo "=== summary ($(( $(date +%s) - T_START ))s in all; logs and JSON in $OUT_DIR)"
-for line in "${STATUS_LINES[@]}"; do echo "  $line"; done
-"$PY" - "$OUT_DIR/packing_summary.json" "$OUT_DIR/bench_packing.json" "$OUT_DIR/bench_ops.json" <<'EOF'
-import json, os, sys
-
-summary_path, bench_paths = sys.argv[1], sys.argv[2:]
-benches = []
-for bench_path in bench_paths:
-    if not os.path.exists(bench_path):
-        continue
-    try:
-        benches += json.load(open(bench_path)).get("benchmarks", [])
-    except (OSError, ValueError) as e:
-        print(f"cannot read {bench_path}: {e}")
-packing = {}
-others = []
-for b in benches:
-    info = b.get("extra_info", {})
-    if "config" in info and info.get("layout") in ("independent", "aligned", "aligned_shared"):
-        packing.setdefault(info["config"], {})[info["layout"]] = (info, b["stats"]["median"])
-    else:
-        others.append((b.get("fullname", b.get("name")), b["stats"]["median"], b["stats"]["rounds"]))
-if not packing and os.path.exists(summary_path):  # benchmark JSON missing (killed run): partial summary
-    for row in json.load(open(summary_path)).get("configs", []):
-        for lay in ("independent", "aligned", "aligned_shared"):
-            if lay in row:
-                packing.setdefault(row["config"], {})[lay] = (row[lay], row[lay]["median_s"])
-    if packing:
-        print("(packing rows from the partial packing_summary.json)")
-
-def key(c):
-    q, bs = c.split("-")
-    return int(q[1:]), int(bs[1:])
-
-if packing:
-    print(f"{'config':<9}{'tok ind':>9}{'pad':>7}{'tok aln':>9}{'tok shr':>9}"
-          f"{'ms ind':>10}{'ms aln':>10}{'ms shr':>10}{'ind/aln':>9}{'ind/shr':>9}")
-    worst = None
-    for cfg in sorted(packing, key=key):
-        r = packing[cfg]
-        g = lambda lay, i: r[lay][i] if lay in r else None
-        ti, ta, ts = (g(l, 1) for l in ("independent", "aligned", "aligned_shared"))
-        sa = ti / ta if ti and ta else None
-        ss = ti / ts if ti and ts else None
-        if ss is not None:
-            worst = ss if worst is None else min(worst, ss)
-        f = lambda v, fmt: "-" if v is None else format(v, fmt)
-        print(f"{cfg:<9}{f(r.get('independent', ({},))[0].get('tokens'), 'd'):>9}"
-              f"{f(r.get('independent', ({},))[0].get('padding_fraction'), '.3f'):>7}"
-              f"{f(r.get('aligned', ({},))[0].get('tokens'), 'd'):>9}{f(r.get('aligned_shared', ({},))[0].get('tokens'), 'd'):>9}"
-              f"{f(ti and ti * 1e3, '.1f'):>10}{f(ta and ta * 1e3, '.1f'):>10}{f(ts and ts * 1e3, '.1f'):>10}"
-              f"{f(sa, '.2f'):>9}{f(ss, '.2f'):>9}")
-    if worst is not None:
-        print(f"lowest independent/aligned_shared speedup: {worst:.2f}x (target 1.63x)")
-else:
-    print("no packing benchmark results")
-for name, med, rounds in others:
-    print(f"  {name}: median {med * 1e3:.3f} ms over {rounds} rounds")
-EOF
+finish
 
 echo
-if [ "${#FAILED[@]}" -gt 0 ]; then
-  echo "gpu_check: FAILED steps: ${FAILED[*]}"
+echo "=== gpu_check: $(( $(date +%s) - T0 ))s in all; summary.md, results.json, logs.tar.gz in $OUT_DIR"
+cat "$WORK/summary.txt" 2>/dev/null
+if [ "$FAILED" -ne 0 ]; then
+  echo "gpu_check: FAILED (see the step table above)"
   exit 1
 fi
 echo "gpu_check: all steps passed"

@@ -384,7 +384,7 @@ def main(argv=None):
     ap.add_argument("--shard", default="0/1", help="i/n: compile every n-th job starting at i")
     ap.add_argument("--cache", default=os.environ.get("MEMOPD_AOT_CACHE"), help="directory of cached rows")
     ap.add_argument("--log", help="append the full compiler output of failed compiles here")
-    ap.add_argument("--select", help="only jobs whose family/kernel/variant contains this text")
+    ap.add_argument("--select", help="only jobs whose family/kernel/variant/shape contains this text")
     ap.add_argument("--list", action="store_true", help="print the jobs, compile nothing")
     a = ap.parse_args(argv)
     # a private, empty Triton cache: a cache hit skips ptxas, and with it the register report
@@ -392,7 +392,7 @@ def main(argv=None):
     i, n = (int(x) for x in a.shard.split("/"))
     jobs = matrix_jobs()
     if a.select:
-        jobs = [j for j in jobs if a.select in f"{j['family']}/{j['kernel']}/{j['variant']}"]
+        jobs = [j for j in jobs if a.select in f"{j['family']}/{j['kernel']}/{j['variant']}/{j['shape']}"]
     # interleave so that every shard gets a similar mix of large and small kernels
     jobs = jobs[i::n]
     if a.list:
