@@ -16,7 +16,7 @@ import yaml
 from memopd.errors import UserError
 from memopd.packing import ACTION_DOMAINS
 
-__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "world_config"]
+__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "world_config", "check_requirements", "check_user_data"]
 
 
 class Arm(str, enum.Enum):
@@ -221,6 +221,79 @@ def world_config(preset: str, seed: int = 0):
         return world_preset(preset, seed=seed)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"world: {_one_line(e)}") from None
+
+
+def _install_hint(package: str, extra: str, why: str) -> str:
+    return (f"{why} needs {package}, which is not installed: pip install 'memopd[{extra}]' "
+            f"(in a checkout: pip install '.[{extra}]')")
+
+
+def check_user_data(cfg: "TrainConfig") -> None:
+    """Bring-your-own data (corpus=, tasks=, eval_tasks_file=): both files given and present,
+    and the model directories that data needs named. Cheap: nothing is read."""
+    import os
+
+    if not (cfg.corpus or cfg.tasks or cfg.eval_tasks_file):
+        return
+    missing = [k for k in ("corpus", "tasks") if not getattr(cfg, k)]
+    if missing:
+        raise ConfigError(f"bring-your-own data needs both corpus=DOCS.jsonl and tasks=SETS.jsonl "
+                          f"(missing: {', '.join(missing)}); see memopd/env/data.py for the formats")
+    if not cfg.student:
+        raise ConfigError("corpus=/tasks= need student=DIR (a local HF causal-LM checkpoint): the built-in SFT'd "
+                          "models only know the generated world")
+    if cfg.arm_spec.uses_teacher and not cfg.teacher:
+        raise ConfigError(f"arm={cfg.arm} distils from a teacher: give teacher=DIR (a local HF causal-LM "
+                          "checkpoint), or use arm=ppo")
+    for key in ("corpus", "tasks", "eval_tasks_file"):
+        path = getattr(cfg, key)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{key}={path!r}: no such file")
+
+
+def check_requirements(cfg: "TrainConfig") -> None:
+    """Everything a run needs beyond a valid config, checked before the run directory is
+    written or any model is trained: the packages that `tensorboard=true` and
+    `deepspeed=` need, a DeepSpeed config that this backend accepts, and the user-data
+    files. A run that fails here leaves nothing behind, so the same command is accepted
+    again once the problem is fixed (the SFT stage alone can take many minutes: finding
+    a missing package after it would waste them)."""
+    import importlib.util
+    import os
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken installation counts as missing
+            return False
+
+    if cfg.tensorboard:
+        if not installed("tensorboard"):
+            raise ConfigError(_install_hint("tensorboard", "plot", "tensorboard=true"))
+        try:
+            import torch.utils.tensorboard  # noqa: F401 - raises for a tensorboard torch cannot use
+        except ImportError as e:
+            raise ConfigError(f"tensorboard=true: torch cannot use the installed tensorboard ({_one_line(e)})") from None
+    if cfg.deepspeed:
+        if not installed("deepspeed"):
+            raise ConfigError(_install_hint("deepspeed", "deepspeed", f"deepspeed={cfg.deepspeed}"))
+        import json
+
+        import torch
+
+        from .backend import resolve_deepspeed_config
+
+        try:
+            resolve_deepspeed_config(cfg.deepspeed, max_grad_norm=cfg.max_grad_norm,
+                                     world_size=int(os.environ.get("WORLD_SIZE", "1") or 1),
+                                     on_cpu=not torch.cuda.is_available())
+        except OSError as e:
+            raise ConfigError(f"deepspeed={cfg.deepspeed!r}: cannot read it ({e.strerror or e})") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"deepspeed={cfg.deepspeed!r}: not valid JSON ({e})") from None
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"deepspeed={cfg.deepspeed!r}: {_one_line(e)}") from None
+    check_user_data(cfg)
 
 
 # --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from memopd.hf import head_of
 
 from .backend import barrier, init_distributed, make_backend
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, check_requirements, check_user_data
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
 from .update import UpdateSettings, score, update
 
@@ -393,20 +393,7 @@ def _prepare_user(cfg: TrainConfig, log: Callable[[str], None]):
     from memopd.errors import UserError
     from memopd.models import check_model_dir
 
-    missing = [k for k in ("corpus", "tasks") if not getattr(cfg, k)]
-    if missing:
-        raise UserError(f"bring-your-own data needs both corpus=DOCS.jsonl and tasks=SETS.jsonl "
-                        f"(missing: {', '.join(missing)}); see memopd/env/data.py for the formats")
-    if not cfg.student:
-        raise UserError("corpus=/tasks= need student=DIR (a local HF causal-LM checkpoint): the built-in SFT'd "
-                        "models only know the generated world")
-    if cfg.arm_spec.uses_teacher and not cfg.teacher:
-        raise UserError(f"arm={cfg.arm} distils from a teacher: give teacher=DIR (a local HF causal-LM "
-                        "checkpoint), or use arm=ppo")
-    for key in ("corpus", "tasks", "eval_tasks_file"):
-        path = getattr(cfg, key)
-        if path and not os.path.isfile(path):
-            raise UserError(f"{key}={path!r}: no such file")
+    check_user_data(cfg)
     student_dir = check_model_dir(cfg.student, "student")
     teacher_dir = check_model_dir(cfg.teacher, "teacher") if cfg.arm_spec.uses_teacher else cfg.teacher
     tok_dir = cfg.tokenizer or student_dir
@@ -572,17 +559,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
           log: Callable[[str], None] = print) -> dict:
     """The whole job: prepare, fit, evaluate on held-out Q-k sets, save the final model.
 
-    Before any model is loaded or trained, the run directory is opened (see
+    Before anything is written, `check_requirements` checks the packages and files the
+    config needs; a fresh run that fails before its first metrics line leaves the run
+    directory unused. Before any model is loaded or trained, the run directory is opened (see
     trainer/rundir.py): every output location must be a writable directory, the
     directory is locked for this run, and a used one needs `resume` (same config up to
     the safe keys) or `overwrite` (its earlier outputs are deleted)."""
-    from memopd.env.evaluate import evaluate as evaluate_dir
-    from memopd.env.evaluate import format_table
-
-    from .rundir import RunDir, atomic_write_json
+    from .rundir import RunDir
 
     t0 = time.time()
     cpu0 = time.process_time()
+    check_requirements(cfg)  # packages and files, before anything is written
     info = init_distributed()
     # the SFT cache is written only when a default model is needed (as in `prepare`)
     sft_needed = not cfg.student or (not cfg.teacher and cfg.arm_spec.uses_teacher)
@@ -590,50 +577,79 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=info.rank, world_size=info.world_size,
                       extra_dirs=extra, defaults=TrainConfig().to_dict(), log=log)
     try:
-        _set_seed(cfg.seed)
-        student, teacher, env, world, tokenizer, student_dir, teacher_dir = prepare(cfg, log)
-        trainer = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=log)
-
-        user = _user_data(cfg)
-        can_eval = not user or bool(cfg.eval_tasks_file)
-
-        def evaluate_saved(d: str) -> dict:
-            if user:  # the held-out file's sets as they are, grouped by k (as `memopd eval --questions`)
-                return evaluate_dir(d, corpus=cfg.corpus, questions=cfg.eval_tasks_file)
-            return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks)
-
-        def evaluate(step: int) -> dict:
-            d = os.path.join(cfg.run_dir, "eval_model")
-            _save_agent(trainer, tokenizer, student_dir, d)
-            res = evaluate_saved(d) if trainer.rank == 0 else {"results": {}}
-            return {f"eval/{k}": v for k, v in _flatten_eval(res["results"]).items()}
-
-        history = trainer.fit(resume=resume, evaluate=evaluate if can_eval else None, run=run)
-        report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
-                        "teacher": teacher_dir if cfg.arm_spec.uses_teacher else None}
-        final_dir = os.path.join(cfg.run_dir, "final")
-        _save_agent(trainer, tokenizer, student_dir, final_dir)
-        report["final_model"] = final_dir
-        if trainer.rank == 0 and not can_eval:
-            report["eval"] = None
-            log("no eval_tasks_file: the final model is not evaluated (give eval_tasks_file=HELD_OUT.jsonl)")
-        elif trainer.rank == 0:
-            final = evaluate_saved(final_dir)
-            trainer.write_metrics({"step": cfg.steps,
-                                   **{f"eval/{k}": v for k, v in _flatten_eval(final["results"]).items()}})
-            report["eval"] = final["results"]
-            log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
-            log(format_table(final))
-        trainer.close()
-        report["wall_s"] = round(time.time() - t0, 1)
-        report["cpu_s"] = round(time.process_time() - cpu0, 1)
-        report["last_step"] = history[-1] if history else None
-        if trainer.rank == 0:
-            atomic_write_json(os.path.join(cfg.run_dir, "report.json"), report)
-            log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")
-        return report
+        return _train_in(cfg, run, resume, log, t0, cpu0)
+    except BaseException:
+        if info.rank == 0 and not resume:
+            _forget_unstarted_run(cfg.run_dir)
+        raise
     finally:
         run.close()
+
+
+def _forget_unstarted_run(run_dir: str) -> None:
+    """A fresh run that failed before its first metrics line (a model that does not load,
+    an SFT stage cut short, ...) wrote only its config.yaml: remove it, so that the same
+    command is accepted once the problem is fixed instead of finding a 'used' directory.
+    Anything more (metrics, a checkpoint) is a real run's output and stays for --resume."""
+    from .rundir import clear_outputs, previous_outputs
+
+    used = set(previous_outputs(run_dir))
+    if used and used <= {"config.yaml", "tb"}:  # tb/ then holds no scalar yet: created before step 1
+        try:
+            clear_outputs(run_dir)
+        except OSError:
+            pass  # the original error matters more than this tidy-up
+
+
+def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t0: float, cpu0: float) -> dict:
+    """`train` inside its opened run directory `run`."""
+    from memopd.env.evaluate import evaluate as evaluate_dir
+    from memopd.env.evaluate import format_table
+
+    from .rundir import atomic_write_json
+
+    _set_seed(cfg.seed)
+    student, teacher, env, world, tokenizer, student_dir, teacher_dir = prepare(cfg, log)
+    trainer = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=log)
+
+    user = _user_data(cfg)
+    can_eval = not user or bool(cfg.eval_tasks_file)
+
+    def evaluate_saved(d: str) -> dict:
+        if user:  # the held-out file's sets as they are, grouped by k (as `memopd eval --questions`)
+            return evaluate_dir(d, corpus=cfg.corpus, questions=cfg.eval_tasks_file)
+        return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks)
+
+    def evaluate(step: int) -> dict:
+        d = os.path.join(cfg.run_dir, "eval_model")
+        _save_agent(trainer, tokenizer, student_dir, d)
+        res = evaluate_saved(d) if trainer.rank == 0 else {"results": {}}
+        return {f"eval/{k}": v for k, v in _flatten_eval(res["results"]).items()}
+
+    history = trainer.fit(resume=resume, evaluate=evaluate if can_eval else None, run=run)
+    report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
+                    "teacher": teacher_dir if cfg.arm_spec.uses_teacher else None}
+    final_dir = os.path.join(cfg.run_dir, "final")
+    _save_agent(trainer, tokenizer, student_dir, final_dir)
+    report["final_model"] = final_dir
+    if trainer.rank == 0 and not can_eval:
+        report["eval"] = None
+        log("no eval_tasks_file: the final model is not evaluated (give eval_tasks_file=HELD_OUT.jsonl)")
+    elif trainer.rank == 0:
+        final = evaluate_saved(final_dir)
+        trainer.write_metrics({"step": cfg.steps,
+                               **{f"eval/{k}": v for k, v in _flatten_eval(final["results"]).items()}})
+        report["eval"] = final["results"]
+        log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
+        log(format_table(final))
+    trainer.close()
+    report["wall_s"] = round(time.time() - t0, 1)
+    report["cpu_s"] = round(time.process_time() - cpu0, 1)
+    report["last_step"] = history[-1] if history else None
+    if trainer.rank == 0:
+        atomic_write_json(os.path.join(cfg.run_dir, "report.json"), report)
+        log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")
+    return report
 
 
 def _flatten_eval(res: dict) -> dict:
