@@ -29,16 +29,17 @@ layout captures the log-prob of every action token; the packed layouts must matc
 `independent` within 1e-4 in fp32, 0.1 in bf16), then on CUDA one untimed forward+backward
 round per layout (kernel compilation, autotuning; `MEMOPD_BENCH_WARMUP`), then
 `MEMOPD_BENCH_ROUNDS` (3) timed rounds, each running all three layouts back to back in a
-rotating order, so machine noise hits them alike. The durations of a layout are then
-handed to pytest-benchmark (through its `pedantic` API, with a clock that replays them), so
-`--benchmark-json` holds one entry per (configuration, layout) with the real interleaved
-durations and, in `extra_info`: config, layout, tokens (incl. padding), real_tokens,
-padding_fraction, the durations, the speedups and more. `benchmarks/conftest.py` prints the
-speedup table at the end of the session and writes it as JSON
-(`benchmarks/results/packing_summary.json`, or `$MEMOPD_BENCH_RESULTS_DIR`).
-Durations are wall-clock (`time.perf_counter` after a CUDA sync); on a CPU machine shared
-with other jobs `MEMOPD_BENCH_CLOCK=process` (with `MEMOPD_BENCH_THREADS=1`) times the
-process's CPU work instead.
+rotating order, so machine noise hits them alike (`_timing.interleaved`). The durations of a
+layout are then handed to pytest-benchmark (through its `pedantic` API, with a clock that
+replays them), so `--benchmark-json` holds one entry per (configuration, layout) with the
+real interleaved durations and, in `extra_info`: config, layout, tokens (incl. padding),
+real_tokens, padding_fraction, the durations, the speedups, the load average of each round
+and the rounds that load made unreliable. `benchmarks/conftest.py` prints the speedup table
+at the end of the session and writes it as JSON (`benchmarks/results/packing_summary.json`,
+or `$MEMOPD_BENCH_RESULTS_DIR`). Clock and threads (`benchmarks/_timing.py`): on CPU by
+default one torch thread and the CPU time of the process, which other jobs on the machine
+do not inflate (`MEMOPD_BENCH_CLOCK=wall`, `MEMOPD_BENCH_THREADS=N` on request); on CUDA
+the wall clock after a device sync.
 
 Models: on CPU a random Qwen2 (hidden 256, 2 layers (`MEMOPD_BENCH_LAYERS`), 8 heads / 2 kv
 heads, intermediate 512, vocab 4096, fp32); with CUDA a random Qwen2.5-0.5B-shaped model
@@ -59,6 +60,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from _timing import apply_threads, bench_clock, interleaved, record_durations
 
 from memopd.hf import packed_forward
 from memopd.memory import SummaryReplacement, drive
@@ -87,12 +90,7 @@ def _env_ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 
 BATCH_SIZES = _env_ints("MEMOPD_BENCH_BATCHES", (4, 8, 16))
 ROUNDS = _env_ints("MEMOPD_BENCH_ROUNDS", (3,))[0]
-# "wall": time.perf_counter (after a CUDA sync): what a trainer waits for. "process":
-# time.process_time of this process (CPU only): the CPU work, for machines shared with other
-# jobs, where wall time measures the contention more than the code.
-CLOCK = os.environ.get("MEMOPD_BENCH_CLOCK", "wall")
-if CLOCK not in ("wall", "process"):
-    raise ValueError(f"MEMOPD_BENCH_CLOCK={CLOCK!r}: choose 'wall' or 'process'")
+CLOCK = bench_clock()  # "process" (CPU time) on CPU, "wall" on CUDA, unless asked otherwise
 # untimed fwd+bwd warm-up rounds: CUDA needs one (kernel compilation, autotuning, allocator);
 # on CPU the median over the timed rounds absorbs a slower first round
 _WARMUP_ENV = os.environ.get("MEMOPD_BENCH_WARMUP")
@@ -200,11 +198,7 @@ def make_setup() -> BenchSetup:
     from memopd.models import tiny_causal_lm
 
     cuda = torch.cuda.is_available()
-    if CLOCK == "process" and cuda:
-        raise ValueError("MEMOPD_BENCH_CLOCK=process measures CPU work; use the wall clock on CUDA")
-    threads = os.environ.get("MEMOPD_BENCH_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
+    apply_threads()
     choice = os.environ.get("MEMOPD_BENCH_MODEL", "qwen2.5-0.5b" if cuda else "tiny")
     device = torch.device("cuda" if cuda else "cpu")
     if choice == "tiny":
@@ -397,17 +391,9 @@ def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warm
         for lay in LAYOUTS:
             model.zero_grad(set_to_none=True)
             runners[lay].step()
-    clock = time.process_time if CLOCK == "process" else time.perf_counter
-    times: dict[str, list[float]] = {lay: [] for lay in LAYOUTS}
-    for r in range(rounds):
-        order = LAYOUTS[r % 3:] + LAYOUTS[: r % 3]
-        for lay in order:
-            model.zero_grad(set_to_none=True)
-            _sync(setup.device)
-            t0 = clock()
-            runners[lay].step()
-            _sync(setup.device)
-            times[lay].append(clock() - t0)
+    timed = interleaved({lay: runners[lay].step for lay in LAYOUTS}, rounds, clock=CLOCK,
+                        before=lambda _: model.zero_grad(set_to_none=True), sync=lambda: _sync(setup.device))
+    times = timed.times
     model.zero_grad(set_to_none=True)
     n_calls = sum(len(t) for t in trajs)
     out = {}
@@ -431,6 +417,8 @@ def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warm
             "logprob_tol": LOGPROB_TOL.get(setup.dtype, 1e-4),
             "times_s": [round(t, 6) for t in times[lay]],
             "median_s": statistics.median(times[lay]) if times[lay] else math.nan,
+            "max_s": max(times[lay]) if times[lay] else math.nan,
+            "rounds": timed.summary(),
             "model": setup.name,
             "device": str(setup.device) if setup.device.type != "cuda" else torch.cuda.get_device_name(setup.device),
             "interleaved": True,
@@ -452,44 +440,6 @@ def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warm
 # --------------------------------------------------------------------------------------
 # pytest-benchmark glue
 # --------------------------------------------------------------------------------------
-class _ReplayClock:
-    """A timer for pytest-benchmark that replays durations measured elsewhere.
-
-    pytest-benchmark reads `timer()` before and after each round; this clock advances by
-    the next measured duration between the two reads.
-    """
-
-    __name__ = "interleaved_replay"
-
-    def __init__(self, durations: list[float]):
-        self._left = list(durations)
-        self._now = 0.0
-        self._started = False
-
-    def __call__(self) -> float:
-        if self._started:
-            self._now += self._left.pop(0) if self._left else 0.0
-        self._started = not self._started
-        return self._now
-
-
-def _record_durations(benchmark, durations: list[float]) -> None:
-    """Put `durations` into `benchmark`'s stats. Should a future pytest-benchmark drop its
-    `_timer` attribute, the stats hold a no-op instead and `extra_info["times_s"]` (always
-    written) remains the measurement; `extra_info["replayed"]` says which happened."""
-    replay = hasattr(benchmark, "_timer") and bool(durations)
-    benchmark.extra_info["replayed"] = replay
-    if not replay:
-        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-        return
-    saved = benchmark._timer
-    benchmark._timer = _ReplayClock(durations)
-    try:
-        benchmark.pedantic(lambda: None, rounds=len(durations), iterations=1, warmup_rounds=0)
-    finally:
-        benchmark._timer = saved
-
-
 _MEASURED: dict[str, dict] = {}
 
 
@@ -528,7 +478,7 @@ def test_packing_speedup(benchmark, bench_setup, packing_records, k, batch_size,
         pytest.fail(f"{config}: measurement failed: {_MEASURED[config]}")
     rec = dict(_MEASURED[config][layout])
     benchmark.extra_info.update(rec)
-    _record_durations(benchmark, rec["times_s"])
+    record_durations(benchmark, rec["times_s"])
     packing_records.append(rec)
     assert rec["logprob_max_abs_diff"] <= rec["logprob_tol"], (
         f"{config}: {layout} action log-probs differ from independent by {rec['logprob_max_abs_diff']:.3g} "

@@ -4,10 +4,16 @@
   pytest configuration only collects `test_*.py`).
 - `packing_records`: a session-wide list that `bench_packing.py` appends one record to per
   (configuration, layout).
-- At the end of the session, prints the packing speedup table (one line per
-  configuration: tokens incl. padding, padding fraction, median time of each layout over
-  interleaved rounds, and the ratios independent/aligned and independent/aligned_shared)
-  and writes it as JSON to `$MEMOPD_BENCH_RESULTS_DIR/packing_summary.json` (default
+- Sets the measurement defaults of every benchmark (`_timing.py`): one torch thread on
+  CPU unless `MEMOPD_BENCH_THREADS` says otherwise.
+- Puts every benchmark that names no group of its own into its module's group, so
+  pytest-benchmark's relative columns never compare unrelated operations.
+- At the end of the session, prints the packing speedup table first, before
+  pytest-benchmark's own tables (one line per configuration: tokens incl. padding, padding
+  fraction, median time of each layout over interleaved rounds, the ratios
+  independent/aligned and independent/aligned_shared with the min-max of the per-round
+  ratio, the load average, and a note for each round that load made unreliable), and
+  writes it as JSON to `$MEMOPD_BENCH_RESULTS_DIR/packing_summary.json` (default
   `benchmarks/results/`).
 """
 from __future__ import annotations
@@ -22,11 +28,26 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _timing import apply_threads, load_average
 
 PACKING_RECORDS = pytest.StashKey[list]()
 SPEEDUP_TARGET = 1.63  # aligned_shared over independent, on every configuration
 LAYOUTS = ("independent", "aligned", "aligned_shared")
 HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    apply_threads()
+
+
+@pytest.fixture(autouse=True)
+def _module_group(request):
+    """A benchmark without a group of its own is grouped with its module's benchmarks."""
+    if "benchmark" in request.fixturenames:
+        bench = request.getfixturevalue("benchmark")
+        if getattr(bench, "group", None) is None:
+            bench.group = request.module.__name__.removeprefix("bench_")
+    yield
 
 
 def pytest_collect_file(file_path, parent):
@@ -110,6 +131,7 @@ def summarize(records: list[dict]) -> dict:
                 "padding_fraction": r["padding_fraction"],
                 "median_s": r["median_s"],
                 "min_s": r.get("min_s"),
+                "max_s": r.get("max_s"),
                 "times_s": r["times_s"],
                 "micro_batches": r["micro_batches"],
                 "prep_s": r["prep_s"],
@@ -130,6 +152,9 @@ def summarize(records: list[dict]) -> dict:
             row[f"token_ratio_{lay}"] = round(ind_tok / tok, 3) if ind_tok and tok else None
         s = row.get("speedup_aligned_shared")
         row["meets_target"] = None if s is None else s >= SPEEDUP_TARGET
+        rounds = any_rec.get("rounds") or {}
+        row["loadavg"] = rounds.get("loadavg")
+        row["unreliable_rounds"] = rounds.get("unreliable_rounds", [])
         rows.append(row)
     met = [r["meets_target"] for r in rows if r["meets_target"] is not None]
     first = records[0]
@@ -150,6 +175,8 @@ def summarize(records: list[dict]) -> dict:
                            "per-round ratios",
         "target_speedup_aligned_shared": SPEEDUP_TARGET,
         "all_meet_target": (all(met) if met else None),
+        "loadavg_at_end": load_average(),
+        "cpu_count": os.cpu_count(),
         "configs": rows,
     }
 
@@ -176,39 +203,62 @@ def format_table(summary: dict) -> list[str]:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
     head = (f"{'config':<8} {'calls':>5} | {'tokens ind/aln/shr':>20} | {'pad ind':>7} | "
-            f"{'t ind s':>8} {'t aln s':>8} {'t shr s':>8} | {'ind/aln':>7} {'ind/shr':>7} {'(min)':>6} | "
-            f"{'max|dlp|':>8}")
+            f"{'t ind s':>8} {'t aln s':>8} {'t shr s':>8} | {'ind/aln':>7} {'ind/shr':>7} {'rounds min-max':>14} | "
+            f"{'max|dlp|':>8} | {'load':>9}")
     lines = [head, "-" * len(head)]
+    notes = []
     for r in summary["configs"]:
         def g(lay, key, fmt):
             return num(r.get(lay, {}).get(key), fmt)
 
         toks = "/".join(g(lay, "tokens", "d") for lay in LAYOUTS)
         dlp = max((r.get(lay, {}).get("logprob_max_abs_diff") or 0.0) for lay in LAYOUTS)
+        spread = r.get("speedup_aligned_shared_paired_range")
+        spread = "-" if not spread else f"{spread[0]:.2f}-{spread[1]:.2f}x"
+        loads = [v for v in (r.get("loadavg") or []) if v is not None]
+        load = "-" if not loads else f"{min(loads):.1f}-{max(loads):.1f}"
         flag = "" if r.get("meets_target") in (True, None) else "  < target"
-
-        def x(v):
-            return "-" if v is None else f"{v:.2f}x"
-
+        if r.get("unreliable_rounds"):
+            flag += "  (!)"
+            notes += [f"  {r['config']}: {n}" for n in r["unreliable_rounds"]]
         lines.append(
             f"{r['config']:<8} {r['calls']:>5} | {toks:>20} | {g('independent', 'padding_fraction', '.3f'):>7} | "
             f"{g('independent', 'median_s', '.3f'):>8} {g('aligned', 'median_s', '.3f'):>8} "
             f"{g('aligned_shared', 'median_s', '.3f'):>8} | {x(r.get('speedup_aligned')):>7} "
-            f"{x(r.get('speedup_aligned_shared')):>7} {x(r.get('speedup_aligned_shared_min')):>6} | {dlp:>8.1e}{flag}"
+            f"{x(r.get('speedup_aligned_shared')):>7} {spread:>14} | {dlp:>8.1e} | {load:>9}{flag}"
         )
-    verdict = {True: "met on every configuration", False: "MISSED on some configuration", None: "n/a"}
+    missed = [r["config"] for r in summary["configs"] if r.get("meets_target") is False]
+    shaky = {r["config"] for r in summary["configs"] if r.get("unreliable_rounds")}
+    if not summary["configs"] or summary["all_meet_target"] is None:
+        verdict = "n/a"
+    elif not missed:
+        verdict = "met on every configuration"
+    else:
+        verdict = "MISSED on " + ", ".join(f"{c}{' (unreliable rounds)' if c in shaky else ''}" for c in missed)
+    clock = {"process": "process CPU-time clock (user+sys)", "wall": "wall clock"}.get(summary["clock"], summary["clock"])
     lines.append(
-        f"model {summary['model']} on {summary['device']} (torch {summary['torch']}, {summary['cpu_threads']} threads), "
-        f"micro-batch budget {summary['max_tokens']} tokens, {summary['rounds']} interleaved rounds, "
-        f"{summary['clock']} clock; times are medians; (min) = ratio of the fastest rounds; "
-        f"target ind/shr >= {SPEEDUP_TARGET}x: "
-        + verdict[summary["all_meet_target"]]
+        f"model {summary['model']} on {summary['device']} (torch {summary['torch']}, {summary['cpu_threads']} "
+        f"thread(s)), micro-batch budget {summary['max_tokens']} tokens, {summary['rounds']} interleaved rounds, "
+        f"{clock}; times are medians over the rounds; 'rounds min-max' = the range of the per-round ind/shr ratios; "
+        f"load = 1-min load average at the rounds' starts ({summary.get('cpu_count')} CPUs)"
     )
+    lines.append(f"target ind/shr >= {SPEEDUP_TARGET}x: {verdict}")
+    if notes:
+        lines.append("(!) rounds that machine load made unreliable (a time far from its median"
+                     + (", or a step that waited for the CPU" if summary["clock"] == "wall" else "")
+                     + "); their configurations' ratios are less certain:")
+        lines += notes
+    if summary["clock"] == "wall":
+        lines.append("wall clock: on a machine shared with other jobs this measures the contention; the default "
+                     "process clock (unset MEMOPD_BENCH_CLOCK) does not")
     return lines
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark's tables: the packing result is the headline
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     records = config.stash.get(PACKING_RECORDS, None)
     if not records:
