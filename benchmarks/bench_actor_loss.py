@@ -1,18 +1,28 @@
-"""Benchmark: the fused PPO actor loss against the code it replaces, side by side.
+"""Benchmark: the fused losses (PPO actor loss, reverse KL, JSD) against the code they
+replace and against Liger-Kernel's chunked losses, side by side.
 
 Contenders (CPU, fp32, forward + backward, gradients to the student hidden states and
-weight; the loss is PPO surrogate + entropy bonus + full-vocabulary reverse KL to a
-frozen teacher, except where a peer computes less, as noted):
+weight), in three groups, each with its own naive baseline and peer:
 
+  actor loss: PPO surrogate + entropy bonus + full-vocabulary reverse KL to a frozen teacher
     naive        logits materialised, log_softmax, the loss in PyTorch (reference_actor_loss)
     composed     fused_linear_reverse_kl(reduction="none") + PPO surrogate + entropy bonus
                  (the trainer's path before fused_linear_actor_loss)
     fused_actor  memopd.ops.fused_linear_actor_loss
-    liger_jsd    Liger's chunked LigerFusedLinearJSDLoss (beta=1: reverse KL only; no PPO,
-                 no entropy), torch.compile'd as Liger ships it; skipped without liger-kernel
     liger_grpo   Liger's chunked LigerFusedLinearGRPOLoss (PPO clip surrogate; its KL is the
                  per-token k3 estimate to a reference model, not a full-vocabulary KL, and it
                  has no entropy term), torch.compile'd; skipped without liger-kernel
+  reverse KL: the mean KL(student || teacher) over the tokens, nothing else
+    naive_rkl    reference_linear_reverse_kl (materialising)
+    fused_rkl    fused_linear_reverse_kl (gradients taken in the forward, the CPU default)
+    fused_rkl_recompute  the same with gradients="recompute" (the backward recomputes)
+    liger_rkl    Liger's chunked LigerFusedLinearJSDLoss with beta=1 (reverse KL),
+                 torch.compile'd as Liger ships it; skipped without liger-kernel
+  JSD (beta = 0.5): the generalised JSD of TRL's GKD
+    naive_jsd, fused_jsd, liger_jsd  (the same three roles)
+
+The actor loss is compared with liger_rkl too: it does the reverse KL's work plus PPO
+and entropy.
 
 Each (contender, shape) runs in a fresh subprocess with one torch thread: it builds its
 inputs, warms up (at the real shape for the compiled Liger losses, so compilation is not
@@ -46,9 +56,19 @@ from _fresh_process import measure_call
 
 SHAPES = {
     "small": dict(N=4096, H=512, V=32000),
+    "small2k": dict(N=2048, H=512, V=32000),
     "qwen": dict(N=1024, H=1024, V=151936),
+    "tiny": dict(N=512, H=64, V=2048),  # a smoke test of every contender (seconds)
 }
-CONTENDERS = ("naive", "composed", "fused_actor", "liger_jsd", "liger_grpo")
+# group -> (its naive baseline, the contenders of the group, the peer its fused op is held to)
+GROUPS = {
+    "actor": ("naive", ("composed", "fused_actor", "liger_grpo"), "liger_rkl"),
+    "reverse_kl": ("naive_rkl", ("fused_rkl", "fused_rkl_recompute", "liger_rkl"), "liger_rkl"),
+    "jsd": ("naive_jsd", ("fused_jsd", "liger_jsd"), "liger_jsd"),
+}
+CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names))
+BASELINE = {n: base for base, names, _ in GROUPS.values() for n in (base, *names)}
+PEER = {n: peer for _, names, peer in GROUPS.values() for n in names if n.startswith(("fused", "composed"))}
 COEF = dict(clip_eps=0.2, entropy_coef=0.01, kl_coef=0.5)
 SEQ_LEN = 256  # Liger's GRPO loss takes [B, T] batches
 
@@ -83,10 +103,22 @@ def step_fn(name):
             pg, _ = policy_loss(d.logprobs, old, adv, COEF["clip_eps"])
             n = y.shape[0]
             ((pg.sum() - COEF["entropy_coef"] * d.entropy.sum()) / n + COEF["kl_coef"] * d.kl.sum() / n).backward()
-    elif name == "liger_jsd":
+    elif name in ("naive_rkl", "naive_jsd", "fused_rkl", "fused_rkl_recompute", "fused_jsd"):
+        from memopd.ops import fused_linear_distill, reference_linear_distill
+
+        op = reference_linear_distill if name.startswith("naive") else fused_linear_distill
+        kw = dict(divergence="jsd", beta=0.5) if name.endswith("jsd") else dict(divergence="reverse_kl")
+        if name == "fused_rkl_recompute":
+            kw["gradients"] = "recompute"
+
+        def run(hs, ws, ht, wt, y, adv, old):
+            op(hs, ws, ht, wt, y, **kw).loss.backward()
+    elif name in ("liger_rkl", "liger_jsd"):
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
-        loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=1.0, compiled=True)
+        # Liger's beta weighs the teacher like TRL's: 1 = reverse KL, 0.5 = the symmetric JSD
+        loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0,
+                                       beta=1.0 if name == "liger_rkl" else 0.5, compiled=True)
 
         def run(hs, ws, ht, wt, y, adv, old):
             loss(hs, ws, ht, wt, y).backward()
@@ -162,46 +194,64 @@ def compare(shapes, rounds, contenders=CONTENDERS, log=print):
     return results, skipped
 
 
+def _medians(results, shape, name):
+    ms = [m for m in results.get((shape, name), []) if "error" not in m]
+    if not ms:
+        return None
+    cpu = [m["cpu_s"] for m in ms]
+    return {"rounds": len(ms), "cpu_s": statistics.median(cpu), "cpu_min_s": min(cpu), "cpu_max_s": max(cpu),
+            "wall_s": statistics.median(m["wall_s"] for m in ms), "peak_mb": statistics.median(m["peak_mb"] for m in ms)}
+
+
 def summarise(results, shapes, contenders=CONTENDERS):
+    """One row per (shape, contender) measured: medians, min/max CPU time, and ratios to its
+    group's naive baseline and (for our ops) to the Liger peer of the same math."""
     rows = []
     for shape in shapes:
-        base = results.get((shape, "naive"), [])
-        base_ok = [m for m in base if "error" not in m]
-        if not base_ok:
-            continue
-        b_cpu = statistics.median(m["cpu_s"] for m in base_ok)
-        b_mem = statistics.median(m["peak_mb"] for m in base_ok)
         for name in contenders:
-            ms = [m for m in results.get((shape, name), []) if "error" not in m]
-            if not ms:
+            med = _medians(results, shape, name)
+            if med is None:
                 errs = [m["error"] for m in results.get((shape, name), []) if "error" in m]
                 if errs:
                     rows.append({"shape": shape, "contender": name, "error": errs[0]})
                 continue
-            cpu = statistics.median(m["cpu_s"] for m in ms)
-            mem = statistics.median(m["peak_mb"] for m in ms)
-            rows.append({"shape": shape, "contender": name, "rounds": len(ms), "cpu_s": round(cpu, 3),
-                         "wall_s": round(statistics.median(m["wall_s"] for m in ms), 3), "peak_mb": round(mem, 1),
-                         "time_vs_naive": round(cpu / b_cpu, 3), "memory_vs_naive": round(mem / max(b_mem, 1e-9), 4)})
+            row = {"shape": shape, "contender": name, **{k: round(v, 3) for k, v in med.items()}}
+            base = _medians(results, shape, BASELINE[name])
+            if base is not None:
+                row["baseline"] = BASELINE[name]
+                row["time_vs_naive"] = round(med["cpu_s"] / base["cpu_s"], 3)
+                row["memory_vs_naive"] = round(med["peak_mb"] / max(base["peak_mb"], 1e-9), 4)
+            peer = _medians(results, shape, PEER.get(name, ""))
+            if peer is not None:
+                row["peer"] = PEER[name]
+                row["time_vs_peer"] = round(med["cpu_s"] / peer["cpu_s"], 3)
+                row["memory_vs_peer"] = round(med["peak_mb"] / max(peer["peak_mb"], 1e-9), 4)
+            rows.append(row)
     return rows
 
 
 def format_table(rows):
-    out = [f"{'shape':<7}{'contender':<13}{'cpu s':>9}{'wall s':>9}{'peak MiB':>10}{'time/naive':>12}"
-           f"{'mem/naive':>11}"]
+    out = [f"{'shape':<8}{'contender':<21}{'cpu s (min-max)':>22}{'peak MiB':>10}{'time/naive':>12}"
+           f"{'mem/naive':>11}{'time/peer':>11}{'mem/peer':>10}"]
+
+    def ratio(r, k, width, fmt):
+        return f"{r[k]:>{width}{fmt}}" if k in r else f"{'-':>{width}}"
+
     for r in rows:
         if "error" in r:
-            out.append(f"{r['shape']:<7}{r['contender']:<13}  error: {r['error']}")
+            out.append(f"{r['shape']:<8}{r['contender']:<21}  error: {r['error']}")
             continue
-        out.append(f"{r['shape']:<7}{r['contender']:<13}{r['cpu_s']:>9.2f}{r['wall_s']:>9.2f}{r['peak_mb']:>10.0f}"
-                   f"{r['time_vs_naive']:>12.2f}{r['memory_vs_naive']:>11.3f}")
+        spread = f"{r['cpu_s']:.2f} ({r['cpu_min_s']:.2f}-{r['cpu_max_s']:.2f})"
+        out.append(f"{r['shape']:<8}{r['contender']:<21}{spread:>22}{r['peak_mb']:>10.0f}"
+                   + ratio(r, "time_vs_naive", 12, ".2f") + ratio(r, "memory_vs_naive", 11, ".3f")
+                   + ratio(r, "time_vs_peer", 11, ".2f") + ratio(r, "memory_vs_peer", 10, ".2f"))
     return "\n".join(out)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--measure", nargs=2, metavar=("CONTENDER", "SHAPE"), help=argparse.SUPPRESS)
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["small", "small2k", "qwen"], choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -212,7 +262,8 @@ def main(argv=None):
         return 0
     results, skipped = compare(args.shapes, args.rounds, args.contenders)
     rows = summarise(results, args.shapes, args.contenders)
-    print("\nCPU fp32 forward+backward, 1 thread, process clock; medians over rounds; ratios to naive")
+    print(f"\nCPU fp32 forward+backward, 1 thread, process clock; medians over rounds (min-max); ratios to the "
+          f"group's naive baseline and to the Liger peer; load average at the end {os.getloadavg()[0]:.1f}")
     print(format_table(rows))
     meta = {"clock": "process CPU time of one torch thread (fresh subprocess per measurement)",
             "rounds": args.rounds, "torch": torch.__version__, "skipped": skipped,
