@@ -5,11 +5,14 @@ tabulate held-out EM/F1 per Qk (mean ± std over seeds) with CPU time.
     memopd compare --arms ppo memopd --seeds 0 1 --jobs 2 steps=40 train_k=[2,8]
 
     memopd compare --protocol paper [--quick] [--publish]   # the paper's protocol (trainer/replicate.py)
+    memopd compare --resume ...                      # after an interruption: reuse finished runs, resume the rest
 
 An arm is `ARM` or `ARM:naive` (the action-domain ablation). Every run is a separate
 `memopd train` process (so `--jobs` runs use separate cores) writing
 OUT/<arm>/seed<S>/; the SFT student itself is evaluated once on the same held-out sets as
 the baseline row. Results: OUT/compare.json and a Markdown table OUT/compare.md.
+The children die with compare (their own process group, a parent-death signal), and a
+child's failure is compare's, with the child's message and exit code (docs/design.md §11.3).
 """
 from __future__ import annotations
 
