@@ -44,7 +44,8 @@ def test_every_kernel_compiles_for_sm90a_with_every_triton():
     compiled = [r for r in rows if not r["cached"]]
     summary = (f"AOT matrix: {len(rows)} jobs over Triton {', '.join(sorted(versions.values()))}, "
                f"{len(compiled)} compiled ({sum(r['seconds'] for r in compiled):.0f} s of compiler time), "
-               f"{len(rows) - len(compiled)} from the cache, {elapsed:.0f} s wall")
+               f"{len(rows) - len(compiled)} from the cache, {elapsed:.0f} s wall; "
+               f"{sum(bool(r['spills']) for r in rows if r['variant'] == 'safe')} SAFE relaunch variants spill")
     print(summary)
     print(table)
     if os.environ.get("MEMOPD_AOT_TABLE"):
@@ -64,7 +65,9 @@ def test_every_kernel_compiles_for_sm90a_with_every_triton():
         what = f"Triton {r['triton']} {r['family']} {r['kernel']} {r['variant']} {r['shape']} {r['config']}"
         assert r["shared"] <= _aot.SM90_SHARED_LIMIT, f"{what}: {r['shared']} B of shared memory"
         assert r["regs"] is not None and r["spills"] is not None, f"{what}: no ptxas report"
-        # every candidate the pruner keeps fits in registers (all these shapes have D >= 64)
-        assert r["spills"] == 0, f"{what}: {r['spills']} bytes of spills ({r['regs']} registers)"
+        # every candidate the pruners keep fits in registers in the launch that runs every
+        # step; the SAFE relaunch (only for blocks that met a NaN/inf) may spill
+        if r["variant"] != "safe":
+            assert r["spills"] == 0, f"{what}: {r['spills']} bytes of spills ({r['regs']} registers)"
         if r["family"] == "attention":
             assert r["wgmma"], f"{what}: no Hopper warp-group MMA"
