@@ -113,10 +113,14 @@ def _cmd_pack(args) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     keys = ["layout", "rows", "tokens", "padding_fraction", "prefix_segments", "action_tokens", "naive_action_tokens"]
-    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
+
+    def cell(v) -> str:  # naive_action_tokens is only counted for flatten: "-" elsewhere
+        return "-" if v is None else str(v)
+
+    widths = [max(len(k), *(len(cell(r[k])) for r in rows)) for k in keys]
     print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
     for r in rows:
-        print("  ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)))
+        print("  ".join(cell(r[k]).ljust(w) for k, w in zip(keys, widths)).rstrip())
     base = rows[LAYOUTS.index("independent")]["tokens"]
     print("\ntokens vs independent: " + ", ".join(f"{r['layout']} {r['tokens'] / base:.2f}x" for r in rows))
     return 0

@@ -303,7 +303,12 @@ def pack(
         raise PackError(f"action_domain must be one of {', '.join(ACTION_DOMAINS)}, got {action_domain!r}")
     if not isinstance(max_tokens, int) or max_tokens <= 0:
         raise PackError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    trajectories = list(trajectories)
+    if isinstance(trajectories, Trajectory):
+        raise PackError("pack() takes a sequence of trajectories, got one Trajectory: pass [trajectory]")
+    try:
+        trajectories = list(trajectories)
+    except TypeError:
+        raise PackError(f"pack() takes a sequence of memopd.Trajectory, got a {type(trajectories).__name__}") from None
     if not trajectories:
         raise PackError("no trajectories to pack")
     if validate:

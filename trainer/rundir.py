@@ -110,6 +110,12 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, what: str | None = None):
     """Yield a temp path next to `path` to write; on success it replaces `path` all at
@@ -122,6 +128,9 @@ def atomic_file(path: str | os.PathLike, what: str | None = None):
     with guarded_write(what or path, path, before):
         fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
         os.close(fd)
+        # mkstemp's 0600 would become the final file's mode: give it a plain open()'s
+        # (0666 less the umask), so team-mates read config.yaml like metrics.jsonl
+        os.chmod(tmp, 0o666 & ~_current_umask())
         try:
             yield tmp
             os.replace(tmp, path)
@@ -158,7 +167,7 @@ def atomic_directory(path: str | os.PathLike, what: str | None = None):
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
         try:
-            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise become the final directory's mode
+            os.chmod(tmp, 0o777 & ~_current_umask())  # mkdtemp's 0700 would become the final directory's mode
             yield tmp
             old = None
             if os.path.lexists(path):

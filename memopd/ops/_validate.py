@@ -1,7 +1,8 @@
 """Argument checks and argument normalisation shared by the fused ops (distillation,
 log-prob + entropy, actor loss) and their references: tensor shapes, dtypes and devices,
-the temperature, the kept-token mask, the loss reduction, the target-range check and
-the backend choice (memopd.ops.dispatch) for these ops.
+the temperature, the kept-token mask, the loss reduction, the target-range check, the
+finiteness of hidden states and heads under MEMOPD_DEBUG_CHECKS=1, and the backend choice
+(memopd.ops.dispatch) for these ops.
 """
 from __future__ import annotations
 
@@ -44,6 +45,27 @@ def validate_head(h, w, b, names):
             raise ValueError(f"{bname} must have {w.shape[0]} entries, got {b.shape[0]}")
         if b.dtype != w.dtype:
             raise TypeError(f"dtype mismatch: {bname} is {b.dtype}, its weight is {w.dtype}")
+    if debug_checks():
+        for name, x in ((hname, h), (wname, w), (bname, b)):
+            check_finite(x, name)
+
+
+def debug_checks() -> bool:
+    """MEMOPD_DEBUG_CHECKS=1: the checks that cost a pass over the inputs and a host sync."""
+    return os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
+
+
+def check_finite(x: Optional[Tensor], name: str) -> None:
+    """A NaN or inf in a hidden state or head would make every output NaN without a word:
+    name the tensor and the first bad row instead."""
+    if x is None:
+        return
+    bad = ~torch.isfinite(x.detach())
+    if bool(bad.any()):
+        rows = bad.reshape(bad.shape[0], -1).any(dim=1) if bad.dim() > 1 else bad
+        first = int(rows.nonzero()[0, 0])
+        raise ValueError(f"{name} holds {int(bad.sum())} non-finite values (NaN or inf), first in row {first}: "
+                         "the outputs would be NaN (found by MEMOPD_DEBUG_CHECKS=1)")
 
 
 def validate_tokens(N, targets, mask):
@@ -169,5 +191,5 @@ def choose_op_backend(op: str, backend: Optional[str], device: torch.device, *dt
 def resolve_check_targets(check_targets: Optional[bool], device: torch.device) -> bool:
     """Default: check on CPU; on CUDA only with MEMOPD_DEBUG_CHECKS=1 (the check syncs)."""
     if check_targets is None:
-        return device.type == "cpu" or os.environ.get("MEMOPD_DEBUG_CHECKS") == "1"
+        return device.type == "cpu" or debug_checks()
     return bool(check_targets)
