@@ -317,7 +317,7 @@ def _child_env(site_dir):
     return env
 
 
-def run_matrix(site_dirs, shards_per_triton=1, cache_dir=None, log_dir=None, timeout=1800, select=None):
+def run_matrix(site_dirs, shards_per_triton=1, cache_dir=None, log_dir=None, timeout=5400, select=None):
     """Run the matrix under each Triton (site_dirs: '' for the default one, else a
     directory holding another), `shards_per_triton` processes each, all at once. Returns
     (rows, failures): failures are processes that died without their rows (one line each)."""
