@@ -311,7 +311,7 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     from .config import TrainConfig
     from .loop import prepare
     from .plot import plot_protocol_curves
-    from .rundir import atomic_write_text
+    from .rundir import atomic_file, atomic_write_text
 
     name = "quick" if args.quick else "full"
     budget = BUDGETS[name]
@@ -373,7 +373,8 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     if args.publish:
         for ext, src in paths.items():
             dst = os.path.join(RESULTS_DIR, os.path.basename(src))
-            shutil.copyfile(src, dst)
+            with atomic_file(dst) as tmp:  # a failed copy leaves the published file as it was
+                shutil.copyfile(src, tmp)
             log(f"[replication] published {dst}")
     log(f"[replication] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
     return 0
