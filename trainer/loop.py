@@ -317,6 +317,10 @@ class Trainer:
         if cfg.tensorboard and self.rank == 0:
             self._tb_writer()  # fail early if tensorboard is missing, before any step
         history = []
+        if evaluate is not None and start == 0:
+            # the starting point on the same held-out sets: the baseline of the final
+            # scores, and the first point of every eval curve (also with eval_every=0)
+            self.write_metrics({"step": 0, **evaluate(0)})
         bar = None
         if cfg.progress and self.rank == 0:
             from memopd.progress import progress_bar
@@ -604,7 +608,7 @@ def _forget_unstarted_run(run_dir: str) -> None:
 def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t0: float, cpu0: float) -> dict:
     """`train` inside its opened run directory `run`."""
     from memopd.env.evaluate import evaluate as evaluate_dir
-    from memopd.env.evaluate import format_table
+    from memopd.env.evaluate import format_comparison, format_table
 
     from .rundir import atomic_write_json
 
@@ -620,13 +624,24 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
             return evaluate_dir(d, corpus=cfg.corpus, questions=cfg.eval_tasks_file)
         return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks)
 
+    baseline_cache = _BaselineCache(cfg, student_dir) if not user and not cfg.student else None
+    baseline: dict = {}
+
     def evaluate(step: int) -> dict:
-        d = os.path.join(cfg.run_dir, "eval_model")
-        _save_agent(trainer, tokenizer, student_dir, d)
-        res = evaluate_saved(d) if trainer.rank == 0 else {"results": {}}
-        return {f"eval/{k}": v for k, v in _flatten_eval(res["results"]).items()}
+        res = baseline_cache.get() if (step == 0 and baseline_cache is not None and trainer.rank == 0) else None
+        if res is None:
+            d = os.path.join(cfg.run_dir, "eval_model")
+            _save_agent(trainer, tokenizer, student_dir, d)  # collective under ZeRO-3: every rank
+            res = evaluate_saved(d)["results"] if trainer.rank == 0 else {}
+            if step == 0 and baseline_cache is not None and trainer.rank == 0:
+                baseline_cache.put(res)
+        if step == 0:
+            baseline.update(res)
+        return {f"eval/{k}": v for k, v in _flatten_eval(res).items()}
 
     history = trainer.fit(resume=resume, evaluate=evaluate if can_eval else None, run=run)
+    if can_eval and not baseline and trainer.rank == 0:  # resumed: the step-0 line of the earlier start
+        baseline.update(_step0_eval(trainer.metrics_path))
     report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
                     "teacher": teacher_dir if cfg.arm_spec.uses_teacher else None}
     final_dir = os.path.join(cfg.run_dir, "final")
@@ -640,8 +655,13 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
         trainer.write_metrics({"step": cfg.steps,
                                **{f"eval/{k}": v for k, v in _flatten_eval(final["results"]).items()}})
         report["eval"] = final["results"]
+        report["baseline_eval"] = baseline or None
         log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
         log(format_table(final))
+        if baseline:
+            log("\nthe starting student (step 0) against the trained one, on the same held-out sets:")
+            start = "student (step 0)" if cfg.student else "SFT student (step 0)"
+            log(format_comparison([(start, baseline), (f"{cfg.arm}, step {cfg.steps}", final["results"])]))
     trainer.close()
     report["wall_s"] = round(time.time() - t0, 1)
     report["cpu_s"] = round(time.process_time() - cpu0, 1)
@@ -650,6 +670,69 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
         atomic_write_json(os.path.join(cfg.run_dir, "report.json"), report)
         log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")
     return report
+
+
+class _BaselineCache:
+    """The held-out scores of an SFT'd default student, kept beside it in the SFT cache:
+    every run from that student starts from the same weights on the same greedy episodes,
+    so its step-0 evaluation is measured once per cached student and evaluation setting."""
+
+    FILE = "baseline_eval.json"
+
+    def __init__(self, cfg: TrainConfig, student_dir: str):
+        import hashlib
+
+        from .rundir import MANIFEST
+
+        self.path = os.path.join(os.path.dirname(os.path.abspath(student_dir)), self.FILE)
+        try:
+            with open(os.path.join(student_dir, MANIFEST), "rb") as f:
+                weights = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            weights = None  # no manifest: nothing identifies the weights, so nothing is cached
+        self.key = None if weights is None else json.dumps(
+            {"student": weights, "policy": cfg.policy, "eval_k": list(cfg.eval_k), "eval_tasks": cfg.eval_tasks},
+            sort_keys=True)
+
+    def _entries(self) -> dict:
+        try:
+            with open(self.path) as f:
+                entries = json.load(f)
+            return entries if isinstance(entries, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def get(self) -> dict | None:
+        return None if self.key is None else self._entries().get(self.key)
+
+    def put(self, results: dict) -> None:
+        from memopd.errors import UserError
+
+        from .rundir import atomic_write_json
+
+        if self.key is None:
+            return
+        try:
+            atomic_write_json(self.path, {**self._entries(), self.key: results})
+        except (OSError, UserError):  # a cache: the run does not depend on it
+            pass
+
+
+def _step0_eval(metrics_path: str) -> dict:
+    """The step-0 evaluation line of metrics.jsonl back as {"Q2": {"em_mean": ..}, ..}."""
+    import re
+
+    try:
+        with open(metrics_path) as f:
+            line = next((json.loads(x) for x in f if x.strip().startswith('{"step": 0,')), None)
+    except (OSError, ValueError):
+        return {}
+    out: dict = {}
+    for key, v in (line or {}).items():
+        m = re.fullmatch(r"eval/(\w+)_(q\d+)", key)
+        if m:
+            out.setdefault(m.group(2).upper(), {})[m.group(1)] = v
+    return out
 
 
 def _flatten_eval(res: dict) -> dict:

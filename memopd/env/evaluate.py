@@ -32,7 +32,8 @@ from .qa import EnvConfig, QAEnv
 from .rollout import HFEngine, rollout
 from .world import World, WorldConfig
 
-__all__ = ["evaluate", "summarize", "format_table", "load_agent", "load_agent_env", "agent_engine"]
+__all__ = ["evaluate", "summarize", "format_table", "format_comparison", "load_agent", "load_agent_env",
+           "agent_engine"]
 
 
 def load_agent(model_dir: str | os.PathLike, *, device: str = "cpu"):
@@ -193,6 +194,28 @@ def format_table(report: dict[str, Any]) -> str:
         )
     lines.append("EM mean = fraction of sub-questions answered exactly; EM sum = sub-questions right per "
                  "episode (of k); F1 likewise; peak tok = longest |q|+|x_t|+|a_t| of any call.")
+    return "\n".join(lines)
+
+
+def format_comparison(named_results: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """EM / F1 (means) of several models on the same sets, one row per model, one column
+    pair per Qk, and the change of the last row from the first: `named_results` is
+    [(name, evaluate(...)["results"]), ...]."""
+    sets = [q for q in named_results[0][1] if all(q in r for _, r in named_results)]
+    width = max(len(n) for n, _ in named_results + [("change", {})])
+    lines = [f"{'':<{width}}  " + "  ".join(f"{q + ' EM':>7} {q + ' F1':>7}" for q in sets)]
+
+    def cells(results, fmt):
+        return "  ".join(f"{format(results[q].get('em_mean', float('nan')), fmt):>7} "
+                         f"{format(results[q].get('f1_mean', float('nan')), fmt):>7}" for q in sets)
+
+    for name, results in named_results:
+        lines.append(f"{name:<{width}}  " + cells(results, ".3f"))
+    if len(named_results) > 1:
+        first, last = named_results[0][1], named_results[-1][1]
+        delta = {q: {m: last[q].get(m, float("nan")) - first[q].get(m, float("nan")) for m in ("em_mean", "f1_mean")}
+                 for q in sets}
+        lines.append(f"{'change':<{width}}  " + cells(delta, "+.3f"))
     return "\n".join(lines)
 
 

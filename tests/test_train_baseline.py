@@ -1,0 +1,60 @@
+"""`memopd train` evaluates its starting student on the held-out sets before step 1: the
+final table then shows the baseline next to the trained scores, and `memopd plot` draws
+every eval panel as a line even with eval_every=0. The default SFT student's baseline is
+measured once and kept in the SFT cache."""
+import json
+
+import pytest
+
+from memopd.trainer.config import TrainConfig
+
+pytest.importorskip("transformers")
+
+
+def _cfg(sft_dirs, run_dir, **kw):
+    base = dict(steps=2, run_dir=str(run_dir), student=sft_dirs[0], teacher=sft_dirs[1], tasks_per_step=2,
+                group_size=2, train_k=[1], eval_k=[1, 2], eval_tasks=2, ppo_epochs=1, minibatches=2,
+                checkpoint_every=0, progress=False)
+    base.update(kw)
+    return TrainConfig(**base).validate()
+
+
+def test_train_reports_the_starting_student_next_to_the_trained_one(sft_dirs, tmp_path):
+    from memopd.env.evaluate import evaluate
+    from memopd.trainer.loop import train
+    from memopd.trainer.plot import read_metrics
+
+    said = []
+    rep = train(_cfg(sft_dirs, tmp_path / "run"), log=said.append)
+    lines = read_metrics(str(tmp_path / "run"))
+    assert lines[0]["step"] == 0 and set(lines[0]) > {"eval/em_mean_q1", "eval/em_mean_q2"}
+    assert [m["step"] for m in lines if "eval/em_mean_q1" in m] == [0, 2]  # a line, not one point
+    # step 0 is the student it started from, scored as `memopd eval` scores it
+    direct = evaluate(sft_dirs[0], ks=[1, 2], n=2)["results"]
+    assert rep["baseline_eval"]["Q1"]["em_mean"] == direct["Q1"]["em_mean"]
+    assert rep["baseline_eval"]["Q2"]["f1_mean"] == direct["Q2"]["f1_mean"]
+    table = said[said.index("\nthe starting student (step 0) against the trained one, on the same held-out sets:") + 1]
+    rows = table.splitlines()
+    assert rows[1].startswith("student (step 0)") and rows[2].startswith("memopd, step 2")
+    assert rows[3].startswith("change")
+    assert float(rows[1].split()[3]) == pytest.approx(direct["Q1"]["em_mean"], abs=5e-4)
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["baseline_eval"]["Q1"]
+
+
+def test_baseline_cache_is_keyed_by_the_weights_and_the_eval_settings(sft_dirs, tmp_path):
+    import shutil
+
+    from memopd.trainer.loop import _BaselineCache
+
+    student = tmp_path / "sft" / "student"
+    shutil.copytree(sft_dirs[0], student)
+    cfg = _cfg(sft_dirs, tmp_path / "run")
+    cache = _BaselineCache(cfg, str(student))
+    assert cache.get() is None
+    cache.put({"Q1": {"em_mean": 0.5}})
+    assert _BaselineCache(cfg, str(student)).get() == {"Q1": {"em_mean": 0.5}}
+    assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", eval_tasks=3), str(student)).get() is None
+    assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", policy="full"), str(student)).get() is None
+    manifest = student / "memopd_manifest.json"
+    manifest.write_text(manifest.read_text() + " ")  # other weights, another manifest
+    assert _BaselineCache(cfg, str(student)).get() is None
