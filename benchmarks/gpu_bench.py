@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -164,8 +165,10 @@ def measure(name: str, smoke: bool = False, rounds: int = 10) -> dict:
 # ---------------------------------------------------------------------------------------
 # the check's summary: summary.md (pasteable) and results.json, from gpu_check.sh's work dir
 # ---------------------------------------------------------------------------------------
-_COMPILE_ERROR_MARKERS = ("error:", "CompilationError", "PTXASError", "PassManager::run failed",
-                          "OutOfResources", "out of resource")
+# an MLIR diagnostic ("...: error: failed to legalize ..."), a raised compiler exception
+# ("triton.compiler.errors.CompilationError: at 15:12: ...", as pytest prints it too), ptxas
+_COMPILE_ERROR = re.compile(r"(: error: |^(E\s+)?[\w.]*(CompilationError|PTXASError|OutOfResources)\b|"
+                            r"PassManager::run failed|ptxas fatal)")
 
 
 def _read_jsonl(path):
@@ -192,7 +195,7 @@ def compile_errors(log_dir):
             continue
         with open(os.path.join(log_dir, name), errors="replace") as f:
             for line in f:
-                if any(m in line for m in _COMPILE_ERROR_MARKERS) and "Warning" not in line:
+                if _COMPILE_ERROR.search(line.strip()):
                     text = line.strip()
                     if "error:" in text:  # drop the path:line:col prefix of MLIR diagnostics
                         text = "error: " + text.split("error:", 1)[1].strip()

@@ -78,7 +78,11 @@ step() {
   fi
   local t0 rc dt note=""
   t0=$(date +%s)
-  timeout -s INT -k 15 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  if declare -F "$1" >/dev/null; then  # a function of this script: timeout needs a process
+    timeout -s INT -k 15 "$limit" bash -c '"$@"' _ "$@" > "$WORK/$name.log" 2>&1
+  else
+    timeout -s INT -k 15 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  fi
   rc=$?
   dt=$(( $(date +%s) - t0 ))
   tail -n 15 "$WORK/$name.log" | cut -c1-300
@@ -151,13 +155,16 @@ core_check() {  # memopd._C importable, or buildable here
   fi
 }
 
+export -f env_check core_check
+export PY WORK DRY
+
 XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 6)
 TESTS=(tests/test_kernels_cuda.py -k "not on_cpu")  # (its CPU harness check runs in CI)
 
 phase1() {
   local end=$(( $(date +%s) + PHASE1_S ))
-  step env 30 env_check || return 1
+  step env 60 env_check || return 1
   step core $(( end - $(date +%s) < 90 ? end - $(date +%s) : 90 )) core_check || return 1
   # -x: stop at the first failure; -p no:randomly etc. are not assumed to exist
   step correctness $(( end - $(date +%s) )) "$PY" -m pytest "${TESTS[@]}" -x -q -p no:cacheprovider \
@@ -182,7 +189,7 @@ phase2() {
 }
 
 dry_run() {
-  dry env "versions and device (limit 30s)" env_check
+  dry env "versions and device (limit 60s)" env_check
   dry core "import memopd._C, else bash benchmarks/build_core_for.sh (limit 90s)" core_check
   dry correctness "$PY -m pytest ${TESTS[*]} -x -q ${XDIST[*]:-(no pytest-xdist: one process)} (limit: the rest of ${PHASE1_S}s); here: collect only" \
     "$PY" -m pytest "${TESTS[@]}" --collect-only -q -p no:cacheprovider

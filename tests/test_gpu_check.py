@@ -1,0 +1,54 @@
+"""The summary of benchmarks/gpu_check.sh (benchmarks/gpu_bench.py --summary): the table
+from the benchmark rows, one line per compile error out of hundreds of compiler lines,
+failed tests named, and only the files that come back from a borrowed GPU."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import gpu_bench  # noqa: E402
+
+
+def test_summary_from_a_work_dir(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "steps.jsonl").write_text(
+        json.dumps(dict(step="env", status="ok", seconds=4, limit=60, note="")) + "\n"
+        + json.dumps(dict(step="correctness", status="FAIL", seconds=80, limit=190, note="exit 1")) + "\n")
+    row = dict(case="attn-fwd-32/8", op="attention fwd", shape="T=16384 Hq/Hkv=32/8 D=128", dtype="bfloat16",
+               config="_fwd_kernel: BLOCK_M=128,BLOCK_N=64,w8,s3", first_call_s=21.5, median_ms=3.21,
+               tflops=310.4, peak_mib=12, max_abs_diff=0.0039, device="H200")
+    (work / "bench_rows.jsonl").write_text(json.dumps(row) + "\n")
+    mlir = ["  %12 = tt.load %11 : tensor<128x64x!tt.ptr<bf16>>"] * 300
+    (work / "correctness.log").write_text("\n".join(
+        ["from triton.runtime.errors import PTXASError"] + mlir
+        + ["/repo/kernels/packed_attention.py:718:0: error: failed to legalize unresolved materialization"] + mlir
+        + ["E   RuntimeError: PassManager::run failed", "1 failed, 20 passed"]) + "\n")
+    (work / "correctness.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_kernels_cuda" name="test_a" time="3.5"/>'
+        '<testcase classname="tests.test_kernels_cuda" name="test_b" time="1.0">'
+        '<failure message="AssertionError: dq: max error 1e-1 &gt; 2e-2">trace</failure></testcase>'
+        '</testsuite></testsuites>')
+    text = gpu_bench.summarize(str(work), str(out))
+    assert sorted(os.listdir(out)) == ["results.json", "summary.md"]
+    assert "| attention fwd | T=16384 Hq/Hkv=32/8 D=128 | bfloat16 | _fwd_kernel: BLOCK_M=128,BLOCK_N=64,w8,s3 | " \
+           "21.5 | 3.21 | 310.4 | 12 | 0.0039 |" in text
+    errors = [ln for ln in text.splitlines() if ln.startswith("- correctness:")]
+    assert errors == ["- correctness: error: failed to legalize unresolved materialization",
+                      "- correctness: E   RuntimeError: PassManager::run failed"]
+    assert "1 passed, 1 failed, 0 skipped" in text
+    assert "- FAILED tests.test_kernels_cuda::test_b: AssertionError: dq: max error 1e-1 > 2e-2" in text
+    res = json.loads((out / "results.json").read_text())
+    assert res["benchmarks"] == [row] and len(res["tests"]) == 2 and len(res["compile_errors"]) == 2
+
+
+def test_bad_arguments_are_one_line_errors():
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--phase", "3"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "gpu_check: --phase must be 1, 2 or all, got '3'"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_bench.py"), "no-such-case"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no-such-case" in r.stderr
