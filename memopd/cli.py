@@ -68,6 +68,8 @@ def _cmd_audit(args) -> int:
     sets = []
     if args.trajectories:
         sets.append(("recorded", _load_nonempty(args.trajectories, "audit", vocab_size=vocab)))
+    elif args.model and not args.random:
+        sets += _own_samples(args)
     else:
         policies = POLICIES if args.policy == "all" else [args.policy]
         for p in policies:
@@ -79,8 +81,10 @@ def _cmd_audit(args) -> int:
     report = {"model": args.model or f"tiny-{args.arch} (random init)", "dtype": args.dtype, "policies": {}}
     failed = []
     for name, trajs in sets:
-        results = audit(model, trajs, max_tokens=args.max_tokens, attention_backend=args.attention_backend)
-        print(format_table(results, f"\n== memory policy: {name}  ({len(trajs)} trajectories) =="))
+        # a call never splits across rows: the budget must hold the longest flattened episode
+        budget = max(args.max_tokens, max(t.flattened_tokens for t in trajs))
+        results = audit(model, trajs, max_tokens=budget, attention_backend=args.attention_backend)
+        print(format_table(results, f"\n== {name}  ({len(trajs)} trajectories) =="))
         report["policies"][name] = [r.to_dict() for r in results]
         failed += [f"{name}/{r.variant}" for r in results if r.must_pass and not r.passed]
     report["seconds"] = round(time.time() - t0, 2)
@@ -93,6 +97,29 @@ def _cmd_audit(args) -> int:
         print(f"\nJSON report written to {args.json}")
     print(f"\naudit finished in {report['seconds']} s: " + ("aligned layouts PASS" if not failed else f"FAILED: {', '.join(failed)}"))
     return 0 if not failed else 1
+
+
+def _own_samples(args) -> list[tuple[str, list]]:
+    """The model's own rollouts, one set per k: held-out sets of the world it was trained
+    in (its memopd_env.json), or of the user's --corpus / --questions, each played once at
+    --temperature (the sampling state a trainer would record)."""
+    from .env.evaluate import evaluate
+    from .env.sft import ENV_META_FILE
+    from .errors import UserError
+
+    played: list = []
+    user = bool(args.corpus or args.questions)
+    if not user and not os.path.exists(os.path.join(args.model, ENV_META_FILE)):
+        raise UserError(f"--model {args.model!r} has no {ENV_META_FILE}, so it has no world to play: give "
+                        "--corpus DOCS.jsonl --questions SETS.jsonl to audit it on its own rollouts there, "
+                        "--trajectories FILE to audit recorded ones, or --random for random token ids")
+    evaluate(args.model, ks=args.ks, n=args.n, seed=args.seed, temperature=args.temperature,
+             corpus=args.corpus, questions=args.questions, trajectories=played)
+    by_k: dict[int, list] = {}
+    for t in played:
+        by_k.setdefault(int(t.rewards["k"]), []).append(t)
+    where = "user question sets" if user else "held-out sets"
+    return [(f"own samples: Q{k}, {where}, temperature {args.temperature:g}", ts) for k, ts in sorted(by_k.items())]
 
 
 def _cmd_pack(args) -> int:
@@ -129,14 +156,30 @@ def _cmd_pack(args) -> int:
 def _add_audit(sub) -> None:
     from .memory import POLICIES
 
-    p = sub.add_parser("audit", help="RCE audit: packed vs independent logits, per layout and memory policy")
+    p = sub.add_parser("audit", help="RCE audit: packed vs independent logits, per layout and memory policy",
+                       description="RCE audit. With --model DIR: the model's own rollouts (a memopd agent plays "
+                                   "held-out sets of its world; any HF model with --corpus/--questions plays "
+                                   "those), or --trajectories FILE (e.g. from `memopd eval --save-trajectories`), "
+                                   "or --random token-id trajectories. Without --model: a tiny random-init model "
+                                   "on random trajectories per memory policy.")
     p.add_argument("--model", help="local HF checkpoint directory (default: a tiny random-init model)")
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="architecture of the default model")
-    p.add_argument("--trajectories", help="a trajectories .jsonl file (default: generated per memory policy)")
+    p.add_argument("--trajectories", help="a trajectories .jsonl file to audit instead of sampled rollouts")
+    p.add_argument("--random", action="store_true",
+                   help="with --model: audit random token-id trajectories (per --policy) instead of its rollouts")
+    p.add_argument("--ks", type=_positive_int, nargs="+", default=[2, 8],
+                   help="own rollouts: question-set sizes played (default 2 8)")
+    p.add_argument("--n", type=_positive_int, default=8, help="own rollouts: held-out sets per size (default 8)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="own rollouts: sampling temperature (default 1; 0 = greedy)")
+    p.add_argument("--corpus", help="own rollouts on your data: a corpus JSONL (with --questions)")
+    p.add_argument("--questions", help="own rollouts on your data: question sets JSONL (with --corpus)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
-    p.add_argument("--policy", default="all", choices=["all", *POLICIES])
-    p.add_argument("--num-trajectories", type=_positive_int, default=8)
-    p.add_argument("--group-size", type=_positive_int, default=4, help="trajectories per group (share a prefix)")
+    p.add_argument("--policy", default="all", choices=["all", *POLICIES],
+                   help="random trajectories: memory policy (own rollouts use the model's)")
+    p.add_argument("--num-trajectories", type=_positive_int, default=8, help="random trajectories per policy")
+    p.add_argument("--group-size", type=_positive_int, default=4,
+                   help="random trajectories per group (share a prefix)")
     p.add_argument("--max-tokens", type=_positive_int, default=8192)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "reference"])
     p.add_argument("--seed", type=int, default=0)

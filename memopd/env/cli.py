@@ -136,6 +136,9 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: fastest for tiny models, and robust on a busy machine)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    p.add_argument("--save-trajectories", metavar="FILE", default=None,
+                   help="also save every played episode (exact ids and sampling log-probs) as a trajectories "
+                        "file, e.g. for `memopd audit --model DIR --trajectories FILE`")
     p.add_argument("--progress", action="store_true", help="show a progress bar per question-set size")
     return p
 
@@ -166,12 +169,15 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     old_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.save_trajectories:
+        _check_output_file(args.save_trajectories, "--save-trajectories")
+    played: list = []
     try:
         report = evaluate(
             model, expert=args.expert, world_config=world, ks=args.k, n=args.n, seed=args.seed, policy=args.policy,
             temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, corpus=args.corpus, questions=args.questions,
-            progress=args.progress,
+            progress=args.progress, trajectories=played,
         )
     finally:
         torch.set_num_threads(old_threads)
@@ -179,7 +185,26 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"report written to {args.json}")
+    if args.save_trajectories:
+        from memopd.records import save_trajectories
+
+        save_trajectories(args.save_trajectories, played)
+        print(f"{len(played)} trajectories written to {args.save_trajectories}")
     return 0
+
+
+def _check_output_file(path: str, option: str) -> None:
+    """An output file's directory must exist and the path must not be a directory: found
+    before the episodes are played, not after."""
+    import os
+
+    from memopd.errors import UserError
+
+    if os.path.isdir(path):
+        raise UserError(f"{option} {path!r} is a directory; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UserError(f"{option} {path!r}: the directory {parent!r} does not exist")
 
 
 if __name__ == "__main__":  # python -m memopd.env.cli sft|eval ...

@@ -36,16 +36,19 @@ __all__ = ["evaluate", "summarize", "format_table", "format_comparison", "load_a
            "agent_engine"]
 
 
-def load_agent(model_dir: str | os.PathLike, *, device: str = "cpu"):
+def load_agent(model_dir: str | os.PathLike, *, device: str = "cpu", require_env: bool = True):
     """(model, tokenizer, meta) of a checkpoint written by `memopd sft`; a missing or
-    foreign directory is a `UserError` (`memopd.models.check_model_dir`)."""
+    foreign directory is a `UserError` (`memopd.models.check_model_dir`). With
+    `require_env=False` any HF causal-LM directory with a tokenizer will do (meta {}):
+    it can then play a user corpus and question sets, not the generated world."""
     from memopd.models import check_model_dir, load_local_model
 
-    from .sft import read_env_meta
+    from .sft import ENV_META_FILE, read_env_meta
     from .tokenizer import load_tokenizer
 
     path = check_model_dir(model_dir, "--model")
-    meta = read_env_meta(path)
+    has_env = os.path.exists(os.path.join(path, ENV_META_FILE))
+    meta = read_env_meta(path) if (require_env or has_env) else {}
     tok = load_tokenizer(path)
     model = load_local_model(path, what="--model").to(device).eval()
     return model, tok, meta
@@ -108,8 +111,13 @@ def evaluate(
     questions: str | None = None,
     world_config: WorldConfig | None = None,
     progress: bool = False,
+    trajectories: list | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a checkpoint (or the scripted expert with `expert=True`)."""
+    """Evaluate a checkpoint (or the scripted expert with `expert=True`).
+
+    `trajectories`: a list that every played episode's `memopd.Trajectory` is appended
+    to (k by k, in the order played), e.g. to save them (`memopd eval
+    --save-trajectories`) or to audit a model on its own samples (`memopd audit`)."""
     from .expert import ScriptedExpert, expert_options
     from .tokenizer import build_tokenizer
 
@@ -117,7 +125,7 @@ def evaluate(
         raise ValueError("give exactly one of a model directory or expert=True")
     meta: dict[str, Any] = {}
     if model_dir is not None:
-        model, tok, meta = load_agent(model_dir)
+        model, tok, meta = load_agent(model_dir, require_env=corpus is None)
         engine = agent_engine(model, tok, batch_size=batch_size)
         # a checkpoint trained on user data (`memopd train corpus=... tasks=...`) has no world
         wcfg = WorldConfig.from_json(meta["world"]) if "world" in meta else None
@@ -162,6 +170,8 @@ def evaluate(
         t0, c0 = time.time(), time.process_time()
         trajs = rollout(env, engine, tasks_k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                         seed=seed, progress=progress)
+        if trajectories is not None:
+            trajectories.extend(trajs)
         s = summarize(trajs)
         s["wall_s"] = round(time.time() - t0, 3)
         s["cpu_s"] = round(time.process_time() - c0, 3)
