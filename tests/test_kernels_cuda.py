@@ -129,11 +129,11 @@ def _candidates(kern):
 
 
 @cuda_only
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(1, 4))  # 0: the fixed choice, run above
 def test_attention_every_candidate(index, fixed_tiles, monkeypatch):
     """Candidate `index` of each kernel's pruned list (the last one where a list is
-    shorter), GQA group 8, deterministic backward (all three kernels run): any candidate
-    the autotuner may pick gives right results."""
+    shorter; at D=128 the lists hold 2-4), GQA group 8, deterministic backward (all three
+    kernels run): any candidate the autotuner may pick gives right results."""
     kern = fixed_tiles
     cands = _candidates(kern)
     picked = {name: c[min(index, len(c) - 1)] for name, c in cands.items()}
