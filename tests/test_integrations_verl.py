@@ -1,9 +1,15 @@
-"""memopd.integrations.verl against verl's conventions written out naively in float64:
-logits[:, -R-1:-1] / T -> log-softmax / entropy, the vanilla PPO surrogate and agg_loss,
-and the packed forward of a padded multi-turn batch against a plain padded HF forward.
-verl itself is not installed: the references below restate its formulas."""
+"""memopd.integrations.verl against verl's own functions (verl 0.9.1, loaded by
+tests/_verl_reference.py without verl's heavy package imports): the response log-probs
+and entropy against `torch_functional.logprobs_from_logits` / `entropy_from_logits` on
+verl's slicing `logits[:, -R-1:-1] / T`, the actor loss against
+`core_algos.compute_policy_loss_vanilla` + `agg_loss` (every `loss_agg_mode`, with and
+without verl's global batch info), values, metrics and gradients in float64; and the
+packed forward of a padded multi-turn batch against a plain padded HF forward. The
+comparisons with verl skip, naming why, when verl is not installed
+(`pip install --no-deps "verl==0.9.1" omegaconf`)."""
 import pytest
 import torch
+from _verl_reference import load_verl_core
 
 from memopd.integrations.verl import LOSS_AGG_MODES, agg_loss, compute_log_prob, packed_log_prob, policy_loss
 from memopd.models import tiny_causal_lm
@@ -11,7 +17,15 @@ from memopd.models import tiny_causal_lm
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _batch(seed, B=3, L=11, R=5, H=8, V=37, dtype=torch.float64):
+@pytest.fixture(scope="module")
+def verl():
+    try:
+        return load_verl_core()
+    except ImportError as e:
+        pytest.skip(f"verl's own functions are not importable: {e}")
+
+
+def _batch(seed, B=3, L=11, R=5, H=8, V=37, dtype=torch.float64, empty_row=False):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, L, H, generator=g, dtype=dtype, requires_grad=True)
     weight = (torch.randn(V, H, generator=g, dtype=dtype) * 0.7).requires_grad_()
@@ -21,78 +35,94 @@ def _batch(seed, B=3, L=11, R=5, H=8, V=37, dtype=torch.float64):
     mask[0, 3:] = False          # ragged: right-padded responses
     mask[1, 1:] = False
     mask[2, 2] = False           # a multi-turn hole (a tool token inside the response)
+    if empty_row:
+        mask[1] = False          # a response with no kept token: verl's seq-mean modes skip it
     return hidden, weight, bias, responses, mask
 
 
-def _reference_logits(hidden, weight, bias, R, T):
+def _verl_logits(hidden, weight, bias, R, T):
+    """What a verl actor feeds its loss: the positions that predict the response, / T."""
     return (hidden[:, -R - 1:-1] @ weight.T + bias) / T
 
 
-def _reference_policy_loss(logp, old, adv, mask, mode, low=0.2, high=0.28, c=3.0, ent=None, ent_coef=0.0):
-    ratio = torch.exp(torch.clamp(logp - old, -20, 20))
-    l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high)
-    clip1 = torch.maximum(l1, l2)
-    pg = torch.where(adv < 0, torch.minimum(-adv * c, clip1), clip1)
-    m = mask.double()
-    if mode == "token-mean":
-        agg = lambda x: (x * m).sum() / (m.sum() + 1e-8)  # noqa: E731
-    elif mode == "seq-mean-token-sum":
-        agg = lambda x: (x * m).sum(-1).mean()  # noqa: E731
-    elif mode == "seq-mean-token-mean":
-        agg = lambda x: ((x * m).sum(-1) / m.sum(-1)).mean()  # noqa: E731
-    else:
-        agg = lambda x: (x * m).sum() / m.shape[-1]  # noqa: E731
-    return agg(pg) - ent_coef * agg(ent)
+def _grads(loss, tensors):
+    out = torch.autograd.grad(loss, tensors)
+    return [g.clone() for g in out]
 
 
 @pytest.mark.parametrize("T", [1.0, 0.7])
-def test_compute_log_prob_matches_verl_slicing(seed, T):
+def test_compute_log_prob_matches_verl(verl, seed, T):
+    _, tf = verl
     hidden, weight, bias, responses, mask = _batch(seed)
     R = responses.shape[1]
     lp, ent = compute_log_prob(hidden, weight, responses, mask, bias=bias, temperature=T, calculate_entropy=True)
-    logits = _reference_logits(hidden, weight, bias, R, T)
-    ls = torch.log_softmax(logits, -1)
-    ref_lp = ls.gather(-1, responses[..., None])[..., 0]
-    ref_ent = -(ls.exp() * ls).sum(-1)
+    logits = _verl_logits(hidden, weight, bias, R, T)
+    ref_lp = tf.logprobs_from_logits(logits, responses)
+    ref_ent = tf.entropy_from_logits(logits)
     assert lp.shape == ent.shape == (3, R)
     torch.testing.assert_close(lp[mask], ref_lp[mask], rtol=0, atol=1e-12)
     torch.testing.assert_close(ent[mask], ref_ent[mask], rtol=0, atol=1e-12)
     assert bool((lp[~mask] == 0).all()) and bool((ent[~mask] == 0).all())
-    (lp.sum() + ent.sum()).backward()
-    g = [hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()]
-    for t in (hidden, weight, bias):
-        t.grad = None
-    ((ref_lp * mask).sum() + (ref_ent * mask).sum()).backward()
-    for got, t in zip(g, (hidden, weight, bias)):
-        torch.testing.assert_close(got, t.grad, rtol=0, atol=1e-11)
+    params = [hidden, weight, bias]
+    got = _grads(lp.sum() + ent.sum(), params)
+    want = _grads((ref_lp * mask).sum() + (ref_ent * mask).sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
 
 
+GLOBAL_INFO = {"local": {}, "dp2": {"dp_size": 2, "batch_num_tokens": 17, "global_batch_size": 5,
+                                    "loss_scale_factor": 8}}
+
+
+@pytest.mark.parametrize("info", list(GLOBAL_INFO))
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_policy_loss_matches_verl_surrogate(seed, mode):
+def test_agg_loss_matches_verl(verl, seed, mode, info):
+    core, _ = verl
+    g = torch.Generator().manual_seed(seed)
+    for empty_row in (False, True):
+        *_, mask = _batch(seed, empty_row=empty_row)
+        loss_mat = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+        loss_mat[~mask] = 1e3  # what sits under the mask must not matter
+        got = agg_loss(loss_mat, mask, mode, **GLOBAL_INFO[info])
+        want = core.agg_loss(loss_mat, mask, mode, **GLOBAL_INFO[info])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("info", list(GLOBAL_INFO))
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_matches_verl(verl, seed, mode, info):
+    from omegaconf import OmegaConf
+
+    core, tf = verl
     hidden, weight, bias, responses, mask = _batch(seed + 1)
     g = torch.Generator().manual_seed(seed)
     R = responses.shape[1]
-    ls = torch.log_softmax(_reference_logits(hidden, weight, bias, R, 0.9), -1)
-    ref_lp = ls.gather(-1, responses[..., None])[..., 0]
+    logits = _verl_logits(hidden, weight, bias, R, 0.9)
+    ref_lp = tf.logprobs_from_logits(logits, responses)
     # old log-probs around the new ones so that both clip branches and the dual clip are taken
-    old = (ref_lp.detach() + torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 0.5)
+    old = ref_lp.detach() + torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 2
-    ent_ref = -(ls.exp() * ls).sum(-1)
+    gbi = GLOBAL_INFO[info]
     loss, metrics = policy_loss(hidden, weight, responses, mask, old, adv, bias=bias, clip_ratio_low=0.2,
-                                clip_ratio_high=0.28, entropy_coeff=0.01, loss_agg_mode=mode, temperature=0.9)
-    ref = _reference_policy_loss(ref_lp, old, adv, mask, mode, ent=ent_ref, ent_coef=0.01)
+                                clip_ratio_high=0.28, entropy_coeff=0.01, loss_agg_mode=mode, temperature=0.9,
+                                global_batch_info=gbi)
+    # verl's ppo_loss: the vanilla policy loss minus entropy_coeff x the aggregated entropy
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                               "clip_ratio_c": 3.0, "global_batch_info": gbi})
+    pg_loss, pg_metrics = core.compute_policy_loss_vanilla(old, ref_lp, adv, mask, loss_agg_mode=mode, config=config)
+    ref = pg_loss - 0.01 * core.agg_loss(tf.entropy_from_logits(logits), mask, mode, **gbi)
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(metrics["pg_loss"], pg_loss.detach(), rtol=1e-12, atol=1e-13)
+    for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        assert float(metrics[name]) == pytest.approx(pg_metrics[f"actor/{name}"], rel=1e-12, abs=1e-14), name
     assert 0.0 < float(metrics["pg_clipfrac"]) < 1.0
-    loss.backward()
-    got = [t.grad.clone() for t in (hidden, weight, bias)]
-    for t in (hidden, weight, bias):
-        t.grad = None
-    ref.backward()
-    for a, t in zip(got, (hidden, weight, bias)):
-        torch.testing.assert_close(a, t.grad, rtol=1e-10, atol=1e-12)
+    params = [hidden, weight, bias]
+    for a, b in zip(_grads(loss, params), _grads(ref, params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_policy_loss_teacher_kl_term(seed):
+def test_policy_loss_teacher_kl_term(verl, seed):
+    core, tf = verl
     hidden, weight, bias, responses, mask = _batch(seed + 2)
     g = torch.Generator().manual_seed(seed)
     t_hidden = torch.randn(3, 11, 6, generator=g, dtype=torch.float64)
@@ -101,12 +131,29 @@ def test_policy_loss_teacher_kl_term(seed):
     adv = torch.zeros(responses.shape, dtype=torch.float64)
     loss, metrics = policy_loss(hidden, weight, responses, mask, old, adv, bias=bias, teacher_hidden_states=t_hidden,
                                 teacher_weight=t_weight, kl_coef=0.5, loss_agg_mode="seq-mean-token-mean")
-    ls = torch.log_softmax(_reference_logits(hidden, weight, bias, 5, 1.0), -1)
+    ls = torch.log_softmax(_verl_logits(hidden, weight, bias, 5, 1.0), -1)
     lt = torch.log_softmax(t_hidden[:, -6:-1] @ t_weight.T, -1)
-    kl = (ls.exp() * (ls - lt)).sum(-1)
-    ref = 0.5 * agg_loss(kl, mask, "seq-mean-token-mean")
+    kl = (ls.exp() * (ls - lt)).sum(-1)  # full-vocabulary reverse KL: memopd's term, verl has no such loss
+    ref = 0.5 * core.agg_loss(kl, mask, "seq-mean-token-mean")
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(metrics["kl"], ref.detach() / 0.5, rtol=1e-12, atol=1e-14)
+
+
+def test_agg_loss_without_verl_counts_what_verl_counts():
+    """Two cases checkable by hand, so a machine without verl still covers the rules."""
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert float(agg_loss(loss_mat, mask, "token-mean")) == pytest.approx(7 / 3)
+    assert float(agg_loss(loss_mat, mask, "token-sum")) == 7
+    assert float(agg_loss(loss_mat, mask, "seq-mean-token-sum")) == pytest.approx((3 + 4) / 2)  # empty row skipped
+    assert float(agg_loss(loss_mat, mask, "seq-mean-token-mean")) == pytest.approx((1.5 + 4) / 2, rel=1e-7)
+    assert float(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm")) == pytest.approx(3.5 / 3)
+    assert float(agg_loss(loss_mat, mask, "token-mean", dp_size=2, batch_num_tokens=7)) == pytest.approx(2.0)
+    assert float(agg_loss(loss_mat, torch.zeros_like(mask), "token-mean")) == 0.0
+    with_nan = loss_mat.masked_fill(~mask.bool(), float("nan"))  # e.g. a log-prob of padding
+    assert float(agg_loss(with_nan, mask, "seq-mean-token-mean")) == pytest.approx((1.5 + 4) / 2, rel=1e-7)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        agg_loss(loss_mat, mask, "token-mean", dp_size=2)
 
 
 def test_bad_inputs_are_refused():

@@ -11,20 +11,27 @@ lm_head instead and never form them:
   -> `(log_probs [B, R], entropy [B, R] | None)`: what `compute_log_prob` /
   `_forward_micro_batch` return (0 where `response_mask` is 0, where verl leaves values
   the loss masks out anyway).
-- `policy_loss(...)` -> `(loss, metrics)`: `update_policy`'s actor loss, verl's vanilla
-  PPO surrogate (log-ratio clamped to [-20, 20], ratio clipped to
-  [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip `clip_ratio_c` for negative
-  advantages) minus `entropy_coeff` x entropy, aggregated by `loss_agg_mode` exactly as
-  verl's `agg_loss` ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-  "seq-mean-token-sum-norm"); optionally plus `kl_coef` x the full-vocabulary reverse
-  KL to a frozen teacher, aggregated the same way (memopd's on-policy distillation term).
+- `policy_loss(...)` -> `(loss, metrics)`: the actor loss of verl's `ppo_loss`: the
+  vanilla PPO surrogate (`core_algos.compute_policy_loss_vanilla`: log-ratio clamped to
+  [-20, 20], ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip
+  `clip_ratio_c` for negative advantages) minus `entropy_coeff` x entropy, aggregated by
+  `loss_agg_mode` as verl's `agg_loss` ("token-mean", "token-sum",
+  "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", with verl's
+  `global_batch_info`: `dp_size`, `batch_num_tokens`, `global_batch_size`,
+  `loss_scale_factor`); optionally plus `kl_coef` x the full-vocabulary reverse KL to a
+  frozen teacher, aggregated the same way (memopd's on-policy distillation term).
 - `packed_log_prob(model, input_ids, attention_mask, position_ids, responses,
   response_mask)`: the same `[B, R]` log-probs (and entropy) from a padded (multi-turn)
   batch, computed by memopd's packed forward: the real tokens of every row go into one
   stream, one segment per row with its own position ids (`memopd.hf.packed_forward`,
   docs/design.md §9.1), so no compute is spent on padding.
 
-verl need not be installed: these functions only follow its tensor conventions.
+verl need not be installed: these functions only follow its tensor conventions. The
+tests compare them with verl 0.9.1's own functions (`core_algos.agg_loss`,
+`compute_policy_loss_vanilla`, `torch_functional.logprobs_from_logits` /
+`entropy_from_logits`) when verl is installed. Where they sit in an actor, and why under
+FSDP / ZeRO-3 they must run inside the forward that owns the lm_head:
+docs/integrations.md and `examples/verl_style_actor.py`.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ from torch import Tensor
 
 __all__ = ["LOSS_AGG_MODES", "agg_loss", "compute_log_prob", "policy_loss", "packed_log_prob", "padded_to_packed"]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _response_hidden(hidden_states: Tensor, responses: Tensor) -> Tensor:
@@ -89,19 +96,42 @@ def compute_log_prob(
     return out.logprobs.view(B, R), entropy
 
 
-def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
-    """verl's aggregation of a `[B, R]` per-token loss into a scalar."""
+def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str = "token-mean", *, dp_size: int = 1,
+             batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None) -> Tensor:
+    """verl's aggregation of a `[B, R]` per-token loss into a scalar (verl 0.9's
+    `core_algos.agg_loss`, same arguments). With `dp_size > 1` the global token count
+    (`batch_num_tokens`) or sequence count (`global_batch_size`) must be given, and the
+    loss is scaled by `dp_size`, so the gradient averaged over data-parallel ranks is that
+    of the global batch. Sequences without a kept token do not count in the seq-mean
+    modes. One difference: a micro-batch without any kept token gives 0, not 0/0."""
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
-    m = loss_mask.to(loss_mat.dtype)
-    token_sum = (loss_mat * m).sum(-1)
+    if loss_mat.shape != loss_mask.shape:
+        raise ValueError(f"loss_mat {tuple(loss_mat.shape)} and loss_mask {tuple(loss_mask.shape)} must match")
+    keep = loss_mask.to(torch.bool)
+    m = keep.to(loss_mat.dtype)
+    kept = torch.where(keep, loss_mat, 0.0) * m  # NaN at masked positions never reaches the sum
+    if loss_agg_mode == "token-sum":
+        return kept.sum() * dp_size
     if loss_agg_mode == "token-mean":
-        return token_sum.sum() / (m.sum() + 1e-8)  # verl's masked_mean
-    if loss_agg_mode == "seq-mean-token-sum":
-        return token_sum.mean()
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("loss_agg_mode='token-mean' with dp_size > 1 needs batch_num_tokens (global count)")
+            batch_num_tokens = m.sum().clamp_min(1)
+        return kept.sum() / batch_num_tokens * dp_size
+    counts = m.sum(-1)
+    seq_losses = kept.sum(-1)
     if loss_agg_mode == "seq-mean-token-mean":
-        return (token_sum / m.sum(-1)).mean()
-    return token_sum.sum() / loss_mask.shape[-1]  # seq-mean-token-sum-norm: the response width
+        seq_losses = seq_losses / counts.clamp_min(1)  # verl adds 1e-8 to an integer count: lost in rounding
+    seq_mask = (counts > 0).to(loss_mat.dtype)
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError(f"loss_agg_mode={loss_agg_mode!r} with dp_size > 1 needs global_batch_size")
+        global_batch_size = seq_mask.sum().clamp_min(1)
+    loss = (seq_losses * seq_mask).sum() / global_batch_size * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
 
 
 def policy_loss(
@@ -125,8 +155,13 @@ def policy_loss(
     teacher_weight: Optional[Tensor] = None,
     teacher_bias: Optional[Tensor] = None,
     kl_coef: float = 0.0,
+    global_batch_info: Optional[dict] = None,
 ):
     """verl's actor loss of one micro-batch from hidden states: `(loss, metrics)`.
+
+    `global_batch_info`: verl's `config.global_batch_info` (`dp_size`,
+    `batch_num_tokens`, `global_batch_size`, `loss_scale_factor`), passed to every
+    `agg_loss` as verl does.
 
     `old_log_prob`, `advantages`: `[B, R]`, as verl's batch holds them. With
     `teacher_hidden_states [B, L, Ht]` and `teacher_weight` (frozen), `kl_coef` x the
@@ -170,19 +205,20 @@ def policy_loss(
     dual = torch.minimum(-adv * clip_ratio_c, pg_clip)
     pg_losses = torch.where(adv < 0, dual, pg_clip)
 
-    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode)
-    entropy_loss = agg_loss(entropy, mask, loss_agg_mode)
+    info = dict(global_batch_info or {})
+    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, **info)
+    entropy_loss = agg_loss(entropy, mask, loss_agg_mode, **info)
     loss = pg_loss - entropy_coeff * entropy_loss
     metrics = {}
     if kl is not None:
-        kl_loss = agg_loss(kl, mask, loss_agg_mode)
+        kl_loss = agg_loss(kl, mask, loss_agg_mode, **info)
         loss = loss + kl_coef * kl_loss
         metrics["kl"] = kl_loss.detach()
     with torch.no_grad():
         m = mask.to(log_prob.dtype)
 
-        def token_mean(x):
-            return (x * m).sum() / (m.sum() + 1e-8)
+        def token_mean(x):  # verl's masked_mean: its 1e-8 added to an integer count rounds away
+            return (x * m).sum() / m.sum().clamp_min(1)
 
         metrics.update(
             pg_loss=pg_loss.detach(),
