@@ -508,6 +508,12 @@ def _block_plan(n_rows: int, V: int, chunk_size: int, token_chunk: int,
     return rows, min(V, (c // 64) * 64)
 
 
+def _zero_outputs(N: int, device, dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(divergence, logprobs, entropy, stats) of N tokens, zero (what masked tokens keep)."""
+    f = dict(device=device, dtype=dtype)
+    return torch.zeros(N, **f), torch.zeros(N, **f), torch.zeros(N, **f), torch.zeros(len(DistillStat), N, **f)
+
+
 def torch_forward(student: LinearHead, teacher: Optional[LinearHead], targets: Tensor, keep: Tensor,
                   params: DistillParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(divergence, logprobs, entropy, stats) per token; `teacher` None is the teacher-less op."""
@@ -517,11 +523,7 @@ def torch_forward(student: LinearHead, teacher: Optional[LinearHead], targets: T
     temperature, chunk_size, token_chunk = params.temperature, params.chunk_size, params.token_chunk
     N = hs.shape[0]
     cdt = compute_dtype(hs, ht)
-    f = dict(device=hs.device, dtype=cdt)
-    div = torch.zeros(N, **f)
-    lp = torch.zeros(N, **f)
-    ent = torch.zeros(N, **f)
-    stats = torch.zeros(len(DistillStat), N, **f)
+    div, lp, ent, stats = _zero_outputs(N, hs.device, cdt)
     kept = keep.nonzero().squeeze(1)  # the CPU path may sync: masked rows never reach a matmul
     n_kept = kept.numel()
     if n_kept == 0:
@@ -754,7 +756,8 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
     chunks are computed once and kept (`_HeadLogits` with a resident buffer): the
     statistics pass reads them, then the gradient pass consumes them, so the call runs
     4 lm-head-sized matmuls (3 without a teacher) instead of the 6 of forward +
-    recomputing backward, with the same arithmetic per chunk. The cost is holding the
+    recomputing backward (`_forward_resident`, then the backward's per-chunk dL/ds
+    unchanged). The cost is holding the
     weight gradient from the forward on (the recomputing path is for callers who cannot,
     e.g. a ZeRO-3 weight gathered only for the forward) and `_resident_plan`'s rows.
     """
@@ -764,10 +767,7 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
     N = hs.shape[0]
     cdt = compute_dtype(hs, ht)
     f = dict(device=hs.device, dtype=cdt)
-    div = torch.zeros(N, **f)
-    lp = torch.zeros(N, **f)
-    ent = torch.zeros(N, **f)
-    stats = torch.zeros(len(DistillStat), N, **f)
+    div, lp, ent, stats = _zero_outputs(N, hs.device, cdt)
     dh, dw32, db32 = _gradient_buffers(hs, ws, cdt, need)
     inv_t = 1.0 / params.temperature
     kept = keep.nonzero().squeeze(1)
