@@ -813,32 +813,57 @@ def _cfgs(triples):
 # also the fixed choice when autotuning is off). Forward and dQ: query tiles of 128 rows
 # stream key tiles of 32-64 (the FA2 sweet spot for D=64/128); smaller tiles remain for
 # D=256 and fp32. dK/dV: a resident 64-128-key tile streams query tiles of 16-64 rows
-# (rows x GQA heads). The order comes from compiling every candidate for sm_90 offline
-# (Triton 3.9, no GPU at hand): at D=128 bf16 the first entries are the ones ptxas fits
-# in 255 registers without spilling (fwd 128x64/8 warps: 203 registers; dK/dV 32x64/8
-# warps: 250; dQ 128x32/8 warps: 167). Timings on a real H100/H200 are still to be taken;
-# the autotuner picks among all of them there. The lists are short on purpose: every
-# candidate costs a compile on first use.
+# (rows x GQA heads). The order comes from compiling every candidate for sm_90a offline
+# (Triton 3.6.0 and 3.9.0, no GPU at hand): at D=128 bf16 the first entry that survives
+# the pruner is one ptxas fits in 255 registers without spilling (fwd 128x64/8 warps: 235
+# registers with both; dK/dV 32x64/8 warps, 2 stages with 3.9, 1 stage with 3.6 (see
+# _SPILLS_MEASURED); dQ 128x32/8 warps: 187-202). Timings on a real H100/H200 are still to
+# be taken; the autotuner picks among the survivors there. The lists are short on
+# purpose: every candidate costs a compile on first use.
 _FWD_CONFIGS = _cfgs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2),
                       (32, 32, 4, 2), (16, 16, 4, 2)])
-_BWD_KV_CONFIGS = _cfgs([(32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 32, 4, 2),
-                         (16, 16, 4, 2)])
+_BWD_KV_CONFIGS = _cfgs([(32, 64, 8, 2), (32, 64, 8, 1), (16, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
+                         (32, 64, 4, 3), (16, 32, 4, 2), (16, 16, 4, 2)])
 _BWD_DQ_CONFIGS = _cfgs([(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
                          (16, 16, 4, 2)])
 # The candidates whose plain launch spills registers on sm_90a with 16-bit inputs, per
-# head dim: measured by compiling every candidate with Triton 3.6.0 and 3.9.0 at GQA groups
-# 1/4/8 (tests/test_aot_matrix.py, which fails when a candidate the pruner keeps spills).
-# The register estimate above cannot tell these apart from neighbours that fit (e.g. fwd
-# 128x64 at 8 warps fits at D=128 with 235 registers, 64x64 at 4 warps spills 8 bytes on
-# 3.9): ptxas decides, so its verdict is recorded here. (The SAFE relaunch, which only
-# runs for blocks that met a NaN/inf, is allowed to spill: the matrix reports it.)
-_FWD_SPILLS = {64: {(128, 128, 8, 2), (128, 64, 4, 3)},
-               128: {(128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)}}
-_BWD_KV_SPILLS = {64: {(64, 64, 8, 2)}, 128: {(64, 64, 8, 2)}}
-_BWD_DQ_SPILLS: dict = {}
-_FWD_PRUNE = _make_prune("M", 1, spills=_FWD_SPILLS)
-_BWD_KV_PRUNE = _make_prune("N", 2, smem_factor=1.5, spills=_BWD_KV_SPILLS)
-_BWD_DQ_PRUNE = _make_prune("M", 1, spills=_BWD_DQ_SPILLS)
+# Triton release and head dim: measured by compiling every candidate with Triton 3.6.0
+# and 3.9.0 at GQA groups 1/4/8 (tests/test_aot_matrix.py, which fails when a candidate
+# the pruner keeps spills; a candidate that spills at any group is listed). The register
+# estimate above cannot tell these from neighbours that fit (fwd 128x64 at 8 warps fits at
+# D=128 with 235 registers, 64x64 at 4 warps spills 8 bytes with 3.9), and the two ptxas
+# disagree (dK/dV 32x64 at 8 warps, 2 stages spills 48 bytes with 3.6 at D=128, groups
+# 4/8, and fits with 3.9; with 1 stage the other way round): ptxas decides, its verdict is
+# recorded. (The SAFE relaunch, which runs only for blocks that met a NaN/inf, may spill.)
+_SPILLS_MEASURED = {
+    (3, 6): {"fwd": {128: {(128, 128, 8, 2), (128, 64, 4, 3)}},
+             "dkdv": {64: {(64, 64, 8, 2)},
+                      128: {(64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3), (32, 64, 8, 2)}},
+             "dq": {}},
+    (3, 9): {"fwd": {64: {(128, 128, 8, 2), (128, 64, 4, 3)},
+                     128: {(128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)}},
+             "dkdv": {64: {(64, 64, 8, 2)},
+                      128: {(64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3), (32, 64, 8, 1)}},
+             "dq": {128: {(64, 64, 4, 3)}}},
+}
+
+
+def _spills_for_this_triton():
+    """The measured table of the Triton in use; for an unmeasured release, that of the
+    nearest measured one not newer than it (the oldest measured below that)."""
+    try:
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        version = max(_SPILLS_MEASURED)
+    known = sorted(_SPILLS_MEASURED)
+    older = [v for v in known if v <= version]
+    return _SPILLS_MEASURED[older[-1] if older else known[0]]
+
+
+_SPILLS = _spills_for_this_triton()
+_FWD_PRUNE = _make_prune("M", 1, spills=_SPILLS["fwd"])
+_BWD_KV_PRUNE = _make_prune("N", 2, smem_factor=1.5, spills=_SPILLS["dkdv"])
+_BWD_DQ_PRUNE = _make_prune("M", 1, spills=_SPILLS["dq"])
 
 # Autotuning (GPU only; it needs a driver) can be switched off with
 # MEMOPD_TRITON_AUTOTUNE=0 or by setting this flag: the first surviving candidate is used.

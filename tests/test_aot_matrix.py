@@ -53,11 +53,13 @@ def test_every_kernel_compiles_for_sm90a_with_every_triton():
             f.write(summary + "\n\n" + table + "\n")
 
     assert not failures, "\n".join(failures)
-    # every job ran under every Triton
+    # every kernel variant and shape compiled under every Triton (the candidates may
+    # differ: each Triton's pruner drops the ones its own ptxas spills)
     per_version = {}
     for r in rows:
-        per_version[r["triton"]] = per_version.get(r["triton"], 0) + 1
-    assert len(set(per_version.values())) == 1 and set(per_version) == set(versions.values()), per_version
+        per_version.setdefault(r["triton"], set()).add((r["family"], r["kernel"], r["variant"], r["shape"]))
+    assert set(per_version) == set(versions.values()), sorted(per_version)
+    assert all(v == per_version[versions[""]] for v in per_version.values()), "kernels missing under some Triton"
     errors = [f"Triton {r['triton']} {r['kernel']} {r['variant']} {r['shape']} {r['config']}: {r['error']}"
               for r in rows if r["error"]]
     assert not errors, f"{len(errors)} compile error(s):\n" + "\n".join(errors)
