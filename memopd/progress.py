@@ -11,6 +11,13 @@
   any length writes at most about 1/every + its duration / min_interval_s lines.
 
 `enabled=False` gives an object that does nothing, so callers need no `if bar is not None`.
+
+Parallel jobs in worker processes (the SFT roles) must not draw their own bars: each
+process's tqdm knows nothing of the other's, so two bars overwrite each other's line.
+`BarRelay` instead draws one bar per job in the parent: the parent opens it, hands its
+`queue` to each worker, and the worker calls `relay_to(queue)` once; from then on every
+`progress_bar` of that process sends its updates to the parent, which owns the terminal
+(or, in a log, prints each job's lines whole).
 `no_library_bars_in_logs()` (called by the `memopd` command line) turns off the bars of
 Hugging Face libraries (e.g. "Writing model shards") when stderr is not a terminal.
 """
@@ -20,7 +27,9 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["progress_bar", "no_library_bars_in_logs"]
+__all__ = ["progress_bar", "no_library_bars_in_logs", "BarRelay", "relay_to"]
+
+_RELAY = None  # this worker's queue to the parent's BarRelay (set by relay_to)
 
 
 def progress_bar(
@@ -38,6 +47,8 @@ def progress_bar(
     """A tqdm bar on a terminal, periodic one-line reports otherwise (see the module doc)."""
     if not enabled:
         return _Silent(total, initial)
+    if _RELAY is not None and stream is None:
+        return _Relayed(_RELAY, total, desc, unit=unit, initial=initial)
     stream = sys.stderr if stream is None else stream
     if _is_terminal(stream):
         from tqdm import tqdm
@@ -181,3 +192,95 @@ class _Lines(_Silent):
         if self.n != self._last_n:
             self._emit(time.monotonic())
         self._closed = True
+
+
+def relay_to(queue) -> None:
+    """In a worker process: send every later `progress_bar` of this process to the
+    parent's `BarRelay` whose `queue` this is."""
+    global _RELAY
+    _RELAY = queue
+
+
+class _Relayed(_Silent):
+    """A worker's bar: its state goes to the parent, which draws it."""
+
+    def __init__(self, queue, total, desc, *, unit, initial) -> None:
+        import os
+        import uuid
+
+        super().__init__(total, initial)
+        self.queue, self.key = queue, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._send(("open", self.key, total, desc, unit, initial))
+
+    def _send(self, msg) -> None:
+        try:
+            self.queue.put(msg)
+        except Exception:  # noqa: BLE001 - the parent went away: progress is cosmetic
+            pass
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self._send(("update", self.key, n))
+
+    def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = True, **kwargs: Any) -> None:
+        self._send(("postfix", self.key, {**(ordered_dict or {}), **kwargs}))
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        self._send(("desc", self.key, desc or ""))
+
+    def close(self) -> None:
+        self._send(("close", self.key))
+
+
+class BarRelay:
+    """Draws the bars of worker processes in this (the parent) process, one line per job,
+    in the order the jobs open them. Use as a context manager around the workers' run;
+    `queue` goes to each worker (see `relay_to`)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        import multiprocessing
+
+        self._manager = multiprocessing.Manager()
+        self.queue = self._manager.Queue()
+        self.stream = stream
+        self._bars: dict = {}
+        self._thread = None
+
+    def _serve(self) -> None:
+        while True:
+            msg = self.queue.get()
+            if msg is None:
+                return
+            kind, key, *rest = msg
+            if kind == "open":
+                total, desc, unit, initial = rest
+                self._bars[key] = progress_bar(total, desc, unit=unit, initial=initial, position=len(self._bars),
+                                               stream=self.stream if self.stream is not None else sys.stderr)
+                continue
+            bar = self._bars.get(key)
+            if bar is None:
+                continue
+            if kind == "update":
+                bar.update(rest[0])
+            elif kind == "postfix":
+                bar.set_postfix(rest[0])
+            elif kind == "desc":
+                bar.set_description(rest[0])
+            elif kind == "close":
+                bar.close()
+
+    def __enter__(self) -> "BarRelay":
+        import threading
+
+        self._thread = threading.Thread(target=self._serve, name="memopd-bar-relay", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.queue.put(None)
+            self._thread.join(timeout=10)
+        finally:
+            for bar in self._bars.values():
+                bar.close()
+            self._manager.shutdown()

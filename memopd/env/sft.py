@@ -11,6 +11,8 @@ Recipe, presets and their measured cost: docs/design.md §10.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import random
@@ -458,6 +460,10 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     from .tokenizer import build_tokenizer
 
     role, out = job["role"], job["out"]
+    if job.get("bar_relay") is not None:  # a worker: the parent draws this role's bar
+        from memopd.progress import relay_to
+
+        relay_to(job["bar_relay"])
 
     def log(*a, **k):  # workers cannot receive the caller's log function: print or stay quiet
         if job.get("verbose", True):
@@ -607,9 +613,15 @@ def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        # spawn: a clean interpreter per role (fork + torch threads is fragile).
-        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
-                                 mp_context=multiprocessing.get_context("spawn")) as ex:
+        from memopd.progress import BarRelay
+
+        # spawn: a clean interpreter per role (fork + torch threads is fragile). One bar
+        # per role, drawn here: bars drawn by two processes overwrite each other's line
+        with contextlib.ExitStack() as stack:
+            relay = stack.enter_context(BarRelay()) if progress else None
+            job_list = [{**j, "bar_relay": relay.queue if relay else None} for j in job_list]
+            ex = stack.enter_context(ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
+                                                         mp_context=multiprocessing.get_context("spawn")))
             for r, res in zip(todo, ex.map(_train_role, job_list)):
                 summary[r] = res
     else:
