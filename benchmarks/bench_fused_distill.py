@@ -8,8 +8,12 @@ What is measured (forward + backward of the actor-style loss
 `loss + 0.1·Σ logprobs - 0.01·Σ entropy`, gradients to student hidden and weight):
 
 * CPU, fp32, Hs = Ht = 512: N=4096 × V=32000, and N=256 × V=128000.
-  - time: pytest-benchmark, in this process (`MEMOPD_BENCH_ROUNDS` rounds, default 1,
-    each one full forward+backward).
+  - time: in this process, one torch thread and the process CPU-time clock by default
+    (`benchmarks/_timing.py`; `MEMOPD_BENCH_CLOCK=wall` on request): the first test of a
+    case times every variant of it in `MEMOPD_BENCH_ROUNDS` (3) interleaved rounds (each
+    round runs each variant once, the order rotating), and each test hands its variant's
+    durations to pytest-benchmark; the summary gives the median with min-max and names
+    the rounds that machine load made unreliable.
   - peak memory: each variant runs once more in a fresh subprocess
     (`python bench_fused_distill.py --measure ...`), which builds its inputs, resets the
     kernel's peak-RSS counter (`echo 5 > /proc/self/clear_refs` resets VmHWM), and
@@ -41,12 +45,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 import pytest
 import torch
 from _fresh_process import measure_call
+from _timing import bench_clock, interleaved, record_durations
 
 from memopd.ops import (
     fused_linear_distill,
@@ -56,7 +62,8 @@ from memopd.ops import (
     reference_linear_logprob_entropy,
 )
 
-ROUNDS = int(os.environ.get("MEMOPD_BENCH_ROUNDS", "1"))
+ROUNDS = int(os.environ.get("MEMOPD_BENCH_ROUNDS", "3"))
+CLOCK = bench_clock()
 CPU_CASES = {
     "N4096-H512-V32000": dict(N=4096, Hs=512, Ht=512, V=32000),
     "N256-H512-V128000": dict(N=256, Hs=512, Ht=512, V=128000),
@@ -87,6 +94,7 @@ def _kl_self(h, w, y, mask):
 LPE_IMPLS = {"fused": fused_linear_logprob_entropy, "naive": reference_linear_logprob_entropy,
              "kl_self": _kl_self}
 RESULTS: dict = {}
+_TIMED: dict = {}  # case -> _timing.Rounds of all its CPU variants, measured by the case's first test
 
 
 def make_inputs(N, Hs, Ht, V, device="cpu", dtype=torch.float32, seed=0):
@@ -174,7 +182,8 @@ def _summary(request):
     if not RESULTS:
         return
     lines = ["", "fused linear distillation (lpe-*: teacher-less log-prob + entropy), fused vs naive",
-             f"{'case':<30}{'impl':<12}{'time s':>9}{'peak MiB':>11}{'mem ratio':>11}{'time ratio':>12}"]
+             f"{'case':<30}{'impl':<12}{'time s':>9}{'(min-max)':>16}{'peak MiB':>11}{'mem ratio':>11}"
+             f"{'time ratio':>12}"]
     for case in sorted({k[0] for k in RESULTS}):
         naive = RESULTS.get((case, "naive"))
         for impl in ("naive", "fused", "liger", "fused_actor", "kl_self"):
@@ -186,9 +195,14 @@ def _summary(request):
                 mr = f"{naive['peak_bytes'] / max(r['peak_bytes'], 1):.1f}x"
                 tr = f"{r['seconds'] / naive['seconds']:.2f}x"
             flag = "" if r.get("exact", True) else " (ru_maxrss)"
-            lines.append(f"{case:<30}{impl:<12}{r['seconds']:>9.3f}{r['peak_bytes'] / 2**20:>11.1f}"
+            spread = f"({r['min_s']:.3f}-{r['max_s']:.3f})" if r.get("min_s") is not None else ""
+            lines.append(f"{case:<30}{impl:<12}{r['seconds']:>9.3f}{spread:>16}{r['peak_bytes'] / 2**20:>11.1f}"
                          f"{mr:>11}{tr:>12}{flag}")
-    lines.append("mem ratio = naive peak / this peak; time ratio = this time / naive time")
+    lines.append("mem ratio = naive peak / this peak; time ratio = this time / naive time; CPU cases: "
+                 f"{CLOCK} clock, one thread, medians of {ROUNDS} interleaved rounds (min-max)")
+    for case, timed in sorted(_TIMED.items()):
+        for note in timed.unreliable():
+            lines.append(f"  (!) {case}: {note}: load made this round unreliable")
     text = "\n".join(lines)
     # module teardown output is captured like a test's: print past the capture
     capman = request.config.pluginmanager.getplugin("capturemanager")
@@ -199,9 +213,14 @@ def _summary(request):
         print(text)
 
 
-def _record(benchmark, case, impl, mem):
-    seconds = benchmark.stats.stats.mean if benchmark.stats else mem.get("seconds", float("nan"))
-    RESULTS[(case, impl)] = dict(seconds=seconds, peak_bytes=mem["peak_bytes"], exact=mem.get("exact", True))
+def _record(benchmark, case, impl, mem, times=None):
+    """`times`: the interleaved durations of this variant (CPU cases); else the stats of
+    the benchmark's own rounds (GPU cases)."""
+    if times:
+        seconds, extra = statistics.median(times), dict(min_s=min(times), max_s=max(times))
+    else:
+        seconds, extra = (benchmark.stats.stats.mean if benchmark.stats else mem.get("seconds", float("nan"))), {}
+    RESULTS[(case, impl)] = dict(seconds=seconds, peak_bytes=mem["peak_bytes"], exact=mem.get("exact", True), **extra)
     benchmark.extra_info.update(case=case, impl=impl, peak_bytes=mem["peak_bytes"],
                                 peak_mib=round(mem["peak_bytes"] / 2**20, 1),
                                 peak_measure=mem.get("how", "VmHWM delta in a fresh process"),
@@ -223,11 +242,10 @@ def _record(benchmark, case, impl, mem):
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_cpu_forward_backward(benchmark, case, impl):
     mem = measure_in_subprocess(impl, case)
-    _warm_up(impl)
-    inputs = make_inputs(**CPU_CASES[case])
+    timed = _timed_case(case, ["naive", "fused"], lambda: make_inputs(**CPU_CASES[case]), actor_step, mode=None)
     benchmark.group = f"cpu {case}"
-    benchmark.pedantic(actor_step, args=(impl, *inputs), rounds=ROUNDS, iterations=1, warmup_rounds=0)
-    _record(benchmark, case, impl, mem)
+    _replay(benchmark, timed, impl)
+    _record(benchmark, case, impl, mem, timed.times[impl])
 
 
 @pytest.mark.parametrize("impl", ["naive", "fused", "kl_self"])
@@ -238,12 +256,29 @@ def test_cpu_lpe(benchmark, case, impl):
     if impl == "kl_self" and c["mode"] != "train":
         pytest.skip("kl_self is only measured in train mode (keeps the CPU run under a minute)")
     mem = measure_in_subprocess(impl, case)
-    _warm_up(impl, mode=c["mode"])
-    inputs = make_lpe_inputs(c["N"], c["H"], c["V"])
+    impls = ["naive", "fused", "kl_self"] if c["mode"] == "train" else ["naive", "fused"]
+    timed = _timed_case(case, impls, lambda: make_lpe_inputs(c["N"], c["H"], c["V"]),
+                        lambda impl_, *a: lpe_step(impl_, c["mode"], *a), mode=c["mode"])
     benchmark.group = f"cpu {case}"
-    benchmark.pedantic(lpe_step, args=(impl, c["mode"], *inputs), rounds=ROUNDS, iterations=1,
-                       warmup_rounds=0)
-    _record(benchmark, case, impl, mem)
+    _replay(benchmark, timed, impl)
+    _record(benchmark, case, impl, mem, timed.times[impl])
+
+
+def _timed_case(case, impls, make, step, mode):
+    """All variants of a CPU case timed in interleaved rounds, once per case (the first
+    of its tests measures; the others reuse)."""
+    if case not in _TIMED:
+        for impl in impls:
+            _warm_up(impl, mode=mode)
+        inputs = make()  # freed when this returns: the Rounds keep only durations
+        _TIMED[case] = interleaved({impl: (lambda impl=impl: step(impl, *inputs)) for impl in impls}, ROUNDS,
+                                   clock=CLOCK)
+    return _TIMED[case]
+
+
+def _replay(benchmark, timed, impl):
+    record_durations(benchmark, timed.times[impl])
+    benchmark.extra_info.update(times_s=[round(t, 6) for t in timed.times[impl]], interleaved=True, **timed.summary())
 
 
 # ----------------------------------------------------------------------------------
