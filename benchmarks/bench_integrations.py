@@ -148,14 +148,15 @@ def run_subprocess(name, timeout=600):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the order alternates)")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure)))
         return
-    print(f"fp32, one thread, V={V}, H={H}, B={B}, T={T}; median of {args.rounds} round(s)")
-    print(f"{'pair':6s} {'contender':13s} {'cpu s':>7s} {'peak MiB':>9s}")
+    print(f"fp32, one thread, process CPU time, V={V}, H={H}, B={B}, T={T}; median (min-max) of {args.rounds} "
+          f"interleaved round(s); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'pair':6s} {'contender':13s} {'cpu s':>7s} {'(min-max)':>13s} {'peak MiB':>9s}")
     for pair in args.pairs:
         results = {n: [] for n in PAIRS[pair]}
         for r in range(args.rounds):
@@ -166,7 +167,8 @@ def main(argv=None):
             if not ok:
                 print(f"{pair:6s} {name:13s} error: {ms[0]['error']}")
                 continue
-            print(f"{pair:6s} {name:13s} {statistics.median(m['cpu_s'] for m in ok):7.2f} "
+            cpu = [m["cpu_s"] for m in ok]
+            print(f"{pair:6s} {name:13s} {statistics.median(cpu):7.2f} {f'({min(cpu):.2f}-{max(cpu):.2f})':>13s} "
                   f"{statistics.median(m['peak_mb'] for m in ok):9.0f}")
 
 
