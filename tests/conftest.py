@@ -40,3 +40,22 @@ def sft_dirs(tmp_path_factory):
     tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
     run_sft(out, sft_configs={"teacher": tiny, "student": tiny}, jobs=1, progress=False, log=lambda *_: None)
     return str(out / "student"), str(out / "teacher")
+
+
+# Modules that train, start several processes, build packages or run Triton kernels in
+# the interpreter: `pytest tests -m "not slow"` leaves them out for a first check of a
+# checkout (the README gives its measured time); the full suite runs them all.
+SLOW_MODULES = frozenset({
+    "test_actor_loss_triton", "test_aot_matrix", "test_attention_compile", "test_audit_own_samples", "test_backend",
+    "test_byo_models", "test_env_sft", "test_hf_rce",
+    "test_checkpoint_safety", "test_compare_resume", "test_examples", "test_fused_distill_triton", "test_gpu_check",
+    "test_io_faults", "test_packaging", "test_packed_attention_triton", "test_readme", "test_real_scale",
+    "test_replicate", "test_run_integrity", "test_sft_cache_lock", "test_train_baseline", "test_trainer_dist",
+    "test_trainer_run",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
