@@ -309,7 +309,8 @@ def test_rerun_needs_resume_or_overwrite(sft_dirs, tmp_path, monkeypatch):
     said = []
     rep = loop.train(_cfg(sft_dirs, d, steps=1, checkpoint_every=0), overwrite=True, log=said.append)
     assert any("--overwrite: deleted" in str(s) for s in said)
-    assert [m["step"] for m in _lines(d)] == [1, 1]  # step 1 + its final evaluation, nothing older
+    # the step-0 baseline evaluation, step 1 and its final evaluation: nothing of the old run
+    assert [m["step"] for m in _lines(d)] == [0, 1, 1]
     assert not (d / "checkpoints" / "step_1").exists() and not (d / "checkpoints" / "step_2").exists()
     assert json.loads((d / "report.json").read_text())["steps"] == 1 == rep["steps"]
     assert (d / "train.log").exists()  # not an output of the trainer: left alone
