@@ -98,10 +98,10 @@ class _HeadLogits:
         return slot
 
     def scratch(self, v0: int, v1: int, out: Tensor) -> Tensor:
-        """The chunk in `out`, which the caller may overwrite."""
-        if self.resident is None:
-            return self._compute(v0, v1, out)
-        return out.copy_(self._slot(v0, v1))
+        """The chunk computed into `out`, which the caller may overwrite (no resident buffer:
+        the chunked forward and the recomputing backward)."""
+        assert self.resident is None, "a resident chunk is read with kept() / last_use()"
+        return self._compute(v0, v1, out)
 
     def kept(self, v0: int, v1: int) -> Tensor:
         """The resident chunk, computed on first use, for readers that leave it intact."""
