@@ -326,7 +326,7 @@ def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, 
 
 def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc: str,
            position: int | None, groups: Sequence[Any] | None = None) -> dict[str, Any]:
-    from memopd.trainer.backend import build_lr_lambda, build_optimizer
+    from memopd.optim import build_lr_lambda, build_optimizer
 
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
