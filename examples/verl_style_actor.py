@@ -13,7 +13,7 @@ What changes in a verl actor (`DataParallelPPOActor`):
    `policy_loss(h, lm_head.weight, responses, response_mask, old_log_prob, advantages,
    clip_ratio=..., entropy_coeff=..., loss_agg_mode=..., global_batch_info=...)`
    replaces `compute_policy_loss_vanilla` + `agg_loss` of the entropy. With a teacher,
-   `teacher_hidden_states=`, `teacher_weight=` and `kl_coef=` add memopd's
+   `teacher_hidden_states=`, `teacher_weight=` and `teacher_kl_coef=` add memopd's
    full-vocabulary reverse KL.
 3. Under FSDP / FSDP2 or DeepSpeed ZeRO-3 the lm_head weight is sharded; outside the
    forward of the module that owns it, it is a placeholder. The fused ops read the whole

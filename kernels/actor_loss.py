@@ -251,7 +251,7 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
             s_buf, t_buf, targets, adv, old_lp, kl_keep, order, count, stats, part,
             N, V, c0, s_buf.stride(0), t_buf.stride(0),
             float(params.clip_low), float(params.clip_high), float(params.dual_clip or 0.0),
-            -float(params.entropy_coef) / params.normalizer, float(params.kl_coef) / params.kl_normalizer,
+            -float(params.entropy_coef) / params.normalizer, float(params.teacher_kl_coef) / params.kl_normalizer,
             1.0 / params.normalizer, inv_t, PRECISE_LIMIT,
             HAS_TEACHER=teacher is not None, DUAL=params.dual_clip is not None, NEED_GRAD=any_grad,
             BLOCK_V=_rows_block(V), **_ROWS_LAUNCH,

@@ -358,3 +358,42 @@ def test_backend_rule(seed, monkeypatch):
     monkeypatch.setenv("MEMOPD_BACKEND", "bogus")
     with pytest.raises(BackendError, match="bogus"):
         call(fused_linear_actor_loss, inp, adv, old)
+
+
+@pytest.mark.parametrize("fn", [fused_linear_actor_loss, reference_actor_loss])
+def test_kl_coef_is_a_deprecated_alias_of_teacher_kl_coef(seed, fn):
+    """`kl_coef=` (the old name of the teacher-KL weight) warns, naming the new name, and
+    gives the loss of `teacher_kl_coef=`; passing both is refused."""
+    inp = make_inputs(seed, N=16, V=60)
+    adv, old = ppo_inputs(seed, 16)
+    new = call(fn, inp, adv, old, teacher_kl_coef=0.7, entropy_coef=0.02)
+    with pytest.warns(DeprecationWarning, match="teacher_kl_coef"):
+        old_name = call(fn, inp, adv, old, kl_coef=0.7, entropy_coef=0.02)
+    assert torch.equal(new.loss, old_name.loss)
+    none = call(fn, inp, adv, old, entropy_coef=0.02)
+    assert not torch.equal(new.loss, none.loss)  # the weight reached the loss
+    with pytest.raises(TypeError, match="both"):
+        call(fn, inp, adv, old, teacher_kl_coef=0.7, kl_coef=0.7)
+
+
+def test_verl_policy_loss_kl_coef_alias(seed):
+    from memopd.integrations.verl import policy_loss as verl_policy_loss
+
+    g = torch.Generator().manual_seed(seed)
+    B, L, R, H, V = 2, 7, 4, 8, 30
+    hidden = torch.randn(B, L, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    t_hidden = torch.randn(B, L, H, generator=g, dtype=torch.float64)
+    t_weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    responses = torch.randint(0, V, (B, R), generator=g)
+    mask = torch.ones(B, R, dtype=torch.bool)
+    old = -torch.rand(B, R, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, R, generator=g, dtype=torch.float64)
+    args = (hidden, weight, responses, mask, old, adv)
+    kw = dict(teacher_hidden_states=t_hidden, teacher_weight=t_weight)
+    new, _ = verl_policy_loss(*args, teacher_kl_coef=0.5, **kw)
+    with pytest.warns(DeprecationWarning, match="teacher_kl_coef"):
+        old_name, _ = verl_policy_loss(*args, kl_coef=0.5, **kw)
+    assert torch.equal(new, old_name)
+    with pytest.raises(TypeError, match="both"):
+        verl_policy_loss(*args, teacher_kl_coef=0.5, kl_coef=0.5, **kw)

@@ -18,7 +18,7 @@ lm_head instead and never form them:
   `loss_agg_mode` as verl's `agg_loss` ("token-mean", "token-sum",
   "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", with verl's
   `global_batch_info`: `dp_size`, `batch_num_tokens`, `global_batch_size`,
-  `loss_scale_factor`); optionally plus `kl_coef` x the full-vocabulary reverse KL to a
+  `loss_scale_factor`); optionally plus `teacher_kl_coef` x the full-vocabulary reverse KL to a
   frozen teacher, aggregated the same way (memopd's on-policy distillation term).
 - `packed_log_prob(model, input_ids, attention_mask, position_ids, responses,
   response_mask)`: the same `[B, R]` log-probs (and entropy) from a padded (multi-turn)
@@ -154,8 +154,9 @@ def policy_loss(
     teacher_hidden_states: Optional[Tensor] = None,
     teacher_weight: Optional[Tensor] = None,
     teacher_bias: Optional[Tensor] = None,
-    kl_coef: float = 0.0,
+    teacher_kl_coef: Optional[float] = None,
     global_batch_info: Optional[dict] = None,
+    kl_coef: Optional[float] = None,
 ):
     """verl's actor loss of one micro-batch from hidden states: `(loss, metrics)`.
 
@@ -164,12 +165,16 @@ def policy_loss(
     `agg_loss` as verl does.
 
     `old_log_prob`, `advantages`: `[B, R]`, as verl's batch holds them. With
-    `teacher_hidden_states [B, L, Ht]` and `teacher_weight` (frozen), `kl_coef` x the
+    `teacher_hidden_states [B, L, Ht]` and `teacher_weight` (frozen), `teacher_kl_coef` (default 0) x the
     per-token reverse KL(student || teacher) over the full vocabulary is added, with the
     same aggregation. `metrics` holds detached `pg_loss`, `pg_clipfrac`, `ppo_kl`,
-    `pg_clipfrac_lower`, `entropy` and (with a teacher) `kl` as verl logs them.
+    `pg_clipfrac_lower`, `entropy` and (with a teacher) `kl` as verl logs them. `kl_coef=`
+    is the deprecated old name of `teacher_kl_coef=` (it warns).
     """
     from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy
+    from memopd.ops._validate import teacher_kl_weight
+
+    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "policy_loss")
 
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (verl's dual clip), got {clip_ratio_c}")
@@ -212,7 +217,7 @@ def policy_loss(
     metrics = {}
     if kl is not None:
         kl_loss = agg_loss(kl, mask, loss_agg_mode, **info)
-        loss = loss + kl_coef * kl_loss
+        loss = loss + teacher_kl_coef * kl_loss
         metrics["kl"] = kl_loss.detach()
     with torch.no_grad():
         m = mask.to(log_prob.dtype)

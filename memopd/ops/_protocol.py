@@ -126,7 +126,7 @@ class ActorLossParams:
     clip_high: float
     dual_clip: Optional[float]
     entropy_coef: float
-    kl_coef: float
+    teacher_kl_coef: float  # weight of KL(student || teacher) in the loss
     temperature: float
     vocab_size: int
     normalizer: float

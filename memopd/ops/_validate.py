@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -186,6 +187,19 @@ def choose_op_backend(op: str, backend: Optional[str], device: torch.device, *dt
     """`choose_backend` for the fused ops, whose Triton kernels take fp32/bf16/fp16 only."""
     refusal = "float64 inputs" if torch.float64 in dtypes else None
     return choose_backend(op, backend, device, triton_refusal=refusal)
+
+
+def teacher_kl_weight(teacher_kl_coef: Optional[float], kl_coef: Optional[float], op: str) -> float:
+    """The teacher-KL loss weight of `op` from its `teacher_kl_coef=` and the deprecated
+    `kl_coef=` (its old name, kept so that existing callers run; it warns)."""
+    if kl_coef is None:
+        return 0.0 if teacher_kl_coef is None else float(teacher_kl_coef)
+    if teacher_kl_coef is not None:
+        raise TypeError(f"{op}: pass teacher_kl_coef= only; kl_coef= is its deprecated old name and both were given")
+    if not torch.compiler.is_compiling():  # Dynamo cannot trace warnings.warn (fullgraph would fail)
+        warnings.warn(f"{op}: kl_coef= is deprecated, use teacher_kl_coef= (the weight of the KL to the teacher)",
+                      DeprecationWarning, stacklevel=3)
+    return float(kl_coef)
 
 
 def resolve_check_targets(check_targets: Optional[bool], device: torch.device) -> bool:

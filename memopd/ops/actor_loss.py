@@ -11,7 +11,7 @@ For every kept token i (s = student logits / T, t = teacher logits / T, over the
     H_i       = -Σ_v p_v log p_v             KL_i = Σ_v p_v (log p_v - log q_v)
 
     loss = [Σ_i pg_i - entropy_coef Σ_i H_i] / normalizer
-           + kl_coef Σ_{i in kl_mask} KL_i / kl_normalizer
+           + teacher_kl_coef Σ_{i in kl_mask} KL_i / kl_normalizer
 
 `normalizer` defaults to the number of kept tokens and `kl_normalizer` to the number
 of kept tokens in `kl_mask`; pass the global counts (all micro-batches and ranks) to
@@ -30,7 +30,7 @@ With δ_v = log p_v - log q_v and g_pg = dpg/dlogprob, the gradient per token is
 
     dL/ds_v = g_pg (1[v = y] - p_v) - g_H p_v (log p_v + H) + g_kl p_v (δ_v - KL)
 
-(g_H = -entropy_coef / normalizer, g_kl = kl_coef / kl_normalizer on kl_mask tokens),
+(g_H = -entropy_coef / normalizer, g_kl = teacher_kl_coef / kl_normalizer on kl_mask tokens),
 and dL/dh = (dL/ds) W / T, dL/dW = (dL/ds)^T h / T, dL/db = Σ dL/ds / T. KL and δ use
 a' = (s - max s) - (t - max t), where the teacher and student agree to float noise
 when p ≈ q: KL = E_p[a'] - log1p(Σ_v q_v expm1(a'_v)), accurate (and >= 0) for close
@@ -54,7 +54,14 @@ from torch import Tensor
 
 from . import _held_grads as held_grads
 from ._protocol import ActorLossParams, ActorStat, Divergence, DistillParams, LinearHead
-from ._validate import check_target_range, choose_op_backend, resolve_check_targets, validate_head, validate_temperature
+from ._validate import (
+    check_target_range,
+    choose_op_backend,
+    resolve_check_targets,
+    teacher_kl_weight,
+    validate_head,
+    validate_temperature,
+)
 from .distill_torch import compute_dtype, torch_forward_with_grads
 
 __all__ = ["ActorLossOutput", "fused_linear_actor_loss", "reference_actor_loss"]
@@ -181,7 +188,7 @@ def _torch_actor_loss(student: LinearHead, teacher: Optional[LinearHead], target
     stats[ActorStat.RATIO] = 1.0
     total = torch.zeros((), **f)
     g_h = -params.entropy_coef / params.normalizer
-    kl_weight = params.kl_coef / params.kl_normalizer
+    kl_weight = params.teacher_kl_coef / params.kl_normalizer
 
     def block_grads(rows, kl, lp, ent, _st):
         nonlocal total
@@ -215,13 +222,13 @@ def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, 
                    ht: Optional[Tensor], wt: Optional[Tensor],
                    bt: Optional[Tensor], targets: Tensor, adv: Tensor, old_lp: Tensor, keep: Tensor,
                    kl_keep: Tensor, clip_low: float, clip_high: float, dual_clip: float, entropy_coef: float,
-                   kl_coef: float, temperature: float, vocab_size: int, normalizer: float, kl_normalizer: float,
+                   teacher_kl_coef: float, temperature: float, vocab_size: int, normalizer: float, kl_normalizer: float,
                    token_chunk: int, backend: str, check_targets: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, stats [5, N], dh, dw, db); absent gradients are empty tensors."""
     if check_targets:
         check_target_range(targets, keep, vocab_size)
-    params = ActorLossParams(clip_low, clip_high, None if dual_clip <= 0 else dual_clip, entropy_coef, kl_coef,
-                             temperature, vocab_size, normalizer, kl_normalizer)
+    params = ActorLossParams(clip_low, clip_high, None if dual_clip <= 0 else dual_clip, entropy_coef,
+                             teacher_kl_coef, temperature, vocab_size, normalizer, kl_normalizer)
     student = LinearHead(hs, ws, bs)
     teacher = None if ht is None else LinearHead(ht, wt, bt)
     args = (student, teacher, targets, adv, old_lp, keep, kl_keep, params, (need_dh, need_dw, need_db), token_chunk)
@@ -239,7 +246,7 @@ def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, 
 
 @_actor_loss_op.register_fake
 def _actor_loss_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, adv, old_lp, keep, kl_keep,
-                     clip_low, clip_high, dual_clip, entropy_coef, kl_coef, temperature, vocab_size, normalizer,
+                     clip_low, clip_high, dual_clip, entropy_coef, teacher_kl_coef, temperature, vocab_size, normalizer,
                      kl_normalizer, token_chunk, backend, check_targets):
     dt = torch.float64 if hs.dtype == torch.float64 else torch.float32
     return (hs.new_empty((), dtype=dt), hs.new_empty((len(ActorStat), hs.shape[0]), dtype=dt),
@@ -289,7 +296,7 @@ def fused_linear_actor_loss(
     clip_eps_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
     entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
+    teacher_kl_coef: Optional[float] = None,
     temperature: float = 1.0,
     vocab_size: Optional[int] = None,
     normalizer: Optional[float] = None,
@@ -297,6 +304,7 @@ def fused_linear_actor_loss(
     token_chunk_size: Optional[int] = None,
     backend: Optional[str] = None,
     check_targets: Optional[bool] = None,
+    kl_coef: Optional[float] = None,
 ) -> ActorLossOutput:
     """The PPO actor loss of a batch of sampled tokens, fused over the vocabulary.
 
@@ -312,7 +320,8 @@ def fused_linear_actor_loss(
         clip_eps (and clip_eps_high for an asymmetric range): ratio clipped to
             [1 - clip_eps, 1 + clip_eps_high]. dual_clip: c > 1 caps the loss of
             negative-advantage tokens at -c A (None: off).
-        entropy_coef, kl_coef: the coefficients of -H and of KL(student || teacher).
+        entropy_coef, teacher_kl_coef: the coefficients of -H and of KL(student || teacher)
+            (teacher_kl_coef default 0; `kl_coef=` is its deprecated old name).
         temperature: divides both models' logits (the sampling temperature).
         vocab_size: rows of both heads that form the distributions (the tokenizer's size;
             required when the heads differ in rows); padded rows get zero gradient.
@@ -326,6 +335,7 @@ def fused_linear_actor_loss(
     states, weight and bias) and detached per-token `logprobs`, `entropy`, `kl`,
     `ratio`, `clipped`.
     """
+    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "fused_linear_actor_loss")
     clip_high, temperature, V, keep, kl_keep, normalizer, kl_normalizer = _resolve(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
         advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
@@ -341,7 +351,7 @@ def fused_linear_actor_loss(
         student_hidden, student_weight, student_bias, need, teacher_hidden, teacher_weight, teacher_bias,
         targets.contiguous(), advantages.detach().contiguous(), old_logprobs.detach().contiguous(), keep.contiguous(),
         kl_keep.contiguous(), float(clip_eps), clip_high, float(dual_clip or 0.0), float(entropy_coef),
-        float(kl_coef), temperature, V, normalizer, kl_normalizer, int(token_chunk_size or 0), backend,
+        teacher_kl_coef, temperature, V, normalizer, kl_normalizer, int(token_chunk_size or 0), backend,
         check_targets)
     stats = stats.detach()
     return ActorLossOutput(loss, stats[ActorStat.LOGPROB], stats[ActorStat.ENTROPY], stats[ActorStat.KL],
@@ -368,15 +378,18 @@ def reference_actor_loss(
     clip_eps_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
     entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
+    teacher_kl_coef: Optional[float] = None,
     temperature: float = 1.0,
     vocab_size: Optional[int] = None,
     normalizer: Optional[float] = None,
     kl_normalizer: Optional[float] = None,
     compute_dtype: Optional[torch.dtype] = None,
+    kl_coef: Optional[float] = None,
 ) -> ActorLossOutput:
     """The same loss the naive way: full [N, V] logits, log_softmax, autograd (float64 with
-    float64 inputs or `compute_dtype=torch.float64`)."""
+    float64 inputs or `compute_dtype=torch.float64`); the arguments as in
+    `fused_linear_actor_loss`."""
+    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "reference_actor_loss")
     clip_high, temperature, V, keep, kl_keep, norm, kl_norm = _resolve(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
         advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
@@ -410,7 +423,7 @@ def reference_actor_loss(
     if teacher_hidden is not None:
         lt = torch.log_softmax(logits(teacher_hidden, teacher_weight, teacher_bias), -1)
         kl = (p * (ls - lt)).sum(-1)
-        loss = loss + kl_coef * (kl * kl_keep.to(cd)).sum() / kl_norm
+        loss = loss + teacher_kl_coef * (kl * kl_keep.to(cd)).sum() / kl_norm
     z = torch.zeros_like(ent)
     return ActorLossOutput(loss, torch.where(keep, lp, z).detach(), torch.where(keep, ent, z).detach(),
                            torch.where(keep, kl, z).detach(), torch.where(keep, ratio, torch.ones_like(z)).detach(),
