@@ -288,8 +288,8 @@ def test_atomic_write_keeps_the_previous_content(tmp_path, monkeypatch, code):
 
 
 def test_sft_save_failure_is_74_and_keeps_the_previous_model(tmp_path, monkeypatch):
+    from memopd import files
     from memopd.env import sft
-    from memopd.trainer import rundir
 
     tiny = {"student": sft.SFTConfig(steps=1, ks=(1,), calls_per_k=2)}
     out = tmp_path / "cache"
@@ -299,7 +299,7 @@ def test_sft_save_failure_is_74_and_keeps_the_previous_model(tmp_path, monkeypat
     def full(root, **kw):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(root, "memopd_manifest.json"))
 
-    monkeypatch.setattr(rundir, "write_manifest", full)
+    monkeypatch.setattr(files, "write_manifest", full)
     with pytest.raises(Exception) as e:
         sft.run_sft(out, roles=("student",), sft_configs=tiny, force=True, progress=False, log=lambda *_: None)
     _one_line_74(e.value, f"SFT checkpoint {out / 'student'} not written", "no space left",

@@ -387,7 +387,7 @@ def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, meta: dict[str
     Written into a sibling directory that replaces `out_dir` in one rename: a reader sees
     the previous checkpoint or this one, never a part; a failed write (e.g. a full disk)
     leaves `out_dir` as it was and is one `OutputError` (exit 74)."""
-    from memopd.trainer.rundir import atomic_directory, write_manifest
+    from memopd.files import atomic_directory, write_manifest
 
     out_dir = os.fspath(out_dir)
     with atomic_directory(out_dir, what=f"SFT checkpoint {out_dir}") as tmp:
@@ -555,12 +555,12 @@ def run_sft(
     world_config = world_config or WorldConfig()
     env_config = env_config or EnvConfig()
     EnvConfig(**asdict(env_config))  # validate before spawning anything
-    from memopd.trainer.rundir import RunDirLock, check_writable_dir
+    from memopd.files import DirectoryLock, check_writable_dir
 
     check_writable_dir(out_dir, "SFT output directory")  # a file or read-only place fails now, not after training
-    # one builder per cache: a second waits, then reuses what the first built (the lock
-    # is the run directory's: its holder is named, and the kernel frees it if that dies)
-    lock = RunDirLock(out_dir, name=SFT_LOCK_FILE, what="SFT cache")
+    # one builder per cache: a second waits, then reuses what the first built (the same
+    # lock as a run directory's: its holder is named, and the kernel frees it if that dies)
+    lock = DirectoryLock(out_dir, name=SFT_LOCK_FILE, what="SFT cache")
     lock.acquire(wait=lambda msg: log(f"[memopd sft] {msg}"))
     try:
         return _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs, jobs, progress, log)
@@ -572,7 +572,7 @@ def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs
     """`run_sft`'s work once it holds the cache lock."""
     import shutil
 
-    from memopd.trainer.rundir import verify_manifest
+    from memopd.files import verify_manifest
 
     for name in os.listdir(out_dir):  # the half-built directory of a builder that was killed
         if name.endswith(".tmp") and name.split(".")[0] in roles and os.path.isdir(os.path.join(out_dir, name)):
