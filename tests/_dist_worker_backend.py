@@ -102,7 +102,7 @@ def run_scenario(name: str, out: str) -> dict:
 def main() -> None:
     out = sys.argv[1]
     names = sys.argv[2:] or list(SCENARIOS)
-    from memopd.trainer.backend import init_distributed, shutdown_distributed
+    from memopd.trainer.collectives import init_distributed, shutdown_distributed
 
     info = init_distributed()
     results = {name: run_scenario(name, out) for name in names}

@@ -80,7 +80,7 @@ def run_scenario(name: str, out: str, action_domain: str) -> None:
 
 def main() -> None:
     out, action_domain, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-    from memopd.trainer.backend import init_distributed
+    from memopd.trainer.collectives import init_distributed
 
     pg = os.environ.get("MEMOPD_TEST_PROCESS_GROUP")
     if pg and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -93,7 +93,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     for name in names:
         run_scenario(name, out, action_domain)
-    from memopd.trainer.backend import shutdown_distributed
+    from memopd.trainer.collectives import shutdown_distributed
 
     shutdown_distributed()
 

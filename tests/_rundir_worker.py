@@ -43,7 +43,7 @@ def dist(out: str) -> None:
     import torch
 
     from memopd.errors import RunDirError
-    from memopd.trainer.backend import init_distributed, shutdown_distributed
+    from memopd.trainer.collectives import init_distributed, shutdown_distributed
     from memopd.trainer.config import TrainConfig
     from memopd.trainer.loop import Trainer
 

@@ -20,13 +20,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _dist_worker_backend as W  # noqa: E402
 from _launch import run_worker  # noqa: E402
 
-from memopd.trainer.backend import (  # noqa: E402
-    DistInfo,
-    build_lr_lambda,
-    init_distributed,
-    make_backend,
-    resolve_deepspeed_config,
-)
+from memopd.optim import build_lr_lambda  # noqa: E402
+from memopd.trainer.backend import make_backend  # noqa: E402
+from memopd.trainer.collectives import DistInfo, init_distributed  # noqa: E402
+from memopd.trainer.deepspeed_config import resolve_deepspeed_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(W.__file__).resolve()

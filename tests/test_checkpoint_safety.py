@@ -96,7 +96,7 @@ def test_legacy_pickled_client_state_is_refused_even_when_harmless(tmp_path):
 def test_only_plain_values_come_out_of_a_checkpoint_file(tmp_path):
     """The weights-only unpickler admits a few torch types (dtype, device); memopd's own
     state holds none, so they are refused too."""
-    from memopd.trainer.backend import load_tensor_file
+    from memopd.trainer.safe_load import load_tensor_file
 
     torch.save({"w": torch.zeros(2), "dtype": torch.float32}, tmp_path / "f.pt")
     with pytest.raises(UnsafeFileError, match="holds a torch.dtype"):

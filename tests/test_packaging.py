@@ -67,19 +67,19 @@ def test_each_module_is_loaded_once():
 
 def test_deepspeed_examples_ship_with_the_trainer(tmp_path, monkeypatch):
     import memopd.trainer
-    from memopd.trainer.backend import _load_config
+    from memopd.trainer.deepspeed_config import load_deepspeed_config
 
     configs = Path(memopd.trainer.__file__).resolve().parent / "configs"
     for name, stage in (("ds_zero2.json", 2), ("ds_zero3.json", 3)):
         assert json.loads((configs / name).read_text())["zero_optimization"]["stage"] == stage
     # the README's spelling, from a directory that holds no copy of them
     monkeypatch.chdir(tmp_path)
-    assert _load_config("trainer/configs/ds_zero2.json")["zero_optimization"]["stage"] == 2
-    assert _load_config("ds_zero3.json")["zero_optimization"]["stage"] == 3
+    assert load_deepspeed_config("trainer/configs/ds_zero2.json")["zero_optimization"]["stage"] == 2
+    assert load_deepspeed_config("ds_zero3.json")["zero_optimization"]["stage"] == 3
     with pytest.raises(FileNotFoundError):
-        _load_config("elsewhere/ds_zero2.json")  # another folder is the user's path, not the example
+        load_deepspeed_config("elsewhere/ds_zero2.json")  # another folder is the user's path, not the example
     (tmp_path / "ds_zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    assert _load_config("ds_zero2.json")["zero_optimization"]["stage"] == 1  # an existing file wins
+    assert load_deepspeed_config("ds_zero2.json")["zero_optimization"]["stage"] == 1  # an existing file wins
 
 
 def test_imports_from_the_repository_root():

@@ -2,9 +2,10 @@
 
 The main names load on first use (they import transformers):
 `TrainConfig` (config.py), `Trainer` / `train` / `prepare` (loop.py), `make_backend` /
-`init_distributed` (backend.py), `Actor` / `Critic` / `Scoring` (modules.py), `score` /
-`Scored` (update.py), `gae` / `policy_loss` / `value_loss` / `token_rewards` /
-`whiten` (ppo.py), `plot_run` (plot.py).
+`TrainBackend` (backend.py), `init_distributed` / `shutdown_distributed`
+(collectives.py), `Actor` / `Critic` / `Scoring` (modules.py), `score` / `Scored`
+(update.py), `gae` / `policy_loss` / `value_loss` / `token_rewards` / `whiten` (ppo.py),
+`plot_run` (plot.py).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import importlib
 _LAZY = {
     "TrainConfig": "config", "ARMS": "config", "ConfigError": "config",
     "Trainer": "loop", "train": "loop", "prepare": "loop",
-    "make_backend": "backend", "init_distributed": "backend", "shutdown_distributed": "backend", "TrainBackend": "backend",
+    "make_backend": "backend", "TrainBackend": "backend",
+    "init_distributed": "collectives", "shutdown_distributed": "collectives",
     "Actor": "modules", "Critic": "modules", "Scoring": "modules",
     "score": "update", "Scored": "update", "PPOInputs": "modules",
     "gae": "ppo", "policy_loss": "ppo", "value_loss": "ppo", "token_rewards": "ppo", "whiten": "ppo",

@@ -4,14 +4,13 @@ The training loop only talks to a `TrainBackend` made by `make_backend(model, ..
 through `backend.module`, `backward(loss, last_micro_batch=...)` once per micro-batch (the
 same count on every rank), then `step()`. Both backends average gradients over ranks and
 never divide by the number of micro-batches, so each micro-batch's loss is its token-loss
-sum / the global token count of the step * world_size. Also here: `init_distributed()`,
-the collectives every part of the trainer uses (`all_reduce`, `broadcast`, `barrier`; CPU
-tensors go through a gloo side group when the default group is NCCL), checkpointing
-(`save_checkpoint` / `load_checkpoint`, collective), AdamW + LambdaLR, and the DeepSpeed
-config checks (`resolve_deepspeed_config`).
+sum / the global token count of the step * world_size. Both checkpoint collectively
+(`save_checkpoint` / `load_checkpoint`) and read checkpoint files without running code.
 
-The user guide (launching, the loss-scaling and micro-batch contract, DeepSpeed config
-rules, ZeRO-3, DeepSpeed on CPU, checkpoints) is docs/deepspeed.md.
+Around it: process groups and collectives in collectives.py, AdamW and the LR schedule in
+memopd/optim.py, the DeepSpeed config checks in deepspeed_config.py, the safe checkpoint
+reader in safe_load.py. The user guide (launching, the loss-scaling and micro-batch
+contract, DeepSpeed config rules, ZeRO-3, DeepSpeed on CPU, checkpoints) is docs/deepspeed.md.
 """
 from __future__ import annotations
 
@@ -19,226 +18,25 @@ import contextlib
 import json
 import math
 import os
-import re
-import socket
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from memopd.optim import SCHEDULES, build_lr_lambda, build_optimizer
+from memopd.optim import build_lr_lambda, build_optimizer
 
-__all__ = [
-    "TrainBackend",
-    "PlainBackend",
-    "DeepSpeedBackend",
-    "DistInfo",
-    "make_backend",
-    "init_distributed",
-    "shutdown_distributed",
-    "all_reduce",
-    "broadcast",
-    "barrier",
-    "group_for",
-    "resolve_deepspeed_config",
-    "build_optimizer",
-    "build_lr_lambda",
-    "SCHEDULES",
-    "SUPPORTED_ZERO_STAGES",
-]
+from .collectives import DistInfo, all_reduce, barrier, broadcast, ensure_process_group, init_distributed, world_size_hint
+from .deepspeed_config import resolve_deepspeed_config
+from .safe_load import load_tensor_file
 
-SUPPORTED_ZERO_STAGES = (1, 2, 3)
+# TRANSITIONAL (removed once loop.py, rundir.py and memopd/cli.py import from collectives.py
+# and deepspeed_config.py in the committed tree)
+from .collectives import group_for, shutdown_distributed  # noqa: E402,F401
+from .deepspeed_config import load_deepspeed_config as _load_config  # noqa: E402,F401
+
+__all__ = ["TrainBackend", "PlainBackend", "DeepSpeedBackend", "make_backend"]
+
 # Plain-backend gradient all-reduce bucket size (elements): few collectives, bounded extra memory.
 _BUCKET_NUMEL = 8 * 1024 * 1024
-
-
-# --------------------------------------------------------------------------- launching
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str | None  # None when single process without a process group
-
-
-def _env_int(name: str, default: int | None = None) -> int | None:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
-
-
-def _current_info() -> DistInfo:
-    return DistInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=_env_int("LOCAL_RANK", 0) or 0,
-        backend=str(dist.get_backend()),
-    )
-
-
-def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
-    """Initialise torch.distributed from RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT.
-
-    No-op (returns rank 0 of 1) when WORLD_SIZE is unset or 1; idempotent when a process
-    group already exists. Backend: nccl when CUDA is available, else gloo (override
-    with `backend`). On CUDA the current device is set to LOCAL_RANK.
-    """
-    if dist.is_available() and dist.is_initialized():
-        if _CPU_GROUP is None and not _serves(dist.distributed_c10d._get_default_group(), "cpu"):
-            _init_cpu_group()  # a group the caller built (e.g. a launcher's): same rule
-        return _current_info()
-    world_size = _env_int("WORLD_SIZE", 1)
-    if world_size is None or world_size <= 1:
-        return DistInfo(0, 1, _env_int("LOCAL_RANK", 0) or 0, None)
-    if not dist.is_available():
-        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
-    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-    if missing:
-        raise RuntimeError(
-            f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with torchrun "
-            "or the deepspeed launcher, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"
-        )
-    rank = _env_int("RANK")
-    local_rank = _env_int("LOCAL_RANK", 0) or 0
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    from datetime import timedelta
-
-    dist.init_process_group(
-        backend=backend, init_method="env://", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    _init_cpu_group()
-    return DistInfo(rank, world_size, local_rank, backend)
-
-
-def shutdown_distributed(*, orderly: bool = True) -> None:
-    """Destroy every process group this process holds (no-op without one).
-
-    A gloo group left for the interpreter's exit to tear down can abort a rank with
-    "terminate called without an active exception" after all work is done, failing a
-    finished run. `orderly` first waits for all ranks (skip it on an error path, where
-    the other ranks may never arrive).
-    """
-    global _CPU_GROUP
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if orderly:
-        barrier()
-    dist.destroy_process_group()  # all groups, the CPU side group included
-    _CPU_GROUP = None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ensure_process_group() -> DistInfo:
-    """A process group for DeepSpeed: the launcher's, or a one-rank group on a free port."""
-    info = init_distributed()
-    if info.backend is not None:
-        return info
-    # DeepSpeed needs torch.distributed even for one process; without the env vars its own
-    # init would try MPI discovery. Export them so DeepSpeed sees a consistent world of 1.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ["WORLD_SIZE"] = "1"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(info.local_rank)
-    dist.init_process_group(backend=backend, init_method="env://", rank=0, world_size=1)
-    _init_cpu_group()
-    return DistInfo(0, 1, info.local_rank, backend)
-
-
-def _world_size_hint() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return max(1, _env_int("WORLD_SIZE", 1) or 1)
-
-
-# ------------------------------------------------------------------------- collectives
-#
-# Every collective of the trainer goes through `all_reduce`, `broadcast` and `barrier`
-# below. NCCL serves only CUDA tensors, but the loop reduces small host-side statistics
-# (token counts, metric sums) on the CPU. Rather than copying those to the GPU and back
-# (a sync per statistic), a CPU tensor goes through a gloo group built next to the
-# default group whenever the default group does not serve CPU tensors; a tensor whose
-# device the default group serves uses it. One rule for every call site, and a CPU test
-# can check it by binding the default group to "cuda" only (see tests).
-
-_CPU_GROUP = None  # gloo group for CPU tensors when the default group has no CPU backend
-
-
-def _serves(group, device_type: str) -> bool:
-    types = getattr(group, "_device_types", None)
-    if types is None:  # older torch: the backend name is all we know
-        return device_type == "cpu" if dist.get_backend(group) == "gloo" else device_type != "cpu"
-    return any(d.type == device_type for d in types)
-
-
-def _init_cpu_group() -> None:
-    """Collective (every rank, right after init_process_group): the CPU side group."""
-    global _CPU_GROUP
-    default = dist.distributed_c10d._get_default_group()
-    _CPU_GROUP = None if _serves(default, "cpu") else dist.new_group(backend="gloo")
-
-
-def group_for(tensor: torch.Tensor):
-    """The process group that serves `tensor`'s device (None: the default group)."""
-    if tensor.device.type == "cpu" and _CPU_GROUP is not None:
-        return _CPU_GROUP
-    return None
-
-
-def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of `t` over all ranks, on the group that serves its device (a
-    device tensor that no group serves, e.g. CUDA under a gloo-only group, goes through a
-    CPU copy)."""
-    if _world() > 1:
-        if t.device.type != "cpu" and not _serves(dist.distributed_c10d._get_default_group(), t.device.type):
-            t.copy_(all_reduce(t.cpu(), op))
-        else:
-            dist.all_reduce(t, op=op, group=group_for(t))
-    return t
-
-
-def broadcast(t: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """In-place broadcast of `t` from rank `src`, on the group that serves its device."""
-    if _world() > 1:
-        dist.broadcast(t, src=src, group=group_for(t))
-    return t
-
-
-def barrier() -> None:
-    """All ranks meet (through the CPU group where the default one serves only CUDA)."""
-    if _world() > 1:
-        dist.barrier(group=_CPU_GROUP)
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        barrier()
-
-
-# --------------------------------------------------------------------------- optimiser
 
 
 def _sync_lr_from_scheduler(optimizer: torch.optim.Optimizer, scheduler) -> None:
@@ -331,7 +129,8 @@ class TrainBackend:
         return math.nan if r == -math.inf else r
 
     def barrier(self) -> None:
-        _barrier(self.world_size)
+        if self.world_size > 1:
+            barrier()
 
     def train(self) -> None:
         self.module.train()
@@ -402,55 +201,6 @@ class TrainBackend:
         if not isinstance(state, dict):
             raise UnsafeFileError(f"{f}: the client state is a {type(state).__name__}, not a JSON object")
         return state
-
-
-# the values a checkpoint file may hold besides tensors (torch.load(weights_only=True)
-# admits a few more torch types, e.g. dtypes and sizes, which no memopd state holds)
-_PLAIN = (dict, list, tuple, str, int, float, bool, type(None), torch.Tensor)
-
-
-def _check_plain(obj: Any, where: str) -> None:
-    from memopd.errors import UnsafeFileError
-
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if not isinstance(x, _PLAIN):
-            raise UnsafeFileError(f"{where}: holds a {type(x).__module__}.{type(x).__qualname__}, not only "
-                                  "tensors and plain values; refusing it")
-        if isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-
-
-def load_tensor_file(path: str, safe_types: tuple = ()) -> Any:
-    """torch.load of a checkpoint file that runs no code: the weights-only unpickler (it
-    builds tensors and plain containers and refuses any other global, `safe_types` aside:
-    classes the caller names), then a check that only tensors, plain values and
-    `safe_types` came out. Anything else is an UnsafeFileError naming the file."""
-    import pickle
-
-    from memopd.errors import UnsafeFileError
-
-    try:
-        with torch.serialization.safe_globals(list(safe_types)):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        if found is None:  # not a pickle the weights-only reader can parse at all
-            raise UnsafeFileError(f"{path}: not a readable torch checkpoint file; it is damaged") from None
-        raise UnsafeFileError(f"{path}: refused to load: it needs more than tensors and plain values (it names "
-                              f"{found.group(1)}), and unpickling it could run code. Only load checkpoints memopd "
-                              "wrote") from None
-    except (RuntimeError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        raise UnsafeFileError(f"{path}: not a readable torch checkpoint file ({type(e).__name__}: "
-                              f"{first}); it is damaged") from None
-    if not safe_types:
-        _check_plain(state, path)
-    return state
 
 
 # --------------------------------------------------------------------------- plain
@@ -564,110 +314,6 @@ class PlainBackend(TrainBackend):
 # --------------------------------------------------------------------------- DeepSpeed
 
 
-def _load_config(config: dict | str | os.PathLike) -> dict:
-    """A deep copy of the config dict, or the parsed JSON file. A path that does not exist
-    but names a bundled example, `ds_zero2.json` or `trainer/configs/ds_zero2.json` (likewise
-    ds_zero3), is that example: it ships as package data next to this module, so the README's
-    command works from any directory and from an installed package."""
-    if isinstance(config, (str, os.PathLike)):
-        path = os.path.normpath(os.fspath(config))
-        base = os.path.basename(path)
-        example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", base)
-        if path in (base, os.path.join("trainer", "configs", base)) and not os.path.exists(path) and os.path.isfile(example):
-            path = example
-        with open(path) as f:
-            config = json.load(f)
-    if not isinstance(config, dict):
-        raise TypeError(f"deepspeed_config must be a dict or a JSON path, got {type(config).__name__}")
-    return json.loads(json.dumps(config))  # deep copy; the caller's dict is never modified
-
-
-def resolve_deepspeed_config(
-    config: dict | str | os.PathLike,
-    *,
-    max_grad_norm: float | None,
-    world_size: int,
-    on_cpu: bool,
-    model_dtype: torch.dtype | None = None,
-) -> dict:
-    """Validate a DeepSpeed config and fill the defaults the user omitted (never overriding).
-
-    Raises ValueError for settings that conflict with this backend (docs/deepspeed.md §3.1).
-    """
-    cfg = _load_config(config)
-
-    zero = cfg.get("zero_optimization")
-    if zero is None:
-        raise ValueError(
-            "DeepSpeed config has no zero_optimization section; set zero_optimization.stage to "
-            f"one of {SUPPORTED_ZERO_STAGES} (or pass deepspeed_config=None for the plain backend)"
-        )
-    if not isinstance(zero, dict):
-        raise ValueError(f"zero_optimization must be a JSON object, got {zero!r}")
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in SUPPORTED_ZERO_STAGES:
-        extra = " (stage 0 is plain data parallelism: pass deepspeed_config=None)" if stage == 0 else ""
-        raise ValueError(f"unknown/unsupported ZeRO stage {stage!r}; choose one of {SUPPORTED_ZERO_STAGES}{extra}")
-
-    for key in ("optimizer", "scheduler"):
-        if key in cfg:
-            raise ValueError(
-                f"DeepSpeed config has an {key!r} section, but this backend builds AdamW and the LR "
-                "schedule from make_backend(lr=..., weight_decay=..., betas=..., eps=..., warmup_steps=..., "
-                f"total_steps=...); remove {key!r} from the config"
-            )
-
-    fp16 = bool((cfg.get("fp16") or {}).get("enabled", False))
-    bf16 = bool((cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled", False))
-    if fp16 and on_cpu:
-        raise ValueError("fp16 is enabled in the DeepSpeed config but there is no CUDA device; "
-                         "on CPU use fp32 (no fp16/bf16 section) or bf16")
-    if model_dtype is torch.bfloat16 and not bf16:
-        raise ValueError("the model is bfloat16 but the DeepSpeed config does not enable bf16 "
-                         "(add \"bf16\": {\"enabled\": true} or pass a float32 model)")
-    if model_dtype is torch.float16 and not fp16:
-        raise ValueError("the model is float16 but the DeepSpeed config does not enable fp16")
-
-    if cfg.get("managed_gradient_accumulation", True) is False:
-        raise ValueError("managed_gradient_accumulation=false conflicts with this backend, which marks the "
-                         "accumulation boundary itself (set_gradient_accumulation_boundary); remove it")
-
-    if (cfg.get("checkpoint") or {}).get("load_universal"):
-        raise ValueError("checkpoint.load_universal is not supported: DeepSpeed reads universal checkpoints by "
-                         "unpickling them (weights_only=False), which can run code; remove it")
-
-    gas = cfg.get("gradient_accumulation_steps")
-    if gas is not None and gas != 1:
-        raise ValueError(
-            f"gradient_accumulation_steps={gas} in the DeepSpeed config: the training loop owns micro-batch "
-            "accumulation (backward(..., last_micro_batch=...)), so it must be 1 or absent"
-        )
-    cfg["gradient_accumulation_steps"] = 1
-    tbs = cfg.get("train_batch_size")
-    mbs = cfg.get("train_micro_batch_size_per_gpu")
-    if tbs is not None:
-        if mbs is None:
-            if tbs % world_size:
-                raise ValueError(f"train_batch_size={tbs} is not divisible by world_size={world_size}")
-            mbs = tbs // world_size
-        elif tbs != mbs * world_size:
-            raise ValueError(
-                f"train_batch_size={tbs} != train_micro_batch_size_per_gpu={mbs} x world_size={world_size} "
-                "(gradient_accumulation_steps is 1 here); fix or drop train_batch_size"
-            )
-    cfg["train_micro_batch_size_per_gpu"] = 1 if mbs is None else mbs
-
-    clip = float(max_grad_norm) if max_grad_norm and max_grad_norm > 0 else 0.0
-    if "gradient_clipping" in cfg:
-        if float(cfg["gradient_clipping"]) != clip:
-            raise ValueError(
-                f"gradient_clipping={cfg['gradient_clipping']} in the DeepSpeed config conflicts with "
-                f"max_grad_norm={max_grad_norm}; set one of them, or make them equal"
-            )
-    cfg["gradient_clipping"] = clip
-    return cfg
-
-
 def _import_deepspeed():
     if not torch.cuda.is_available():
         # must precede DeepSpeed's accelerator detection (first get_accelerator() call)
@@ -714,7 +360,7 @@ class DeepSpeedBackend(TrainBackend):
     def __init__(self, model, optimizer, scheduler, *, config: dict, max_grad_norm: float | None):
         super().__init__()
         deepspeed = _import_deepspeed()
-        info = _ensure_process_group()
+        info = ensure_process_group()
         _attach_deepspeed_comm(deepspeed, info.backend)
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
@@ -825,7 +471,7 @@ def make_backend(
         cfg = resolve_deepspeed_config(
             deepspeed_config,
             max_grad_norm=max_grad_norm,
-            world_size=_world_size_hint(),
+            world_size=world_size_hint(),
             on_cpu=not torch.cuda.is_available(),
             model_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
         )

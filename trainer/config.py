@@ -281,7 +281,7 @@ def check_requirements(cfg: "TrainConfig") -> None:
 
         import torch
 
-        from .backend import resolve_deepspeed_config
+        from .deepspeed_config import resolve_deepspeed_config
 
         try:
             resolve_deepspeed_config(cfg.deepspeed, max_grad_norm=cfg.max_grad_norm,
