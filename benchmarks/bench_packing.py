@@ -23,6 +23,11 @@ Configurations: Q2-, Q8-, Q16-shaped trajectories x batch sizes 4, 8, 16 traject
 (`MEMOPD_BENCH_BATCHES`). Shapes follow expert episodes of the project's own QA
 environment (`memopd.env`, summary memory; see `qa_shaped_trajectories` and
 `python benchmarks/bench_packing.py --measure-env`), with fresh random token ids.
+Two shape knobs, unset by default (the expert shapes): `MEMOPD_BENCH_PREFIX` (prefix
+length in ids) and `MEMOPD_BENCH_CALLS` (calls per trajectory), each a comma-separated
+list that multiplies the configurations (named e.g. `Q8-b4-p512-c24`). The speedup
+curve over both: `python benchmarks/bench_packing.py --curve --prefix 32,128,512
+--calls 4,12,24` (a table; `--help` for the rest).
 
 Measurement: for each configuration, first an untimed equivalence check (a forward of every
 layout captures the log-prob of every action token; the packed layouts must match
@@ -44,8 +49,11 @@ the wall clock after a device sync.
 Models: on CPU a random Qwen2 (hidden 256, 2 layers (`MEMOPD_BENCH_LAYERS`), 8 heads / 2 kv
 heads, intermediate 512, vocab 4096, fp32); with CUDA a random Qwen2.5-0.5B-shaped model
 (hidden 896, 24 layers, 14 / 2 heads, intermediate 4864, vocab 151936, tied embeddings,
-bf16), built from its config (no download). `MEMOPD_BENCH_MODEL=tiny|qwen2.5-0.5b`
-overrides the choice.
+bf16), built from its config (no download). `MEMOPD_BENCH_MODEL=tiny|tiny-3b-ratio|
+qwen2.5-0.5b` overrides the choice. `tiny-3b-ratio` is the tiny model with a 488-id
+vocabulary: its lm-head costs 0.112 of its transformer layers per token (weight-matmul
+FLOPs, `matmul_flops_per_token`), as in Qwen2.5-3B, where the tiny model's head costs
+0.94 of its body.
 """
 from __future__ import annotations
 
@@ -88,7 +96,14 @@ def _env_ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return vals
 
 
+def _env_knob(name: str) -> tuple[int | None, ...]:
+    """A shape knob: its comma-separated values, or (None,) (the expert shape) when unset."""
+    return _env_ints(name, ()) or (None,)
+
+
 BATCH_SIZES = _env_ints("MEMOPD_BENCH_BATCHES", (4, 8, 16))
+PREFIX_LENGTHS = _env_knob("MEMOPD_BENCH_PREFIX")
+CALLS_PER_TRAJECTORY = _env_knob("MEMOPD_BENCH_CALLS")
 ROUNDS = _env_ints("MEMOPD_BENCH_ROUNDS", (3,))[0]
 CLOCK = bench_clock()  # "process" (CPU time) on CPU, "wall" on CUDA, unless asked otherwise
 # untimed fwd+bwd warm-up rounds: CUDA needs one (kernel compilation, autotuning, allocator);
@@ -121,15 +136,26 @@ def _calls_range(k: int) -> tuple[int, int]:
     return max(2, round(1.4 * k)), round(1.9 * k) + 1
 
 
+def config_name(k: int, batch_size: int, prefix_len: int | None = None, calls: int | None = None) -> str:
+    """`Qk-bB`, with `-pP` / `-cC` when a shape knob is set."""
+    return (f"Q{k}-b{batch_size}" + ("" if prefix_len is None else f"-p{prefix_len}")
+            + ("" if calls is None else f"-c{calls}"))
+
+
 def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, vocab_size: int = 4096,
-                           seed: int = 0) -> list[Trajectory]:
+                           seed: int = 0, prefix_len: int | None = None,
+                           calls: int | None = None) -> list[Trajectory]:
     """`n` valid trajectories shaped like expert episodes of k questions (see above).
 
     Rollouts of one group (`group_size` in a row) share the prefix q (like samples of one
     prompt) but differ in their number of calls, actions and observations. Token ids are
     random in [3, vocab_size); ids 1/2 are the memory tags used by `SummaryReplacement`.
+    `prefix_len` / `calls` replace the expert prefix length / the drawn number of calls
+    of every trajectory. The expert draws are made either way, so that with the same
+    `calls` two prefix lengths give the same contexts, actions and observations.
     """
     rng = random.Random(1_000_003 * seed + k)
+    prefix_rng = random.Random(7_919 * seed + k)
     lo = 3
 
     def toks(m: int) -> list[int]:
@@ -143,7 +169,11 @@ def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, voca
     for i in range(n):
         if i % group_size == 0:
             prefix = toks(SHAPE["prefix_base"] + SHAPE["prefix_per_question"] * k + rng.randint(-jitter, jitter))
+            if prefix_len is not None:
+                prefix = [prefix_rng.randrange(lo, vocab_size) for _ in range(prefix_len)]
         n_calls = rng.randint(calls_lo, calls_hi)
+        if calls is not None:
+            n_calls = calls
         notes: list[int] = []
         steps = []
         for t in range(n_calls):
@@ -193,19 +223,49 @@ class BenchSetup:
     vocab_size: int
 
 
-def make_setup() -> BenchSetup:
-    """The benchmark model for this machine (see the module docstring)."""
+# the shape whose lm-head share `tiny-3b-ratio` copies (Qwen2.5-3B's config.json)
+QWEN2_5_3B = dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008,
+                  vocab_size=151936)
+# the vocabulary that gives the tiny body (h256, 2 layers, 8/2 heads, i512) that head share
+TINY_3B_RATIO_VOCAB = 488
+
+
+def matmul_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                           intermediate_size: int, vocab_size: int) -> tuple[int, int]:
+    """(lm-head, transformer layers) forward FLOPs per token of a Qwen2-style model, weight
+    matmuls only (2 per multiply-add): q/k/v/o projections, gate/up/down, the head. The
+    attention scores (4 x context x hidden per layer) are left out: they depend on the
+    context, and at this benchmark's contexts (hundreds of ids) they add 1-2% to a 3B body."""
+    head_dim = hidden_size // num_heads
+    attention = 2 * hidden_size * num_heads * head_dim + 2 * hidden_size * num_kv_heads * head_dim
+    mlp = 3 * hidden_size * intermediate_size
+    return 2 * vocab_size * hidden_size, 2 * num_layers * (attention + mlp)
+
+
+def head_share(**shape) -> float:
+    """lm-head FLOPs / transformer-layer FLOPs per token (`matmul_flops_per_token`)."""
+    head, body = matmul_flops_per_token(**shape)
+    return head / body
+
+
+def make_setup(choice: str | None = None) -> BenchSetup:
+    """The benchmark model for this machine (see the module docstring); `choice` wins over
+    `MEMOPD_BENCH_MODEL`."""
     from memopd.models import tiny_causal_lm
 
     cuda = torch.cuda.is_available()
     apply_threads()
-    choice = os.environ.get("MEMOPD_BENCH_MODEL", "qwen2.5-0.5b" if cuda else "tiny")
+    choice = choice or os.environ.get("MEMOPD_BENCH_MODEL", "qwen2.5-0.5b" if cuda else "tiny")
     device = torch.device("cuda" if cuda else "cpu")
-    if choice == "tiny":
+    if choice in ("tiny", "tiny-3b-ratio"):
         layers = _env_ints("MEMOPD_BENCH_LAYERS", (2,))[0]
-        kw = dict(vocab_size=4096, hidden_size=256, num_layers=layers, num_heads=8, num_kv_heads=2,
+        vocab = 4096 if choice == "tiny" else TINY_3B_RATIO_VOCAB
+        kw = dict(vocab_size=vocab, hidden_size=256, num_layers=layers, num_heads=8, num_kv_heads=2,
                   intermediate_size=512, dtype=torch.float32)
-        name = f"qwen2-tiny(h256,L{layers},8/2h,i512,V4096)"
+        name = f"qwen2-tiny(h256,L{layers},8/2h,i512,V{vocab})"
+        if choice == "tiny-3b-ratio":
+            share = head_share(**{key: v for key, v in kw.items() if key != "dtype"})
+            name += f"[head/body {share:.3f}, Qwen2.5-3B {head_share(**QWEN2_5_3B):.3f}]"
         default_budget = 4096
     elif choice == "qwen2.5-0.5b":
         kw = dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -214,7 +274,7 @@ def make_setup() -> BenchSetup:
         name = "qwen2.5-0.5b-shaped(random)"
         default_budget = 16384 if cuda else 4096
     else:
-        raise ValueError(f"MEMOPD_BENCH_MODEL={choice!r}: choose 'tiny' or 'qwen2.5-0.5b'")
+        raise ValueError(f"MEMOPD_BENCH_MODEL={choice!r}: choose 'tiny', 'tiny-3b-ratio' or 'qwen2.5-0.5b'")
     budget = _env_ints("MEMOPD_BENCH_MAX_TOKENS", (default_budget,))[0]
     try:
         with torch.device(device):  # initialise directly on the GPU (fast) when there is one
@@ -372,12 +432,14 @@ def make_runner(setup: BenchSetup, trajs: list[Trajectory], layout: str):
     return PackedRunner(setup, trajs, layout)
 
 
-def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warmup: int = 0) -> dict:
+def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warmup: int = 0, *,
+                   prefix_len: int | None = None, calls: int | None = None) -> dict:
     """Interleaved measurement of the three layouts on one configuration.
 
     Returns {layout: record}; a record holds the timed durations and the layout numbers.
     """
-    trajs = qa_shaped_trajectories(k, batch_size, vocab_size=setup.vocab_size, seed=batch_size)
+    trajs = qa_shaped_trajectories(k, batch_size, vocab_size=setup.vocab_size, seed=batch_size,
+                                   prefix_len=prefix_len, calls=calls)
     runners = {lay: make_runner(setup, trajs, lay) for lay in LAYOUTS}
     model = setup.model
     # equivalence check (untimed, forward only): the action log-probs of every layout
@@ -399,10 +461,12 @@ def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warm
     out = {}
     for lay, run in runners.items():
         out[lay] = {
-            "config": f"Q{k}-b{batch_size}",
+            "config": config_name(k, batch_size, prefix_len, calls),
             "layout": lay,
             "questions": k,
             "trajectories": batch_size,
+            "prefix_length": prefix_len,  # None: the expert shape
+            "calls_per_trajectory": calls,
             "group_size": GROUP_SIZE,
             "calls": n_calls,
             "action_tokens": run.num_actions,
@@ -454,19 +518,22 @@ def bench_setup():
         torch.cuda.empty_cache()
 
 
-CASES = [(k, b, lay) for k in QUESTION_COUNTS for b in BATCH_SIZES for lay in LAYOUTS]
+CASES = [(k, b, p, c, lay) for k in QUESTION_COUNTS for b in BATCH_SIZES for p in PREFIX_LENGTHS
+         for c in CALLS_PER_TRAJECTORY for lay in LAYOUTS]
 
 
-@pytest.mark.parametrize("k,batch_size,layout", CASES, ids=[f"Q{k}-b{b}-{lay}" for k, b, lay in CASES])
-def test_packing_speedup(benchmark, bench_setup, packing_records, k, batch_size, layout):
-    config = f"Q{k}-b{batch_size}"
+@pytest.mark.parametrize("k,batch_size,prefix_len,calls,layout", CASES,
+                         ids=[f"{config_name(k, b, p, c)}-{lay}" for k, b, p, c, lay in CASES])
+def test_packing_speedup(benchmark, bench_setup, packing_records, k, batch_size, prefix_len, calls, layout):
+    config = config_name(k, batch_size, prefix_len, calls)
     benchmark.group = f"packing {config}"
     if config not in _MEASURED:
         _MEASURED.clear()  # keep one configuration's numbers at a time
         rounds = 1 if benchmark.disabled else ROUNDS
         warmup = int(_WARMUP_ENV) if _WARMUP_ENV else (1 if bench_setup.device.type == "cuda" else 0)
         try:
-            _MEASURED[config] = measure_config(bench_setup, k, batch_size, rounds, 0 if benchmark.disabled else warmup)
+            _MEASURED[config] = measure_config(bench_setup, k, batch_size, rounds, 0 if benchmark.disabled else warmup,
+                                               prefix_len=prefix_len, calls=calls)
         except Exception as e:  # noqa: BLE001 - remembered so the other layouts fail fast
             _MEASURED[config] = f"{type(e).__name__}: {e}"
         # outside the except block: the failed measurement's frames (and device memory)
@@ -486,9 +553,91 @@ def test_packing_speedup(benchmark, bench_setup, packing_records, k, batch_size,
     )
 
 
+# --------------------------------------------------------------------------------------
+# The speedup curve over the shape knobs (script mode)
+# --------------------------------------------------------------------------------------
+def measure_curve(setup: BenchSetup, k: int, batch_size: int, prefix_lengths, calls_list, rounds: int) -> list[dict]:
+    """One summary row per (prefix length, calls) point, measured as the benchmark does."""
+    import conftest as bench_conftest  # the summary rows of the pytest run, for one format
+
+    rows = []
+    for calls in calls_list:
+        for prefix_len in prefix_lengths:
+            recs = measure_config(setup, k, batch_size, rounds, prefix_len=prefix_len, calls=calls)
+            row = bench_conftest.summarize(list(recs.values()))["configs"][0]
+            row["prefix_length"], row["calls_per_trajectory"] = prefix_len, calls
+            bad = [lay for lay, r in recs.items() if r["logprob_max_abs_diff"] > r["logprob_tol"]]
+            if bad:
+                raise AssertionError(f"{row['config']}: {', '.join(bad)} log-probs differ from independent")
+            rows.append(row)
+            print(format_curve_row(row), flush=True)
+    return rows
+
+
+CURVE_HEAD = ("| prefix | calls | tokens ind / shared | s ind | s aligned | s shared | ind/aligned | **ind/shared** "
+              "| per-round ind/shared | token ratio | load |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_curve_row(row: dict) -> str:
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    spread = row.get("speedup_aligned_shared_paired_range")
+    loads = [v for v in (row.get("loadavg") or []) if v is not None]
+    return (f"| {row['prefix_length']} | {row['calls_per_trajectory']} | {row['independent']['tokens']} / "
+            f"{row['aligned_shared']['tokens']} | {row['independent']['median_s']:.3f} | "
+            f"{row['aligned']['median_s']:.3f} | {row['aligned_shared']['median_s']:.3f} | "
+            f"{x(row['speedup_aligned'])} | **{x(row['speedup_aligned_shared'])}** | "
+            f"{'-' if not spread else f'{spread[0]:.2f}-{spread[1]:.2f}x'} | "
+            f"{x(row['token_ratio_aligned_shared'])} | "
+            f"{'-' if not loads else f'{min(loads):.1f}-{max(loads):.1f}'} |")
+
+
+def _curve_main(argv: list[str]) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python benchmarks/bench_packing.py --curve",
+                                 description="packing speedup over prefix length x calls per trajectory")
+    ap.add_argument("--curve", action="store_true", required=True)
+    ap.add_argument("--k", type=int, default=8, help="questions per episode (answer length, jitter); default 8")
+    ap.add_argument("--batch", type=int, default=4, help="trajectories per batch (groups of 4); default 4")
+    ap.add_argument("--prefix", default="32,128,512", help="prefix lengths in ids, comma-separated")
+    ap.add_argument("--calls", default="4,12,24", help="calls per trajectory, comma-separated")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timed rounds")
+    ap.add_argument("--model", default=None, help="tiny | tiny-3b-ratio | qwen2.5-0.5b (default: as the benchmark)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+
+    def ints(flag, raw):
+        try:
+            vals = [int(v) for v in raw.split(",") if v.strip()]
+        except ValueError:
+            ap.error(f"{flag} {raw!r}: expected comma-separated integers")
+        if not vals or min(vals) < 1:
+            ap.error(f"{flag} {raw!r}: expected positive integers")
+        return vals
+
+    prefixes, calls = ints("--prefix", args.prefix), ints("--calls", args.calls)
+    if args.k < 1 or args.batch < 1 or args.rounds < 1:
+        ap.error("--k, --batch and --rounds must be positive")
+    setup = make_setup(args.model)
+    print(f"model {setup.name} on {setup.device}, clock {CLOCK}, {torch.get_num_threads()} thread(s), "
+          f"budget {setup.max_tokens} tokens, Q{args.k}-b{args.batch}, {args.rounds} interleaved rounds", flush=True)
+    print(CURVE_HEAD, flush=True)
+    rows = measure_curve(setup, args.k, args.batch, prefixes, calls, args.rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": setup.name, "clock": CLOCK, "threads": torch.get_num_threads(), "k": args.k,
+                       "batch": args.batch, "rounds": args.rounds, "rows": rows}, f, indent=2)
+
+
 if __name__ == "__main__":
     if "--measure-env" in sys.argv:
         measure_env_shapes(kind="bpe" if "--bpe" in sys.argv else "word")
+    elif "--curve" in sys.argv:
+        _curve_main(sys.argv[1:])
     else:
         print("run with pytest: pytest benchmarks/bench_packing.py --benchmark-only; "
-              "or `python benchmarks/bench_packing.py --measure-env [--bpe]` for the expert shapes")
+              "`python benchmarks/bench_packing.py --measure-env [--bpe]` for the expert shapes; "
+              "`python benchmarks/bench_packing.py --curve --help` for the speedup over prefix length and calls")

@@ -99,9 +99,10 @@ def _git_commit() -> str | None:
         return None
 
 
-def _config_key(name: str) -> tuple[int, int]:
-    q, b = name.split("-")
-    return int(q[1:]), int(b[1:])
+def _config_key(name: str) -> tuple[int, ...]:
+    """`Qk-bB[-pP][-cC]` in order of k, B, P, C (an unset shape knob first)."""
+    parts = {part[0]: int(part[1:]) for part in name.split("-")}
+    return parts["Q"], parts["b"], parts.get("p", -1), parts.get("c", -1)
 
 
 def _ratio(a, b) -> float | None:
@@ -120,7 +121,8 @@ def summarize(records: list[dict]) -> dict:
         recs = by_cfg[cfg]
         row: dict = {"config": cfg}
         any_rec = next(iter(recs.values()))
-        for key in ("questions", "trajectories", "group_size", "calls", "action_tokens", "max_tokens"):
+        for key in ("questions", "trajectories", "group_size", "calls", "action_tokens", "max_tokens",
+                    "prefix_length", "calls_per_trajectory"):
             row[key] = any_rec.get(key)
         for lay in LAYOUTS:
             r = recs.get(lay)
@@ -206,7 +208,8 @@ def format_table(summary: dict) -> list[str]:
     def x(v):
         return "-" if v is None else f"{v:.2f}x"
 
-    head = (f"{'config':<8} {'calls':>5} | {'tokens ind/aln/shr':>20} | {'pad ind':>7} | "
+    width = max([8] + [len(r["config"]) for r in summary["configs"]])  # knob names are longer
+    head = (f"{'config':<{width}} {'calls':>5} | {'tokens ind/aln/shr':>20} | {'pad ind':>7} | "
             f"{'t ind s':>8} {'t aln s':>8} {'t shr s':>8} | {'ind/aln':>7} {'ind/shr':>7} {'rounds min-max':>14} | "
             f"{'max|dlp|':>8} | {'load':>9}")
     lines = [head, "-" * len(head)]
@@ -226,7 +229,7 @@ def format_table(summary: dict) -> list[str]:
             flag += "  (!)"
             notes += [f"  {r['config']}: {n}" for n in r["unreliable_rounds"]]
         lines.append(
-            f"{r['config']:<8} {r['calls']:>5} | {toks:>20} | {g('independent', 'padding_fraction', '.3f'):>7} | "
+            f"{r['config']:<{width}} {r['calls']:>5} | {toks:>20} | {g('independent', 'padding_fraction', '.3f'):>7} | "
             f"{g('independent', 'median_s', '.3f'):>8} {g('aligned', 'median_s', '.3f'):>8} "
             f"{g('aligned_shared', 'median_s', '.3f'):>8} | {x(r.get('speedup_aligned')):>7} "
             f"{x(r.get('speedup_aligned_shared')):>7} {spread:>14} | {dlp:>8.1e} | {load:>9}{flag}"
