@@ -5,36 +5,10 @@
 // row, whose cost p_g = group_cost[g] is paid once by every row holding any item of g.
 // Items with a negative group (-1) have no shared prefix.
 //
-// Objective: few tokens, i.e. sum over rows of (item lengths + prefixes of the groups in
-// the row) = sum of all lengths + sum_g p_g * (number of rows holding g). The lengths are
-// fixed, so the planner minimises the prefix copies: it keeps each group in as few rows as
-// its size allows, and only then packs those blocks into rows.
-//
-// Algorithm: group chunking, then first-fit decreasing (FFD) of the chunks. Deterministic.
-//   1. Chunking. The items of each group g (g >= 0), by length descending (ties: lower
-//      index first), go first-fit into chunks of capacity budget - p_g (chunks in creation
-//      order). A chunk costs p_g + the lengths of its items. A group whose total cost
-//      (p_g + its lengths) fits the budget thus becomes exactly one chunk; a larger group
-//      becomes FFD's number of chunks (in practice ceil(lengths / (budget - p_g)), the
-//      fewest possible; in general at most 11/9 of the fewest, plus one).
-//      Every item with no group is a chunk of its own (cost: its length).
-//   2. Packing. Chunks by cost descending (ties: the chunk whose lowest item index is
-//      lower first) go first-fit into rows (rows in creation order; a new row when none
-//      has room). Each item's row is its chunk's row.
-// Why this is sound:
-//   - Two chunks of one group never share a row: the first item of a later chunk did not
-//     fit into any earlier chunk of its group, whose content only grew, so the items of
-//     any two chunks of g exceed budget - p_g, and their costs together exceed the budget.
-//     So a row's tokens are exactly the sum of its chunks' costs (every row respects the
-//     budget), and the prefix copies of g are exactly its chunk count.
-//   - With no groups (flatten layout: all -1) this is plain FFD of the items, the same
-//     plan as the previous planner.
-//   - Compared with the previous planner (global FFD with prefix affinity, which mixed
-//     groups across rows, so that every row repeated several prefixes), the token total
-//     was never higher on any input tried (see tests/test_planner.py); on the benchmark
-//     shape Q16-b16 (budget 4096) it saves 8.7% of the tokens (8 prefix copies vs 32).
-//   - Cost: first fit runs on a max-segment-tree over free space, O(n log n) overall.
-// The slow Python reference in tests/test_planner.py must give identical plans.
+// Algorithm (group chunking, then first-fit decreasing of the chunks), why it is sound,
+// and how it compares with the previous planner: docs/design.md §2.3, the one
+// description. The slow Python reference in tests/test_planner.py must give identical
+// plans.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

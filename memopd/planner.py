@@ -1,17 +1,10 @@
 """Python face of the C++ row planner (`memopd._C.plan_rows`).
 
 Assigns packable items (call segments or whole flattened trajectories) to rows under a
-token budget. Items of one prefix group pay that group's prefix once per row holding any
-of them, so the planner keeps each group in as few rows as it can (see csrc/planner.cpp):
-
-1. the items of each group, longest first, go first-fit into chunks of at most
-   `budget - prefix` tokens; a group whose prefix plus items fit one row is one chunk;
-2. the chunks (cost: prefix + items) and the ungrouped items go first-fit decreasing
-   into rows.
-
-Two chunks of one group never share a row, so a group's prefix is repeated exactly once
-per chunk. With no groups (the flatten layout) this is plain first-fit decreasing.
-Deterministic; O(n log n).
+token budget, keeping each prefix group in as few rows as it can, since a row pays a
+group's prefix once for any of its items. The algorithm (group chunking, then first-fit
+decreasing of the chunks; deterministic, O(n log n)) is described once, in
+docs/design.md §2.3.
 """
 from __future__ import annotations
 
