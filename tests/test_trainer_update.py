@@ -82,3 +82,99 @@ def test_critic_values_per_action(seed):
     offs = entry_offsets(naive, trajs)
     gid = offs[naive.traj_index, naive.call_index] + naive.token_index
     assert torch.equal(gid, torch.arange(naive.num_actions))
+
+
+def _op_on_ratios(seed, N=64, V=40, H=16, **kw):
+    """The fused actor loss on random heads, with old log-probs moved so that many ratios
+    fall outside [0.8, 1.2] on both sides."""
+    from memopd.ops import fused_linear_actor_loss
+
+    g = torch.Generator().manual_seed(seed + 11)
+    hs, ws = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    y = torch.randint(0, V, (N,), generator=g)
+    adv = torch.randn(N, generator=g)
+    with torch.no_grad():
+        lp = torch.log_softmax(hs @ ws.T, -1).gather(1, y[:, None])[:, 0]
+    old = lp + torch.randn(N, generator=g) * 0.5  # log ratio ~ N(0, 0.25)
+    out = fused_linear_actor_loss(hs, ws, y, adv, old, **kw)
+    return out, old, adv
+
+
+def test_clip_stats_from_the_op_equal_policy_loss_on_the_symmetric_clip(seed):
+    """The trainer logs clip_frac / approx_kl from the op's own ratio and clipped outputs;
+    with the default symmetric clip they are what policy_loss gave before, to the bit."""
+    from memopd.trainer.ppo import ratio_stats
+
+    out, old, adv = _op_on_ratios(seed, clip_eps=0.2)
+    _, before = policy_loss(out.logprobs, old, adv, 0.2)
+    now = ratio_stats(out.ratio, out.logprobs - old, out.clipped)
+    assert 0.1 < float(now.clip_frac) < 0.9  # both branches occur
+    assert float(now.clip_frac) == float(before.clip_frac)
+    assert float(now.approx_kl) == float(before.approx_kl)
+    torch.testing.assert_close(out.ratio, torch.exp(out.logprobs - old), atol=0, rtol=0)
+
+
+def test_clip_stats_follow_the_ops_dual_clip(seed):
+    """With dual clip the op also stops the gradient of capped negative-advantage tokens:
+    its clip fraction counts them, which policy_loss (symmetric clip only) cannot."""
+    from memopd.trainer.ppo import ratio_stats
+
+    c = 1.5
+    out, old, adv = _op_on_ratios(seed, clip_eps=0.2, dual_clip=c)
+    _, symmetric = policy_loss(out.logprobs, old, adv, 0.2)
+    now = ratio_stats(out.ratio, out.logprobs - old, out.clipped)
+    r = torch.exp(out.logprobs - old)
+    l1, l2 = -adv * r, -adv * r.clamp(0.8, 1.2)
+    pg = torch.maximum(l1, l2)
+    expected = ((l2 > l1) | ((adv < 0) & (pg > -c * adv))).float().mean()
+    assert float(now.clip_frac) == pytest.approx(float(expected), abs=0)
+    assert float(now.clip_frac) > float(symmetric.clip_frac)  # the capped tokens
+    assert float(now.approx_kl) == pytest.approx(float(((r - 1) - (out.logprobs - old)).mean()), rel=1e-6)
+
+
+def test_no_teacher_means_teacher_weight_zero_in_one_place():
+    from memopd.trainer.modules import ActorLossCoefs
+
+    kw = dict(clip_eps=0.2, entropy_coef=0.01, opd_coef=0.7)
+    assert ActorLossCoefs.for_update(**kw, has_teacher=True) == ActorLossCoefs(0.2, 0.01, 0.7)
+    assert ActorLossCoefs.for_update(**kw, has_teacher=False) == ActorLossCoefs(0.2, 0.01, 0.0)
+
+
+def test_ppo_inputs_kl_coef_is_a_deprecated_name_of_teacher_kl_coef():
+    from memopd.trainer.modules import ActorLossCoefs
+
+    t = torch.zeros(3)
+    with pytest.warns(DeprecationWarning, match="teacher_kl_coef"):
+        old = PPOInputs(t, t, t, clip_eps=0.2, entropy_coef=0.0, kl_coef=0.5, normalizer=3.0, kl_normalizer=3.0)
+    new = PPOInputs(t, t, t, ActorLossCoefs(0.2, 0.0, 0.5), normalizer=3.0, kl_normalizer=3.0)
+    assert old.coefs == new.coefs
+    with pytest.warns(DeprecationWarning):
+        assert new.kl_coef == 0.5
+    with pytest.raises(TypeError, match="teacher_kl_coef= only"):
+        PPOInputs(t, t, t, clip_eps=0.2, entropy_coef=0.0, kl_coef=0.5, teacher_kl_coef=0.5, normalizer=3.0,
+                  kl_normalizer=3.0)
+    with pytest.raises(TypeError, match="coefs given"):
+        PPOInputs(t, t, t, new.coefs, clip_eps=0.2, normalizer=3.0, kl_normalizer=3.0)
+
+
+def test_update_returns_the_named_statistics(seed):
+    """update() on tiny models: its keys are the stats module's names, in its order, and
+    the teacher-less update logs KL 0."""
+    from memopd.trainer import stats as S
+    from memopd.trainer.backend import make_backend
+    from memopd.trainer.update import UpdateSettings, score, update
+
+    student, teacher, trajs = _setup(seed)
+    actor, critic = Actor(student), Critic(tiny_causal_lm("qwen2", vocab_size=96, hidden_size=32, seed=3))
+    ab = make_backend(actor, lr=1e-3, total_steps=4)
+    cb = make_backend(critic, lr=1e-3, total_steps=4)
+    settings = UpdateSettings(ppo_epochs=1, minibatches=2, max_tokens=4096, clip_eps=0.2, value_clip=0.2,
+                              entropy_coef=0.01, opd_coef=1.0, action_domain="exact")
+    for teacher_lm in (teacher, None):
+        scored = score(actor, critic, None, teacher_lm, trajs, teacher_layout="flatten" if teacher_lm else None,
+                       max_tokens=4096, kl_coef=0.0, gamma=1.0, lam=0.95)
+        got = update(ab, cb, trajs, scored, settings, teacher_head=head_of(teacher) if teacher_lm else None,
+                     generator=torch.Generator().manual_seed(seed))
+        assert list(got) == [*S.LOSS_STATS, *S.STEP_STATS, S.OPTIMIZER_STEPS, S.FIRST_RATIO_MAXDEV]
+        assert got[S.OPTIMIZER_STEPS] == 2 and 0.0 <= got[S.CLIP_FRAC] <= 1.0
+        assert (got[S.KL_TEACHER] > 0) == (teacher_lm is not None)

@@ -11,6 +11,7 @@ first `vocab_size` head rows): docs/design.md §7.6. The lm_head use stays insid
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,25 +21,67 @@ from memopd.hf import LMHead, head_of, lm_head_of, packed_forward
 from memopd.layout import PackedBatch
 from memopd.ops import DistillOutput, fused_linear_actor_loss, fused_linear_logprob_entropy, fused_linear_reverse_kl
 
-__all__ = ["Actor", "Critic", "PPOInputs", "Scoring", "scored_rows", "token_logprobs", "register_zero3_external_params"]
+__all__ = ["Actor", "ActorLossCoefs", "Critic", "PPOInputs", "Scoring", "scored_rows", "token_logprobs", "register_zero3_external_params"]
 
 
 @dataclass(frozen=True)
+class ActorLossCoefs:
+    """The coefficients of the actor loss, fixed for one update and shared by all its
+    micro-batches: the PPO clip range, the entropy bonus and the weight of the KL to the
+    teacher (OPD's lambda, `TrainConfig.opd_coef`; not the reference-KL reward penalty
+    `TrainConfig.kl_coef`)."""
+
+    clip_eps: float
+    entropy_coef: float
+    teacher_kl_coef: float
+
+    @classmethod
+    def for_update(cls, *, clip_eps: float, entropy_coef: float, opd_coef: float,
+                   has_teacher: bool) -> "ActorLossCoefs":
+        """The coefficients of an update; the only place where an update without a teacher
+        (the ppo arm) gets teacher weight 0."""
+        return cls(float(clip_eps), float(entropy_coef), float(opd_coef) if has_teacher else 0.0)
+
+
+@dataclass(frozen=True, init=False)
 class PPOInputs:
-    """Per-entry inputs of the actor loss for one micro-batch, and its coefficients.
+    """Per-entry inputs of the actor loss for one micro-batch and the update's `coefs`.
 
     `normalizer` and `kl_normalizer` are the global counts (all micro-batches, all ranks)
     divided by the world size, so that summing micro-batches and averaging ranks gives
-    the gradient of one batch (docs/design.md §7.5, docs/deepspeed.md §1)."""
+    the gradient of one batch (docs/design.md §7.5, docs/deepspeed.md §1). Instead of
+    `coefs`, its fields may be given flat (`clip_eps=`, `entropy_coef=`,
+    `teacher_kl_coef=`; `kl_coef=` is the deprecated old name of `teacher_kl_coef=`)."""
 
     logp_old: torch.Tensor
     advantages: torch.Tensor
     kl_mask: torch.Tensor
-    clip_eps: float
-    entropy_coef: float
-    kl_coef: float
+    coefs: ActorLossCoefs
     normalizer: float
     kl_normalizer: float
+
+    def __init__(self, logp_old: torch.Tensor, advantages: torch.Tensor, kl_mask: torch.Tensor,
+                 coefs: ActorLossCoefs | None = None, *, normalizer: float, kl_normalizer: float, **flat_coefs):
+        if coefs is None:
+            if "kl_coef" in flat_coefs:
+                if "teacher_kl_coef" in flat_coefs:
+                    raise TypeError("PPOInputs: pass teacher_kl_coef= only; kl_coef= is its deprecated old name")
+                warnings.warn("PPOInputs(kl_coef=...) is deprecated, use teacher_kl_coef= (the weight of the KL "
+                              "to the teacher) or coefs=ActorLossCoefs(...)", DeprecationWarning, stacklevel=2)
+                flat_coefs["teacher_kl_coef"] = flat_coefs.pop("kl_coef")
+            flat_coefs.setdefault("teacher_kl_coef", 0.0)
+            coefs = ActorLossCoefs(**flat_coefs)
+        elif flat_coefs:
+            raise TypeError(f"PPOInputs: coefs given, and also {', '.join(sorted(flat_coefs))}; pass one of them")
+        for name, value in (("logp_old", logp_old), ("advantages", advantages), ("kl_mask", kl_mask),
+                            ("coefs", coefs), ("normalizer", normalizer), ("kl_normalizer", kl_normalizer)):
+            object.__setattr__(self, name, value)  # frozen: the dataclass's own way to initialise
+
+    @property
+    def kl_coef(self) -> float:
+        """Deprecated name of `coefs.teacher_kl_coef`."""
+        warnings.warn("PPOInputs.kl_coef is deprecated, use .coefs.teacher_kl_coef", DeprecationWarning, stacklevel=2)
+        return self.coefs.teacher_kl_coef
 
 
 @dataclass(frozen=True)
@@ -101,8 +144,8 @@ class Actor(nn.Module):
                 th, tw, tb = self._teacher_operands(head, teacher_hidden, teacher_head, h.dtype)
             return fused_linear_actor_loss(
                 h, head.weight, targets, ppo.advantages, ppo.logp_old, teacher_hidden=th, teacher_weight=tw,
-                student_bias=head.bias, teacher_bias=tb, kl_mask=ppo.kl_mask, clip_eps=ppo.clip_eps,
-                entropy_coef=ppo.entropy_coef, kl_coef=ppo.kl_coef if th is not None else 0.0,
+                student_bias=head.bias, teacher_bias=tb, kl_mask=ppo.kl_mask, clip_eps=ppo.coefs.clip_eps,
+                entropy_coef=ppo.coefs.entropy_coef, teacher_kl_coef=ppo.coefs.teacher_kl_coef,
                 temperature=temperature, normalizer=ppo.normalizer, kl_normalizer=ppo.kl_normalizer,
                 vocab_size=scored_rows(self.scoring, head, *(() if th is None else (teacher_head,))),
             )

@@ -11,15 +11,17 @@ import os
 
 from memopd.errors import UserError
 
+from .stats import CLIP_FRAC, ENTROPY, KL_TEACHER, train_metric
+
 __all__ = ["read_metrics", "plot_run", "plot_protocol_curves", "plot_main"]
 
 PANELS = [
     ("reward", ["rollout/reward_mean"], "reward"),
     ("eval EM (mean)", ["eval/em_mean_q*"], "EM"),
     ("eval F1 (mean)", ["eval/f1_mean_q*"], "F1"),
-    ("KL to teacher", ["train/kl_teacher"], "KL"),
-    ("clip fraction", ["train/clip_frac"], "fraction"),
-    ("entropy", ["train/entropy"], "nats"),
+    ("KL to teacher", [train_metric(KL_TEACHER)], "KL"),
+    ("clip fraction", [train_metric(CLIP_FRAC)], "fraction"),
+    ("entropy", [train_metric(ENTROPY)], "nats"),
     ("peak context", ["rollout/peak_context"], "tokens"),
 ]
 

@@ -15,6 +15,7 @@ __all__ = [
     "gae",
     "whiten",
     "policy_loss",
+    "ratio_stats",
     "value_loss",
     "PolicyLossStats",
 ]
@@ -111,6 +112,19 @@ class PolicyLossStats:
     approx_kl: torch.Tensor
 
 
+def ratio_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, clipped: torch.Tensor) -> PolicyLossStats:
+    """Over the tokens given: the fraction whose clipped branch was taken, and the
+    low-variance estimator k3 of KL(old || new), the mean of (ratio - 1) - log ratio.
+    Both 0 for no tokens. `clipped` comes from whichever loss clipped (this module's
+    `policy_loss`, or the fused op's own output with its clip range and dual clip)."""
+    _check_same(("ratio", ratio), ("log_ratio", log_ratio), ("clipped", clipped))
+    with torch.no_grad():
+        if ratio.numel() == 0:
+            zero = ratio.new_zeros(())
+            return PolicyLossStats(zero, zero)
+        return PolicyLossStats(clipped.float().mean(), ((ratio - 1) - log_ratio).mean())
+
+
 def policy_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -125,11 +139,7 @@ def policy_loss(
     l1 = -advantages * ratio
     l2 = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
     loss = torch.maximum(l1, l2)
-    with torch.no_grad():
-        clip_frac = (l2 > l1).float().mean() if loss.numel() else loss.new_zeros(())
-        # the low-variance estimator k3 of KL(old || new)
-        approx_kl = ((ratio - 1) - log_ratio).mean() if loss.numel() else loss.new_zeros(())
-    return loss, PolicyLossStats(clip_frac, approx_kl)
+    return loss, ratio_stats(ratio, log_ratio, l2 > l1)
 
 
 def value_loss(

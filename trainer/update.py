@@ -21,8 +21,22 @@ from memopd.hf import LMHead, head_of, packed_forward
 from memopd.packing import pack
 from memopd.records import Trajectory
 
-from .modules import Actor, Critic, PPOInputs, scored_rows, token_logprobs
-from .ppo import gae, policy_loss, token_rewards, value_loss, whiten
+from .modules import Actor, ActorLossCoefs, Critic, PPOInputs, scored_rows, token_logprobs
+from .ppo import gae, policy_loss, ratio_stats, token_rewards, value_loss, whiten
+from .stats import (
+    ACTOR_GRAD_NORM,
+    APPROX_KL,
+    CLIP_FRAC,
+    CRITIC_GRAD_NORM,
+    ENTROPY,
+    FIRST_RATIO_MAXDEV,
+    KL_TEACHER,
+    LOSS_STATS,
+    OPTIMIZER_STEPS,
+    PG_LOSS,
+    STEP_STATS,
+    VF_LOSS,
+)
 
 __all__ = ["Scored", "UpdateSettings", "score", "update", "entry_offsets", "check_token_ids", "check_sampling"]
 
@@ -190,13 +204,14 @@ def update(
 ) -> dict:
     """PPO epochs over minibatches; returns averaged statistics."""
     ppo_epochs, minibatches, max_tokens = settings.ppo_epochs, settings.minibatches, settings.max_tokens
-    clip_eps, value_clip, entropy_coef = settings.clip_eps, settings.value_clip, settings.entropy_coef
-    opd_coef, whiten_advantages, action_domain = settings.opd_coef, settings.whiten_advantages, settings.action_domain
+    value_clip, whiten_advantages, action_domain = settings.value_clip, settings.whiten_advantages, settings.action_domain
+    has_teacher = scored.teacher_hidden is not None
+    coefs = ActorLossCoefs.for_update(clip_eps=settings.clip_eps, entropy_coef=settings.entropy_coef,
+                                      opd_coef=settings.opd_coef, has_teacher=has_teacher)
     # global statistics: data-parallel ranks normalise as one process with the whole batch
     adv_all = whiten(scored.advantages, reduce_sum=actor_backend.all_reduce_sum) if whiten_advantages else scored.advantages
     device = scored.logp_old.device
-    stats = {"pg_loss": 0.0, "vf_loss": 0.0, "entropy": 0.0, "kl_teacher": 0.0, "clip_frac": 0.0,
-             "approx_kl": 0.0, "actor_grad_norm": 0.0, "critic_grad_norm": 0.0}
+    stats = dict.fromkeys(LOSS_STATS + STEP_STATS, 0.0)
     # max |ratio - 1| on the first minibatch, before any optimiser step: 0 up to rounding
     # when training scores exactly the distribution the sampler drew from
     first_dev = 0.0
@@ -222,43 +237,43 @@ def update(
             counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
             counts = actor_backend.all_reduce_sum(counts)
             n_act, n_t = float(counts[0]), float(counts[1])
-            agg = dict.fromkeys(("pg_loss", "vf_loss", "entropy", "kl_teacher", "clip_frac", "approx_kl"), 0.0)
+            agg = dict.fromkeys(LOSS_STATS, 0.0)
             for j, mb in enumerate(mbs):
                 last = j == len(mbs) - 1
                 weight = 1.0 if j < n_real else 0.0
                 gid = scored.offsets[gmap[mb.traj_index], mb.call_index] + mb.token_index
                 gid = gid.to(device)
-                th = scored.teacher_hidden.index_select(0, gid) if scored.teacher_hidden is not None else None
+                th = scored.teacher_hidden.index_select(0, gid) if has_teacher else None
                 tm = mb.teacher_mask.to(device)
-                ppo = PPOInputs(scored.logp_old[gid], adv_all[gid], tm, clip_eps=clip_eps, entropy_coef=entropy_coef,
-                                kl_coef=opd_coef if th is not None else 0.0, normalizer=max(n_act, 1.0) / world,
+                ppo = PPOInputs(scored.logp_old[gid], adv_all[gid], tm, coefs, normalizer=max(n_act, 1.0) / world,
                                 kl_normalizer=max(n_t, 1.0) / world)
                 # one fused op: PPO surrogate + entropy bonus + teacher KL, gradients in its forward
                 out = actor_backend.module(mb, th, teacher_head, ppo=ppo)
                 actor_backend.backward(out.loss * weight, last_micro_batch=last)
                 with torch.no_grad():  # per-token statistics from the op's detached outputs
-                    pg, st = policy_loss(out.logprobs, ppo.logp_old, ppo.advantages, clip_eps)
+                    pg, _ = policy_loss(out.logprobs, ppo.logp_old, ppo.advantages, coefs.clip_eps)
+                    # the clip decisions the loss itself took (its clip range, dual clip included)
+                    st = ratio_stats(out.ratio, out.logprobs - ppo.logp_old, out.clipped)
                 tm = tm.float()
                 v = critic_backend.module(mb)
                 vl = value_loss(v, scored.values[gid], scored.returns[gid], value_clip)
                 critic_backend.backward(vl.sum() * (world / max(n_act, 1)) * weight, last_micro_batch=last)
                 w = weight * mb.num_actions / max(n_act / world, 1)
                 with torch.no_grad():
-                    agg["pg_loss"] += float(pg.mean()) * w if pg.numel() else 0.0
-                    agg["vf_loss"] += float(vl.mean()) * w if vl.numel() else 0.0
-                    agg["entropy"] += float(out.entropy.mean()) * w if pg.numel() else 0.0
-                    agg["kl_teacher"] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if th is not None else 0.0
-                agg["clip_frac"] += float(st.clip_frac) * w
-                agg["approx_kl"] += float(st.approx_kl) * w
-                if n_updates == 0 and weight and out.logprobs.numel():
-                    ratio = torch.exp(out.logprobs.detach().float() - scored.logp_old[gid].float())
-                    first_dev = max(first_dev, float((ratio - 1).abs().max()))
-            stats["actor_grad_norm"] += actor_backend.step()
-            stats["critic_grad_norm"] += critic_backend.step()
+                    agg[PG_LOSS] += float(pg.mean()) * w if pg.numel() else 0.0
+                    agg[VF_LOSS] += float(vl.mean()) * w if vl.numel() else 0.0
+                    agg[ENTROPY] += float(out.entropy.mean()) * w if pg.numel() else 0.0
+                    agg[KL_TEACHER] += float((out.kl * tm).sum() / max(float(tm.sum()), 1.0)) * w if has_teacher else 0.0
+                agg[CLIP_FRAC] += float(st.clip_frac) * w
+                agg[APPROX_KL] += float(st.approx_kl) * w
+                if n_updates == 0 and weight and out.ratio.numel():
+                    first_dev = max(first_dev, float((out.ratio - 1).abs().max()))
+            stats[ACTOR_GRAD_NORM] += actor_backend.step()
+            stats[CRITIC_GRAD_NORM] += critic_backend.step()
             # each rank's sums are token-weighted shares of the global mean: sum over ranks
             red = actor_backend.all_reduce_sum(torch.tensor(list(agg.values()), dtype=torch.float64)) / world
             for name, v in zip(agg, red.tolist()):
                 stats[name] += v
             n_updates += 1
     return ({k: v / max(n_updates, 1) for k, v in stats.items()}
-            | {"optimizer_steps": n_updates, "first_ratio_maxdev": actor_backend.all_reduce_max(first_dev)})
+            | {OPTIMIZER_STEPS: n_updates, FIRST_RATIO_MAXDEV: actor_backend.all_reduce_max(first_dev)})
