@@ -102,13 +102,13 @@ def test_a_child_conflict_keeps_exit_3_and_its_message(sft_dirs, tmp_path, capsy
 @pytest.mark.parametrize("rc", [2, 74, 70])
 def test_a_child_failure_is_its_own_line_and_exit_code(tmp_path, rc):
     """The child's `memopd train: error:` line and exit code, not a wrapper's."""
-    from memopd.trainer.compare import _child_error
+    from memopd.trainer.arms import child_error
 
     (tmp_path / "train.log").write_text("[memopd train] loading\nmemopd train: error: student='x': no config.json\n")
-    e = _child_error("ppo", 3, str(tmp_path), rc)
+    e = child_error("ppo", 3, str(tmp_path), rc)
     assert e.exit_code == rc
     assert str(e).startswith("ppo seed 3: error: student='x': no config.json") and "train.log" in str(e)
-    killed = _child_error("ppo", 3, str(tmp_path), -9)
+    killed = child_error("ppo", 3, str(tmp_path), -9)
     assert killed.exit_code == 137 and "killed by signal 9" in str(killed)
 
 

@@ -307,7 +307,7 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     arguments (arms, seeds, jobs, out, overwrite, resume, quick, publish)."""
     from memopd.env.evaluate import evaluate
 
-    from .compare import _run_dir, refuse_earlier_runs, run_all
+    from .arms import arm_run_dir, refuse_earlier_runs, run_all
     from .config import TrainConfig
     from .loop import prepare
     from .plot import plot_protocol_curves
@@ -347,7 +347,7 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     audit_arm = "memopd" if "memopd" in rows_by_arm else None
     if audit_arm:
         seed0 = min(seeds)
-        final = os.path.join(_run_dir(args.out, audit_arm, seed0), "final")
+        final = os.path.join(arm_run_dir(args.out, audit_arm, seed0), "final")
         log(f"[replication] RCE audit of {final} on its own samples")
         audit = {"arm": audit_arm, "seed": seed0, "temperature": cfg.temperature, "model": final,
                  "by_set": audit_student(final, [k for k in ks if k in (2, 8)] or ks[:1], budget.audit_tasks,
