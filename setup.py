@@ -16,7 +16,9 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-# packages whose sources sit at the repository root instead of under memopd/
+# packages whose sources sit at the repository root instead of under memopd/: kernels/
+# and trainer/ stay at the root because that is the project's required layout, so they
+# are mapped here rather than moved under memopd/
 ROOT_PACKAGES = {"memopd.kernels": "kernels", "memopd.trainer": "trainer"}
 
 

@@ -12,13 +12,15 @@ by the same device-side compaction as the distillation kernels: no host sync):
    log-normaliser difference, the target logit); then, with the loss known, it writes
    dL/dlogits into the student scratch in place and the per-token statistics and loss
    share at the token's own index.
-3. dH = dlogits @ W and dW += dlogits^T @ H reuse the distillation backward's
-   deterministic GEMM kernels (`_dh_kernel`, `_dw_kernel`).
+3. dH = dlogits @ W and dW += dlogits^T @ H run the deterministic GEMM kernels that
+   the distillation backward runs too (`dh_kernel`, `dw_kernel`).
 
 So a training call is 4 lm_head-sized matmuls (3 without a teacher) and the backward
 only scales the stored gradients. The scratch is bounded by MEMOPD_DISTILL_SCRATCH_MB
 per buffer (default 512 MiB), never [N, V]. Statistic rows follow `ActorStat` of
-`memopd.ops._protocol`; interpreter, precision and tiling policy `memopd.kernels.runtime`.
+`memopd.kernels.contract`; the logits tile, the GEMMs and the compaction are those of
+`memopd.kernels.lm_head_tiles`; interpreter, precision and tiling policy
+`memopd.kernels.runtime`.
 """
 from __future__ import annotations
 
@@ -28,17 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from memopd.ops._protocol import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
-
-from .fused_distill import (
-    _compaction,
-    _dh_kernel,
-    _dw_kernel,
-    _expm1_small,
-    _gemm_meta,
-    _log1p_small,
-    _logits_tile,
+from .contract import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
+from .lm_head_tiles import (
+    compaction,
     default_token_chunk,
+    dh_kernel,
+    dw_kernel,
+    expm1_small,
+    gemm_meta,
+    log1p_small,
+    logits_tile,
 )
 from .runtime import INTERPRET, NEG, dot_precision, or_dummy, upcast
 
@@ -68,7 +69,7 @@ def _scaled_logits_kernel(
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = cols < V
     k_end = tl.where(c0 + pid_n * BLOCK_N < count, H, 0)
-    acc = _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w, k_end,
+    acc = logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w, k_end,
                        HAS_BIAS, UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
     out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out, acc * inv_temp, mask=in_chunk[:, None] & col_ok[None, :])
@@ -124,7 +125,7 @@ def _actor_rows_kernel(
             a_c = tl.minimum(a, precise_limit)
             # expm1 to relative precision: exp(a) - 1 loses it for the tiny a' of p ~ q
             small = tl.abs(a_c) < 1.0
-            em1 = tl.where(small, _expm1_small(tl.where(small, a_c, 0.0)), tl.exp(a_c) - 1.0)
+            em1 = tl.where(small, expm1_small(tl.where(small, a_c, 0.0)), tl.exp(a_c) - 1.0)
             r_q += et * em1
             a_mx = tl.maximum(a_mx, tl.where(ok, a, NEG))
     zs = tl.sum(z_s, 0)
@@ -142,7 +143,7 @@ def _actor_rows_kernel(
         plain = log_zs - tl.log(zt)
         # log1p(Z_s'/Z_t' - 1) with relative precision (Kahan's form holds for any x > -1)
         use_plain = (tl.max(a_mx, 0) > precise_limit) | (ratio_q <= -1.0)
-        dlse = tl.where(use_plain, plain, _log1p_small(tl.where(use_plain, 0.0, ratio_q)))
+        dlse = tl.where(use_plain, plain, log1p_small(tl.where(use_plain, 0.0, ratio_q)))
         kl = tl.maximum(tl.sum(e_pa, 0) / tl.where(active, zs, 1.0) - dlse, 0.0)
     adv = tl.load(adv_ptr + row).to(tl.float32)
     old = tl.load(old_ptr + row).to(tl.float32)
@@ -232,7 +233,7 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
     db32 = torch.zeros(ws.shape[0], device=dev, dtype=torch.float32) if need_db else None
     if N == 0:
         return part.sum(), stats, dh, dw32, db32
-    order, count = _compaction(keep)
+    order, count = compaction(keep)
     chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, V, 4)
     chunk = min(chunk, N)
     s_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32)
@@ -240,7 +241,7 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
     inv_t = 1.0 / params.temperature
     any_grad = need_dh or need_dw or need_db
     gemm_prec = dot_precision(ws.dtype)
-    gm = _gemm_meta(gemm_prec == "ieee")
+    gm = gemm_meta(gemm_prec == "ieee")
     gemm_upcast = upcast(hs.dtype, ws.dtype)
     for c0 in range(0, N, chunk):
         n_rows = min(chunk, N - c0)
@@ -258,11 +259,11 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
         )
         if need_dh:
             grid_h = (triton.cdiv(n_rows, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            _dh_kernel[grid_h](s_buf, ws, order, count, dh, V, Hs, c0, n_rows, s_buf.stride(0), ws.stride(0),
+            dh_kernel[grid_h](s_buf, ws, order, count, dh, V, Hs, c0, n_rows, s_buf.stride(0), ws.stride(0),
                                dh.stride(0), UPCAST=gemm_upcast, PREC=gemm_prec, **gm)
         if need_dw:
             grid_w = (triton.cdiv(V, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            _dw_kernel[grid_w](s_buf, hs, order, count, dw32, V, Hs, c0, n_rows, s_buf.stride(0), hs.stride(0),
+            dw_kernel[grid_w](s_buf, hs, order, count, dw32, V, Hs, c0, n_rows, s_buf.stride(0), hs.stride(0),
                                dw32.stride(0), UPCAST=gemm_upcast, PREC=gemm_prec, **gm)
         if need_db:
             db32[:V] += s_buf[:n_rows].sum(0)

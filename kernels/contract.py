@@ -1,7 +1,12 @@
-"""What the fused ops (memopd.ops), their back ends and their references agree on:
-divergence codes, the rows of the statistics tensors they exchange, the parameter
-objects the host-side launchers take, and the ops' result types. Plain Python,
-importable without Triton; the kernels use the integer values as tl.constexpr.
+"""What the ops (memopd.ops), their back ends and their references agree on: divergence
+codes, the rows of the statistics tensors they exchange, the parameter objects the
+host-side launchers take, the inputs the packed-attention kernels take, and the ops'
+result types.
+
+It sits in the kernel layer so that every import points down (trainer -> memopd.ops ->
+memopd.kernels): the ops import it, the kernels import it, it imports neither. Plain
+Python and torch, never Triton: importing it (or `memopd.kernels` itself) works on a
+machine without Triton; the kernels use the integer values as tl.constexpr.
 """
 from __future__ import annotations
 
@@ -9,10 +14,16 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple, Optional
 
+import torch
 from torch import Tensor
 
-__all__ = ["DistillOutput", "LogProbEntropy", "Divergence", "DistillStat", "Partial", "ActorStat", "PRECISE_LIMIT",
-           "LinearHead", "head_tensors", "DistillParams", "ActorLossParams"]
+__all__ = ["DistillOutput", "LogProbEntropy", "ActorLossOutput", "Divergence", "DistillStat", "Partial", "ActorStat",
+           "PRECISE_LIMIT", "LinearHead", "head_tensors", "DistillParams", "ActorLossParams", "TRITON_HEAD_DIMS",
+           "TRITON_DTYPES"]
+
+# What the packed-attention kernels take (memopd.ops.attention refuses the rest for them).
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class DistillOutput(NamedTuple):
@@ -29,6 +40,18 @@ class LogProbEntropy(NamedTuple):
 
     logprobs: Tensor
     entropy: Tensor
+
+
+class ActorLossOutput(NamedTuple):
+    """Result of the fused actor loss: the scalar loss (differentiable) and detached
+    per-token fp32 [N] statistics; masked tokens hold 0 (ratio 1, clipped False)."""
+
+    loss: Tensor
+    logprobs: Tensor
+    entropy: Tensor
+    kl: Tensor
+    ratio: Tensor
+    clipped: Tensor  # bool: the clipped branch was taken (no policy gradient)
 
 
 class Divergence(IntEnum):

@@ -32,9 +32,9 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   TOKEN_CHUNK × V, never N × V):
   - `_distill_dlogits_kernel` (2-D grid over token blocks × vocab tiles) recomputes the
     logit tiles with `tl.dot` and writes dL/dlogits into the scratch;
-  - `_dh_kernel` computes dH = dlogits @ W_s and writes each token's row directly at
+  - `dh_kernel` computes dH = dlogits @ W_s and writes each token's row directly at
     its original index (masked rows get zeros);
-  - `_dw_kernel` (grid over vocab blocks × hidden blocks) accumulates
+  - `dw_kernel` (grid over vocab blocks × hidden blocks) accumulates
     dW += dlogits^T @ H into an fp32 buffer. Each output tile is owned by one program
     and the token loop runs in a fixed order: deterministic, no atomics.
   A fully recomputing backward that keeps dH in registers is only possible when the
@@ -51,8 +51,9 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
 
 Written for H100/H200: bf16 (or fp16) tiles into `tl.dot`, fp32 accumulation, BLOCK
 sizes 64..128; autotuning, dot precision and the interpreter's upcast follow
-`memopd.kernels.runtime`. Statistic rows, partial rows and divergence codes are those of
-`memopd.ops._protocol`. Only plain pointer arithmetic is used (no block pointers) so the
+`memopd.kernels.runtime`; the logits tile, the dH / dW GEMMs and the row compaction are
+shared with the actor loss (`memopd.kernels.lm_head_tiles`). Statistic rows, partial rows
+and divergence codes are those of `memopd.kernels.contract`. Only plain pointer arithmetic is used (no block pointers) so the
 same source runs on Triton 3.4 .. 3.9.
 """
 from __future__ import annotations
@@ -64,8 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
-from memopd.ops._protocol import Divergence, DistillParams, DistillStat, LinearHead, Partial, head_tensors
-
+from .contract import Divergence, DistillParams, DistillStat, LinearHead, Partial, head_tensors
+from .lm_head_tiles import compaction, default_token_chunk, dh_kernel, dw_kernel, expm1_small, gemm_meta, log1p_small, logits_tile
 from .runtime import INTERPRET, NEG, USE_AUTOTUNE, autotuned, dot_precision, or_dummy, upcast
 
 # Protocol values as constexprs: compiled Triton reads only constexpr globals in kernels.
@@ -90,26 +91,8 @@ _P_S_Y = tl.constexpr(int(Partial.S_Y))
 
 
 # ----------------------------------------------------------------------------------
-# small numerics helpers (plain exp/log so they exist in every Triton version)
+# JSD numerics (expm1_small / log1p_small: memopd.kernels.lm_head_tiles)
 # ----------------------------------------------------------------------------------
-@triton.jit
-def _expm1_small(x):
-    # Kahan's trick: accurate expm1 for |x| < 1 from exp and log only.
-    u = tl.exp(x)
-    um1 = u - 1.0
-    safe = tl.where(um1 == 0.0, 1.0, um1)
-    return tl.where(um1 == 0.0, x, safe * x / tl.log(tl.where(um1 == 0.0, 2.0, u)))
-
-
-@triton.jit
-def _log1p_small(x):
-    # Kahan's trick: accurate log1p for |x| < 1.
-    u = 1.0 + x
-    um1 = u - 1.0
-    safe = tl.where(um1 == 0.0, 1.0, um1)
-    return tl.where(um1 == 0.0, x, tl.log(tl.where(um1 == 0.0, 2.0, u)) * x / safe)
-
-
 @triton.jit
 def _jsd_u(delta, beta):
     # u = log(beta + (1 - beta) * exp(delta)) = lm - lt, with delta = ls - lt.
@@ -118,38 +101,13 @@ def _jsd_u(delta, beta):
     # overflow because the exponent is always <= 0.
     small = tl.abs(delta) < 0.5
     d_small = tl.where(small, delta, 0.0)
-    u_small = _log1p_small((1.0 - beta) * _expm1_small(d_small))
+    u_small = log1p_small((1.0 - beta) * expm1_small(d_small))
     pos = delta > 0.0
     d_pos = tl.where(pos, delta, 0.0)
     d_neg = tl.where(pos, 0.0, delta)
     u_pos = d_pos + tl.log((1.0 - beta) + beta * tl.exp(-d_pos))
     u_neg = tl.log(beta + (1.0 - beta) * tl.exp(d_neg))
     return tl.where(small, u_small, tl.where(pos, u_pos, u_neg))
-
-
-@triton.jit
-def _logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w,
-                 k_end, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Raw logits tile h[rows] @ w[cols]^T (+ b[cols]) in fp32, [BLOCK_N, BLOCK_V]."""
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    cols64 = cols.to(tl.int64)
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < H
-        h = tl.load(h_ptr + rows64[:, None] * stride_h + kk[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols64[:, None] * stride_w + kk[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:
-            h = h.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc = acc + b[None, :]
-    return acc
 
 
 # ----------------------------------------------------------------------------------
@@ -209,7 +167,7 @@ def _distill_fwd_kernel(
         valid = col_ok[None, :]
         # Student tile first, folded into the student-only sums before the teacher tile
         # is computed: only the shifted tile `sc` stays live across the teacher's K-loop.
-        s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
+        s = logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
                          stride_ws, ks_end, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
         s = tl.where(valid, s * inv_temp, NEG)
         s_y += tl.sum(tl.where(cols[None, :] == y[:, None], s, 0.0), axis=1)
@@ -221,7 +179,7 @@ def _distill_fwd_kernel(
         z_s = alpha_s * z_s + tl.sum(es, axis=1)
 
         if HAS_TEACHER:
-            t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
+            t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
                              stride_wt, kt_end, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
             t = tl.where(valid, t * inv_temp, NEG)
             m_t_new = tl.maximum(m_t, tl.max(t, axis=1))
@@ -244,7 +202,7 @@ def _distill_fwd_kernel(
             eS = es * tl.exp(m_s_new - m_j_new)[:, None]
             eT = et * tl.exp(m_t_new - m_j_new)[:, None]
             small = tl.abs(d) < 0.5
-            g = tl.where(small, eT * _expm1_small(tl.where(small, d, 0.0)), eS - eT)
+            g = tl.where(small, eT * expm1_small(tl.where(small, d, 0.0)), eS - eT)
             zt_j = r_j * zt_j + tl.sum(eT, axis=1)
             dz_j = r_j * dz_j + tl.sum(g, axis=1)
             m_t = m_t_new
@@ -299,9 +257,9 @@ def _jsd_pass_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_hi
         valid = col_ok[None, :]
-        s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
+        s = logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
                          stride_ws, Hs, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
-        t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
+        t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
                          stride_wt, Ht, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
         s = s * inv_temp
         t = t * inv_temp
@@ -346,7 +304,7 @@ def _distill_dlogits_kernel(
     col_ok = cols < V
     valid = col_ok[None, :]
 
-    s = _logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
+    s = logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
                      stride_ws, ks_end, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
     s = s * inv_temp
     lse_s = tl.load(stats_ptr + _LSE_S * N + rows64, mask=row_ok, other=0.0)
@@ -364,7 +322,7 @@ def _distill_dlogits_kernel(
         acc -= g_h[:, None] * p * tl.where(valid, ls + ent[:, None], 0.0)
     if HAS_GDIV:
         g_d = tl.load(gdiv_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
-        t = _logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
+        t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
                          stride_wt, kt_end, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
         t = t * inv_temp
         dlse = tl.load(stats_ptr + _DLSE * N + rows64, mask=row_ok, other=0.0)
@@ -380,7 +338,7 @@ def _distill_dlogits_kernel(
             q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
             delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
             small = tl.abs(delta) < 0.5
-            pq = tl.where(small, -p * _expm1_small(-tl.where(small, delta, 0.0)), p - q)
+            pq = tl.where(small, -p * expm1_small(-tl.where(small, delta, 0.0)), p - q)
             acc += g_d[:, None] * pq
         else:
             # d JSD / ds_v = (1 - beta) * p_v * ((ls_v - lm_v) - KL(p||M))
@@ -390,78 +348,6 @@ def _distill_dlogits_kernel(
     ds = tl.where(valid & row_ok[:, None], acc * inv_temp, 0.0)
     out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out, ds.to(out_ptr.dtype.element_ty), mask=in_chunk[:, None] & valid)
-
-
-@triton.jit
-def _dh_kernel(
-    g_ptr, w_ptr, order_ptr, count_ptr, dh_ptr,
-    V, H, c0, n_rows, stride_g, stride_w, stride_dh,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """dH[order[c0 + i]] = dlogits[i] @ W  (rows of masked tokens get zeros)."""
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    count = tl.load(count_ptr)
-    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_chunk = local < n_rows
-    rows = tl.load(order_ptr + c0 + local, mask=in_chunk, other=0).to(tl.int64)
-    hh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = hh < H
-    active = c0 + pid_m * BLOCK_M < count
-    k_end = tl.where(active, V, 0)
-    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < V
-        a = tl.load(g_ptr + local.to(tl.int64)[:, None] * stride_g + kk[None, :],
-                    mask=in_chunk[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + kk.to(tl.int64)[:, None] * stride_w + hh[None, :],
-                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
-    tl.store(dh_ptr + rows[:, None] * stride_dh + hh[None, :], acc.to(dh_ptr.dtype.element_ty),
-             mask=in_chunk[:, None] & h_ok[None, :])
-
-
-@triton.jit
-def _dw_kernel(
-    g_ptr, h_ptr, order_ptr, count_ptr, dw_ptr,
-    V, H, c0, n_rows, stride_g, stride_h, stride_dw,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """dW32[v] += sum_i dlogits[i, v] * h[order[c0 + i]]  (fp32 buffer, fixed order)."""
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    count = tl.load(count_ptr)
-    vv = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    v_ok = vv < V
-    hh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = hh < H
-    # Only kept tokens of this chunk contribute: loop bound from device memory.
-    k_end = tl.minimum(tl.maximum(count - c0, 0), n_rows)
-    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < k_end
-        a = tl.load(g_ptr + kk.to(tl.int64)[:, None] * stride_g + vv[None, :],
-                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        rows = tl.load(order_ptr + c0 + kk, mask=k_ok, other=0).to(tl.int64)
-        b = tl.load(h_ptr + rows[:, None] * stride_h + hh[None, :],
-                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(tl.trans(a.to(b.dtype)), b, acc, input_precision=PREC)
-    out = dw_ptr + vv.to(tl.int64)[:, None] * stride_dw + hh[None, :]
-    omask = v_ok[:, None] & h_ok[None, :]
-    prev = tl.load(out, mask=omask, other=0.0)
-    tl.store(out, prev + acc, mask=omask)
 
 
 # ----------------------------------------------------------------------------------
@@ -541,11 +427,6 @@ def _configs(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
                                 c.num_stages) not in spills]
 
 
-# Fixed GEMM tiling for the (non-idempotent) dW accumulation and for dH: autotuning a
-# kernel that accumulates into its output would corrupt it across benchmark runs.
-_GEMM_GPU = dict(BLOCK_M=128, BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=3)
-_GEMM_GPU_FP32 = dict(BLOCK_M=64, BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
-_GEMM_INTERP = dict(BLOCK_M=32, BLOCK_H=32, BLOCK_K=32)
 _LOSS_INTERP = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=32)
 
 _KERNELS = {"fwd": _distill_fwd_kernel, "jsd": _jsd_pass_kernel, "dlogits": _distill_dlogits_kernel}
@@ -569,19 +450,6 @@ def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
                  f"{'' if has_teacher else ',no-teacher'}{',fp32' if fp32 else ''}]")
         _TUNERS[name] = autotuned(_KERNELS[kind], cfgs, _KEYS[kind], name=label)
     return _TUNERS[name], {}
-
-
-def _gemm_meta(fp32: bool):
-    if INTERPRET:
-        return dict(_GEMM_INTERP)
-    return dict(_GEMM_GPU_FP32 if fp32 else _GEMM_GPU)
-
-
-def _compaction(keep: torch.Tensor):
-    """Kept rows first (stable), and their count as a device tensor: no host sync."""
-    order = torch.argsort((~keep).to(torch.int8), stable=True).to(torch.int32)
-    count = keep.sum(dtype=torch.int32).reshape(1)
-    return order, count
 
 
 def _num_splits(N: int, V: int, device) -> int:
@@ -661,7 +529,7 @@ def distill_forward(student: LinearHead, teacher: Optional[LinearHead], targets:
     dev = hs.device
     if N == 0:
         return torch.zeros((NUM_PART, 0), device=dev, dtype=torch.float32)
-    order, count = _compaction(keep)
+    order, count = compaction(keep)
     splits, per = _split_plan(N, V, dev)
     part = torch.empty((NUM_PART, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
@@ -687,7 +555,7 @@ def jsd_second_pass(student: LinearHead, teacher: LinearHead, keep: torch.Tensor
     dev = hs.device
     if N == 0:
         return torch.zeros((2, 0), device=dev, dtype=torch.float32)
-    order, count = _compaction(keep)
+    order, count = compaction(keep)
     splits, per = _split_plan(N, V, dev)
     part = torch.empty((2, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
@@ -700,18 +568,6 @@ def jsd_second_pass(student: LinearHead, teacher: LinearHead, keep: torch.Tensor
         HAS_BS=student.bias is not None, HAS_BT=teacher.bias is not None, **_precision_flags(hs, ht), **meta,
     )
     return part.sum(1)
-
-
-def default_token_chunk(n_tokens: int, vocab_size: int, elem_bytes: int) -> int:
-    """Rows of the backward dlogits scratch: ~512 MiB by default (MEMOPD_DISTILL_SCRATCH_MB).
-
-    Each chunk adds one read-modify-write of the fp32 dW buffer (V x H x 8 bytes, ~4 GB
-    at Qwen2.5-7B shapes), so fewer, larger chunks are faster; the budget bounds memory.
-    """
-    budget = int(float(os.environ.get("MEMOPD_DISTILL_SCRATCH_MB", "512")) * 2**20)
-    rows = max(128, budget // max(1, vocab_size * elem_bytes))
-    rows = (rows // 128) * 128
-    return max(1, min(rows, n_tokens))
 
 
 def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHead], targets: torch.Tensor,
@@ -741,7 +597,7 @@ def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[Linear
             dh.zero_()
         return (dh, None if dw32 is None else dw32.to(ws.dtype),
                 None if db32 is None else db32.to(bias_dtype))
-    order, count = _compaction(keep)
+    order, count = compaction(keep)
     scratch_dtype = ws.dtype if ws.dtype in (torch.bfloat16, torch.float16) else torch.float32
     elem = torch.empty((), dtype=scratch_dtype).element_size()
     chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, vocab_size, elem)
@@ -749,7 +605,7 @@ def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[Linear
     scratch = torch.empty((chunk, vocab_size), device=dev, dtype=scratch_dtype)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
     launch, meta = _launcher("dlogits", params.divergence, fp32)
-    gm = _gemm_meta(scratch_dtype == torch.float32)
+    gm = gemm_meta(scratch_dtype == torch.float32)
     flags = _precision_flags(hs, ht, scratch_dtype)
     gemm_prec = dot_precision(scratch_dtype)
     for c0 in range(0, N, chunk):
@@ -769,14 +625,14 @@ def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[Linear
         )
         if need_dh:
             grid_h = (triton.cdiv(n_rows, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            _dh_kernel[grid_h](
+            dh_kernel[grid_h](
                 scratch, ws, order, count, dh, vocab_size, Hs, c0, n_rows,
                 scratch.stride(0), ws.stride(0), dh.stride(0),
                 UPCAST=flags["UPCAST"], PREC=gemm_prec, **gm,
             )
         if need_dw:
             grid_w = (triton.cdiv(vocab_size, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            _dw_kernel[grid_w](
+            dw_kernel[grid_w](
                 scratch, hs, order, count, dw32, vocab_size, Hs, c0, n_rows,
                 scratch.stride(0), hs.stride(0), dw32.stride(0),
                 UPCAST=flags["UPCAST"], PREC=gemm_prec, **gm,

@@ -77,8 +77,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.attention import TRITON_DTYPES as _SUPPORTED_DTYPES
-from ..ops.attention import TRITON_HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from .contract import TRITON_DTYPES as _SUPPORTED_DTYPES
+from .contract import TRITON_HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from .runtime import INTERPRET, GPU_DRIVER_PRESENT, LOG2E, USE_AUTOTUNE, autotuned, dot_precision, helper, upcast
 
 __all__ = [
@@ -90,9 +90,13 @@ __all__ = [
     "check_triton_inputs",
 ]
 
-# Inside the kernels, 1 << 30 is the "no range" sentinel of integer min-reductions (far
-# above any token index, far below 2^31). The kernels work in base 2: scores are scaled by
-# softmax_scale * LOG2E, and the stored LSE is converted back to natural log.
+# The "no range" sentinel of integer min-reductions inside the kernels: far above any
+# token index, far below 2^31. Constexprs: compiled Triton reads only those as globals.
+_NO_RANGE = tl.constexpr(1 << 30)
+# The kernels work in base 2: scores are scaled by softmax_scale * LOG2E, the stored LSE is
+# natural log (base-2 LSE * LN2) and is read back into base 2 (* LOG2E).
+_LN2 = tl.constexpr(0.6931471805599453)
+_LOG2E = tl.constexpr(LOG2E)
 
 # Interpreter block sizes: tl.dot needs every dimension >= 16.
 _INTERP_BLOCK = 16
@@ -110,14 +114,14 @@ def _row_meta(SEG, PST, PEND, offs_m, T, valid):
     min/max reductions need no extra flags; rows past T, or not `valid`, are empty.
     """
     row_ok = (offs_m < T) & valid
-    ss = tl.load(SEG + offs_m, mask=row_ok, other=1 << 30)
+    ss = tl.load(SEG + offs_m, mask=row_ok, other=_NO_RANGE)
     ps = tl.load(PST + offs_m, mask=row_ok, other=0)
     pe = tl.load(PEND + offs_m, mask=row_ok, other=0)
     own_ok = row_ok & (ss <= offs_m)
     pre_ok = row_ok & (ps < pe)
-    own_lo = tl.where(own_ok, ss, 1 << 30)
+    own_lo = tl.where(own_ok, ss, _NO_RANGE)
     own_hi = tl.where(own_ok, offs_m, -1)
-    pre_lo = tl.where(pre_ok, ps, 1 << 30)
+    pre_lo = tl.where(pre_ok, ps, _NO_RANGE)
     pre_hi = tl.where(pre_ok, pe, 0)
     return own_lo, own_hi, pre_lo, pre_hi, row_ok
 
@@ -273,7 +277,7 @@ def _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N: tl.constexpr):
     lo_min = tl.min(pre_lo, 0)
     hi_max = tl.max(pre_hi, 0)
     lo_max = tl.max(tl.where(pre_hi > 0, pre_lo, -1), 0)
-    hi_min = tl.min(tl.where(pre_hi > 0, pre_hi, 1 << 30), 0)
+    hi_min = tl.min(tl.where(pre_hi > 0, pre_hi, _NO_RANGE), 0)
     a_uniform = (lo_min == lo_max) & (hi_min == hi_max)
     a0, a1 = _ranges_to_blocks(lo_min, hi_max, BLOCK_N)
     # own ranges of consecutive rows chain into one interval (only long padding runs leave
@@ -320,7 +324,7 @@ def _fwd_block(
     tl.store(O + h * stride_oh + rows_m[:, None] * stride_ot + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None])
     # natural-log LSE; -inf for rows that see nothing
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * _LN2)
     tl.store(LSE + h * T + offs_m, lse, mask=row_ok)
     return tl.sum(acc - acc, 1) != 0
 
@@ -376,7 +380,7 @@ def _bwd_kv_step(
         do = do.to(tl.float32)
     lse = tl.load(LSE + head_r * T + rows, mask=row_ok, other=0.0)
     # rows that see nothing have LSE -inf; their elements are all masked below
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
     delta = tl.load(DELTA + head_r * T + rows, mask=row_ok, other=0.0)
     sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BN, BM]
     if SAFE and not full_blk:
@@ -465,7 +469,7 @@ def _bwd_kv_pass(
 
     # query token ranges that can see this key block. KQR rows, per key token:
     # 0/1 prefix readers [lo, hi), 2/3 own-segment readers [lo, hi), 4 prefix readers gap-free
-    p_lo = tl.load(KQR + 0 * T + offs_n, mask=key_ok, other=1 << 30)
+    p_lo = tl.load(KQR + 0 * T + offs_n, mask=key_ok, other=_NO_RANGE)
     p_hi = tl.load(KQR + 1 * T + offs_n, mask=key_ok, other=0)
     p_dense = tl.load(KQR + 4 * T + offs_n, mask=key_ok, other=1)
     has_p = p_hi > p_lo
@@ -473,8 +477,8 @@ def _bwd_kv_pass(
     pq_hi = tl.max(p_hi, 0)
     # gap-free only if every key of the block with readers has the same gap-free range
     p_uniform = (tl.max(tl.where(has_p, p_lo, -1), 0) == pq_lo) & \
-        (tl.min(tl.where(has_p, p_hi, 1 << 30), 0) == pq_hi) & (tl.min(p_dense, 0) > 0)
-    oq_lo = tl.min(tl.load(KQR + 2 * T + offs_n, mask=key_ok, other=1 << 30), 0)
+        (tl.min(tl.where(has_p, p_hi, _NO_RANGE), 0) == pq_hi) & (tl.min(p_dense, 0) > 0)
+    oq_lo = tl.min(tl.load(KQR + 2 * T + offs_n, mask=key_ok, other=_NO_RANGE), 0)
     oq_hi = tl.max(tl.load(KQR + 3 * T + offs_n, mask=key_ok, other=0), 0)
     a0, a1 = _ranges_to_blocks(pq_lo, pq_hi, ROWS)
     b0, b1 = _ranges_to_blocks(oq_lo, oq_hi, ROWS)
@@ -709,7 +713,7 @@ def _bwd_dq_block(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(LSE + h * T + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
     delta = tl.load(DELTA + h * T + offs_m, mask=row_ok, other=0.0)
 
     a0, a1, a_uniform, b0, b1 = _query_block_ranges(own_lo, own_hi, pre_lo, pre_hi, BLOCK_N)

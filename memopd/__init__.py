@@ -4,8 +4,9 @@ Records (`Invocation`, `Trajectory`), memory policies, the pack compiler (`pack`
 `PackedBatch`), the ops (`memopd.ops`), the HF packed forward, the RCE audit and the
 trainer are all reachable from here. Heavy submodules load on first use.
 
-`memopd.kernels` and `memopd.trainer` live at the repository root (kernels/, trainer/);
-the build maps them into the package (setup.py). When this `memopd/` is a source
+`memopd.kernels` and `memopd.trainer` live at the repository root (kernels/, trainer/),
+which is the project's required layout, so they are mapped rather than moved: the build
+maps them into the package (setup.py). When this `memopd/` is a source
 checkout (e.g. `python -m pytest` from the repository root puts it first on sys.path,
 even after a non-editable `pip install .`), `_CheckoutFinder` resolves exactly those two
 subpackages to the checkout's kernels/ and trainer/, and `memopd._C`, when it was not

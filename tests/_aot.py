@@ -207,7 +207,8 @@ def attention_jobs():
 def lm_head_jobs():
     import memopd.kernels.actor_loss as al
     import memopd.kernels.fused_distill as fd
-    from memopd.ops._protocol import Divergence
+    import memopd.kernels.lm_head_tiles as tiles
+    from memopd.kernels.contract import Divergence
 
     jobs = []
     # specialisations of the production (V, H): H=2048 and 3584 are both multiples of 16
@@ -235,9 +236,9 @@ def lm_head_jobs():
                     consts.update(HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True)
                 jobs.append(_job("fused_distill", kind, variant, shape, fn, _LOSS_TYPES, consts, c.num_warps,
                                  c.num_stages, _lm_divisible(fn, consts, V, H)))
-        g = dict(fd._GEMM_GPU)
+        g = dict(tiles.GEMM_GPU)
         nw, ns = g.pop("num_warps"), g.pop("num_stages")
-        for fn in (fd._dh_kernel, fd._dw_kernel):
+        for fn in (tiles.dh_kernel, tiles.dw_kernel):
             consts = dict(UPCAST=False, PREC="tf32", **g)
             jobs.append(_job("fused_distill", fn.__name__.strip("_").replace("_kernel", ""), "gemm", shape, fn,
                              _GEMM_TYPES, consts, nw, ns, _lm_divisible(fn, consts, V, H)))

@@ -397,3 +397,14 @@ def test_verl_policy_loss_kl_coef_alias(seed):
     assert torch.equal(new, old_name)
     with pytest.raises(TypeError, match="both"):
         verl_policy_loss(*args, teacher_kl_coef=0.5, kl_coef=0.5, **kw)
+
+
+def test_backend_error_is_bad_input():
+    """A backend that cannot run is bad input the user fixes (exit code 2, one line from the
+    command line), and stays a ValueError for callers that catch that."""
+    from memopd.cli import _user_facing
+    from memopd.errors import EXIT_BAD_INPUT, UserError
+
+    err = BackendError("fused_linear_actor_loss: unknown backend 'bogus'")
+    assert isinstance(err, UserError) and isinstance(err, ValueError)
+    assert _user_facing(err) == (EXIT_BAD_INPUT, "fused_linear_actor_loss: unknown backend 'bogus'")

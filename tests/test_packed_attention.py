@@ -14,9 +14,8 @@ from memopd.layout import AttentionMeta, SegmentKind
 from memopd.ops import packed_attention as op_entry
 from memopd.ops.attention import packed_attention, plan_runs, resolve_backend
 from memopd.ops.dispatch import BackendError
-# (memopd.ops exports the function under the module's own name, so `import ... as` would
-# return the function: take the module from sys.modules)
-pa_mod = sys.modules["memopd.ops.attention"]
+# the torch path's internals (its own module, imported by memopd.ops.attention)
+pa_mod = sys.modules["memopd.ops.attention_torch"]
 
 from _attention_cases import assert_close, make_inputs, oracle, random_meta, random_token_meta  # noqa: E402
 

@@ -1,8 +1,9 @@
-"""Argument checks and argument normalisation shared by the fused ops (distillation,
-log-prob + entropy, actor loss) and their references: tensor shapes, dtypes and devices,
-the temperature, the kept-token mask, the loss reduction, the target-range check, the
-finiteness of hidden states and heads under MEMOPD_DEBUG_CHECKS=1, and the backend choice
-(memopd.ops.dispatch) for these ops.
+"""Argument checks and argument normalisation of every op (distillation, log-prob +
+entropy, actor loss, packed attention), shared by each op and its reference: tensor
+shapes, dtypes and devices, the temperature, the kept-token mask, the loss reduction, the
+target-range check, the finiteness of hidden states and heads under MEMOPD_DEBUG_CHECKS=1,
+the deprecated `kl_coef=` alias, and the backend choice (memopd.ops.dispatch) of the
+fused lm-head ops.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._protocol import DIVERGENCE_NAMES
+from ..layout import AttentionMeta
+
+from ..kernels.contract import DIVERGENCE_NAMES
 from .dispatch import choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -160,6 +163,73 @@ def validate_student_only(h, w, b, targets, mask, temperature, vocab_size):
     return temperature, vocab_size
 
 
+def validate_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_low, clip_high, dual_clip,
+                        temperature, vocab_size):
+    """Checks of `fused_linear_actor_loss` / `reference_actor_loss`: (temperature, vocab_size)."""
+    validate_head(hs, ws, bs, ("student_hidden", "student_weight", "student_bias"))
+    N = hs.shape[0]
+    if (ht is None) != (wt is None):
+        raise ValueError("pass teacher_hidden and teacher_weight together (or neither: no KL term)")
+    if bt is not None and ht is None:
+        raise ValueError("teacher_bias given without a teacher")
+    if ht is not None:
+        validate_head(ht, wt, bt, ("teacher_hidden", "teacher_weight", "teacher_bias"))
+        if ht.shape[0] != N:
+            raise ValueError(f"teacher_hidden has {ht.shape[0]} tokens, student_hidden has {N}")
+        for name, x in (("teacher_hidden", ht), ("teacher_weight", wt), ("teacher_bias", bt)):
+            if x is not None and x.requires_grad:
+                raise ValueError(f"the teacher is frozen but {name} requires grad: pass it detached")
+    for name, x, kind in (("targets", targets, "int"), ("advantages", adv, "float"),
+                          ("old_logprobs", old_lp, "float"), ("mask", mask, "bool"), ("kl_mask", kl_mask, "bool")):
+        if x is None:
+            continue
+        if not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != N:
+            raise ValueError(f"{name} must be a 1-D tensor of N={N} entries, got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if kind == "int" and (x.dtype.is_floating_point or x.dtype == torch.bool):
+            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+        if kind == "float" and not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        if kind == "bool" and x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be bool (or integer 0/1), got {x.dtype}")
+    validate_one_device([hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask])
+    if not (0.0 <= clip_low < 1.0) or not (clip_high >= 0.0):
+        raise ValueError(f"clip range must satisfy 0 <= clip_eps < 1 and clip_eps_high >= 0, got "
+                         f"{clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {dual_clip}")
+    temperature = validate_temperature(temperature)
+    rows = min(ws.shape[0], wt.shape[0]) if wt is not None else ws.shape[0]
+    if vocab_size is None:
+        if wt is not None and wt.shape[0] != ws.shape[0]:
+            raise ValueError(f"student ({ws.shape[0]} rows) and teacher ({wt.shape[0]} rows) lm_heads differ: "
+                             "pass vocab_size=<the tokenizer's size>")
+        vocab_size = ws.shape[0]
+    vocab_size = int(vocab_size)
+    if not 1 <= vocab_size <= rows:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the lm_head rows)")
+    return temperature, vocab_size
+
+
+def resolve_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_eps, clip_eps_high,
+                       dual_clip, temperature, vocab_size, normalizer, kl_normalizer):
+    """Validated arguments of the actor loss, shared by the op and its reference:
+    (clip_high, temperature, V, keep, kl_keep, normalizer, kl_normalizer). The default
+    normalisers are the local kept counts (one host sync on CUDA: pass the global counts
+    instead)."""
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    temperature, V = validate_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask,
+                                         float(clip_eps), float(clip_high), dual_clip, temperature, vocab_size)
+    keep = torch.ones(targets.shape[0], dtype=torch.bool, device=hs.device) if mask is None else mask.bool()
+    kl_keep = keep.clone() if kl_mask is None else (kl_mask.bool() & keep)  # distinct tensors for dynamo
+    normalizer = max(float(keep.sum()), 1.0) if normalizer is None else float(normalizer)
+    kl_normalizer = max(float(kl_keep.sum()), 1.0) if kl_normalizer is None else float(kl_normalizer)
+    for name, x in (("normalizer", normalizer), ("kl_normalizer", kl_normalizer)):
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {x}")
+    return float(clip_high), temperature, V, keep, kl_keep, normalizer, kl_normalizer
+
+
 def check_target_range(targets: Tensor, keep: Tensor, vocab_size: int) -> None:
     kept = targets[keep]
     if kept.numel() and (bool((kept < 0).any()) or bool((kept >= vocab_size).any())):
@@ -181,6 +251,29 @@ def reduce_loss(div: Tensor, keep: Tensor, reduction: str) -> Tensor:
     if reduction == "sum":
         return div.sum()
     return div
+
+
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> None:
+    """Raise ValueError naming the problem for ill-shaped packed-attention inputs."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(
+            f"packed attention expects q, k, v as [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    T, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != T or k.shape[2] != D:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in tokens or head dim")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    meta.validate()  # self-consistent metadata (checked once per object; see AttentionMeta.validate)
+    if meta.num_tokens != T:
+        raise ValueError(f"metadata describes {meta.num_tokens} tokens, q has {T}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device or meta.device != q.device:
+        raise ValueError(f"q/k/v/meta devices differ: {q.device}, {k.device}, {v.device}, {meta.device}")
 
 
 def choose_op_backend(op: str, backend: Optional[str], device: torch.device, *dtypes: torch.dtype) -> str:

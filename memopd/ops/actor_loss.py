@@ -46,172 +46,19 @@ kernels of `memopd.kernels.actor_loss`, chosen by `memopd.ops.dispatch` (docs/de
 """
 from __future__ import annotations
 
-import math
-from typing import NamedTuple, Optional
+import inspect
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..kernels.contract import ActorLossOutput, ActorLossParams, ActorStat, LinearHead
 from . import _held_grads as held_grads
-from ._protocol import ActorLossParams, ActorStat, Divergence, DistillParams, LinearHead
-from ._validate import (
-    check_target_range,
-    choose_op_backend,
-    resolve_check_targets,
-    teacher_kl_weight,
-    validate_head,
-    validate_temperature,
-)
-from .distill_torch import compute_dtype, torch_forward_with_grads
+from ._validate import check_target_range, choose_op_backend, resolve_actor_loss, resolve_check_targets, teacher_kl_weight
+from .actor_loss_torch import torch_actor_loss
+from .reference_actor import reference_actor_loss
 
 __all__ = ["ActorLossOutput", "fused_linear_actor_loss", "reference_actor_loss"]
-
-class ActorLossOutput(NamedTuple):
-    """The scalar loss (differentiable) and detached per-token fp32 [N] statistics; masked
-    tokens hold 0 (ratio 1, clipped False)."""
-
-    loss: Tensor
-    logprobs: Tensor
-    entropy: Tensor
-    kl: Tensor
-    ratio: Tensor
-    clipped: Tensor  # bool: the clipped branch was taken (no policy gradient)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _validate(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_low, clip_high, dual_clip,
-              temperature, vocab_size):
-    validate_head(hs, ws, bs, ("student_hidden", "student_weight", "student_bias"))
-    N = hs.shape[0]
-    if (ht is None) != (wt is None):
-        raise ValueError("pass teacher_hidden and teacher_weight together (or neither: no KL term)")
-    if bt is not None and ht is None:
-        raise ValueError("teacher_bias given without a teacher")
-    if ht is not None:
-        validate_head(ht, wt, bt, ("teacher_hidden", "teacher_weight", "teacher_bias"))
-        if ht.shape[0] != N:
-            raise ValueError(f"teacher_hidden has {ht.shape[0]} tokens, student_hidden has {N}")
-        for name, x in (("teacher_hidden", ht), ("teacher_weight", wt), ("teacher_bias", bt)):
-            if x is not None and x.requires_grad:
-                raise ValueError(f"the teacher is frozen but {name} requires grad: pass it detached")
-    for name, x, kind in (("targets", targets, "int"), ("advantages", adv, "float"),
-                          ("old_logprobs", old_lp, "float"), ("mask", mask, "bool"), ("kl_mask", kl_mask, "bool")):
-        if x is None:
-            continue
-        if not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != N:
-            raise ValueError(f"{name} must be a 1-D tensor of N={N} entries, got "
-                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-        if kind == "int" and (x.dtype.is_floating_point or x.dtype == torch.bool):
-            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
-        if kind == "float" and not x.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
-        if kind == "bool" and x.dtype.is_floating_point:
-            raise TypeError(f"{name} must be bool (or integer 0/1), got {x.dtype}")
-    devices = {x.device for x in (hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask) if x is not None}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if not (0.0 <= clip_low < 1.0) or not (clip_high >= 0.0):
-        raise ValueError(f"clip range must satisfy 0 <= clip_eps < 1 and clip_eps_high >= 0, got "
-                         f"{clip_low}, {clip_high}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {dual_clip}")
-    temperature = validate_temperature(temperature)
-    rows = min(ws.shape[0], wt.shape[0]) if wt is not None else ws.shape[0]
-    if vocab_size is None:
-        if wt is not None and wt.shape[0] != ws.shape[0]:
-            raise ValueError(f"student ({ws.shape[0]} rows) and teacher ({wt.shape[0]} rows) lm_heads differ: "
-                             "pass vocab_size=<the tokenizer's size>")
-        vocab_size = ws.shape[0]
-    vocab_size = int(vocab_size)
-    if not 1 <= vocab_size <= rows:
-        raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the lm_head rows)")
-    return temperature, vocab_size
-
-
-def _resolve(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, clip_eps, clip_eps_high, dual_clip,
-             temperature, vocab_size, normalizer, kl_normalizer):
-    """Validated arguments shared by the op and its reference: (clip_high, temperature, V,
-    keep, kl_keep, normalizer, kl_normalizer). The default normalisers are the local kept
-    counts (one host sync on CUDA: pass the global counts instead)."""
-    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
-    temperature, V = _validate(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_mask, float(clip_eps),
-                               float(clip_high), dual_clip, temperature, vocab_size)
-    keep = torch.ones(targets.shape[0], dtype=torch.bool, device=hs.device) if mask is None else mask.bool()
-    kl_keep = keep.clone() if kl_mask is None else (kl_mask.bool() & keep)  # distinct tensors for dynamo
-    normalizer = max(float(keep.sum()), 1.0) if normalizer is None else float(normalizer)
-    kl_normalizer = max(float(kl_keep.sum()), 1.0) if kl_normalizer is None else float(kl_normalizer)
-    for name, x in (("normalizer", normalizer), ("kl_normalizer", kl_normalizer)):
-        if not (math.isfinite(x) and x > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {x}")
-    return float(clip_high), temperature, V, keep, kl_keep, normalizer, kl_normalizer
-
-
-# --------------------------------------------------------------------------- PPO pieces
-
-
-def _policy_terms(lp, old_lp, adv, clip_low, clip_high, dual_clip):
-    """Per-token surrogate loss, ratio, clipped flag and d(loss)/d(logprob)."""
-    ratio = torch.exp(lp - old_lp)
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(l1, l2)
-    grad = torch.where(l1 >= l2, l1, torch.zeros_like(l1))  # d(-A r)/dlp = -A r; the clip branch is flat
-    clipped = l2 > l1
-    if dual_clip is not None:
-        cap = -dual_clip * adv
-        capped = (adv < 0) & (pg > cap)
-        pg = torch.where(capped, cap, pg)
-        grad = torch.where(capped, torch.zeros_like(grad), grad)
-        clipped = clipped | capped
-    return pg, ratio, clipped, grad
-
-
-# --------------------------------------------------------------------------- PyTorch path
-
-
-def _torch_actor_loss(student: LinearHead, teacher: Optional[LinearHead], targets, adv, old_lp, keep, kl_keep,
-                      params: ActorLossParams, need_grad: tuple, token_chunk: int):
-    """(loss, stats [len(ActorStat), N], dh | None, dw | None, db | None), gradients already
-    taken (the Triton path `memopd.kernels.actor_loss.actor_loss_forward` returns the same).
-
-    The sweep is the distillation op's (`distill_torch.torch_forward_with_grads`, reverse
-    KL, or its teacher-less mode): per token block the logits are computed once, reduced
-    to log-prob, entropy and KL, and the PPO terms of the block set the per-token
-    gradient coefficients dL/dlogprob = g_pg, dL/dH = g_H, dL/dKL = g_kl.
-    """
-    N = student.hidden.shape[0]
-    cdt = compute_dtype(student.hidden, None if teacher is None else teacher.hidden)
-    f = dict(device=student.hidden.device, dtype=cdt)
-    stats = torch.zeros(len(ActorStat), N, **f)
-    stats[ActorStat.RATIO] = 1.0
-    total = torch.zeros((), **f)
-    g_h = -params.entropy_coef / params.normalizer
-    kl_weight = params.teacher_kl_coef / params.kl_normalizer
-
-    def block_grads(rows, kl, lp, ent, _st):
-        nonlocal total
-        pg, ratio, clipped, g_lp = _policy_terms(lp, old_lp.index_select(0, rows).to(cdt),
-                                                 adv.index_select(0, rows).to(cdt), params.clip_low,
-                                                 params.clip_high, params.dual_clip)
-        part = pg.sum() / params.normalizer + g_h * ent.sum()
-        g_kl = None
-        if teacher is not None:
-            g_kl = kl_keep.index_select(0, rows).to(cdt) * kl_weight
-            part = part + (g_kl * kl).sum()
-        total += part
-        stats[ActorStat.RATIO].index_copy_(0, rows, ratio)
-        stats[ActorStat.CLIPPED].index_copy_(0, rows, clipped.to(cdt))
-        return g_kl, g_lp / params.normalizer, (torch.full_like(ent, g_h) if g_h != 0.0 else None)
-
-    dparams = DistillParams(params.temperature, params.vocab_size, Divergence.REVERSE_KL, 0.5, 0, token_chunk)
-    kl, lp, ent, _, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, dparams, block_grads,
-                                                         need_grad)
-    stats[ActorStat.LOGPROB] = lp
-    stats[ActorStat.ENTROPY] = ent
-    stats[ActorStat.KL] = kl
-    return total, stats, dh, dw, db
 
 
 # --------------------------------------------------------------------------- custom op
@@ -237,7 +84,7 @@ def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, 
 
         total, stats, dh, dw, db = k.actor_loss_forward(*args)
     else:
-        total, stats, dh, dw, db = _torch_actor_loss(*args)
+        total, stats, dh, dw, db = torch_actor_loss(*args)
     out_dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
     return (total.to(out_dtype), stats.to(out_dtype), dh if dh is not None else hs.new_empty(0),
             (dw.to(ws.dtype) if dw.dtype != ws.dtype else dw) if dw is not None else hs.new_empty(0),
@@ -257,14 +104,20 @@ def _actor_loss_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets,
 
 class _ActorLoss(torch.autograd.Function):
     """Autograd around the custom op: its forward already computed the gradients
-    (`memopd.ops._held_grads`), so the backward only scales them."""
+    (`memopd.ops._held_grads`), so the backward only scales them. Every input is named
+    (the custom op's schema); only hs, ws and bs get gradients."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, need: tuple, *rest):
-        loss, stats, dh, dw, db = _actor_loss_op(hs, ws, bs, *need, *rest)
+    def forward(ctx, hs, ws, bs, need: tuple, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low, clip_high,
+                dual_clip, entropy_coef, teacher_kl_coef, temperature, vocab_size, normalizer, kl_normalizer,
+                token_chunk, backend, check_targets):
+        need_dh, need_dw, need_db = need
+        loss, stats, dh, dw, db = _actor_loss_op(
+            hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, adv, old_lp, keep, kl_keep, clip_low,
+            clip_high, dual_clip, entropy_coef, teacher_kl_coef, temperature, vocab_size, normalizer, kl_normalizer,
+            token_chunk, backend, check_targets)
         ctx.mark_non_differentiable(stats)
         ctx.need = need
-        ctx.n_rest = len(rest)
         held_grads.hold(ctx, (dh, dw, db))
         return loss, stats
 
@@ -273,7 +126,11 @@ class _ActorLoss(torch.autograd.Function):
         grads, _ = held_grads.take(ctx, "fused_linear_actor_loss")
         out = tuple(held_grads.scaled(g_loss, g) if need else None for g, need in zip(grads, ctx.need))
         del grads
-        return out + (None,) * (1 + ctx.n_rest)
+        return out + (None,) * (_ACTOR_LOSS_INPUTS - len(out))
+
+
+# inputs of _ActorLoss.forward after ctx: backward returns one gradient (or None) per input
+_ACTOR_LOSS_INPUTS = len(inspect.signature(_ActorLoss.forward).parameters) - 1
 
 
 # --------------------------------------------------------------------------- public op
@@ -336,7 +193,7 @@ def fused_linear_actor_loss(
     `ratio`, `clipped`.
     """
     teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "fused_linear_actor_loss")
-    clip_high, temperature, V, keep, kl_keep, normalizer, kl_normalizer = _resolve(
+    clip_high, temperature, V, keep, kl_keep, normalizer, kl_normalizer = resolve_actor_loss(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
         advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
         normalizer, kl_normalizer)
@@ -356,75 +213,3 @@ def fused_linear_actor_loss(
     stats = stats.detach()
     return ActorLossOutput(loss, stats[ActorStat.LOGPROB], stats[ActorStat.ENTROPY], stats[ActorStat.KL],
                            stats[ActorStat.RATIO], stats[ActorStat.CLIPPED] > 0.5)
-
-
-# --------------------------------------------------------------------------- reference
-
-
-def reference_actor_loss(
-    student_hidden: Tensor,
-    student_weight: Tensor,
-    targets: Tensor,
-    advantages: Tensor,
-    old_logprobs: Tensor,
-    *,
-    teacher_hidden: Optional[Tensor] = None,
-    teacher_weight: Optional[Tensor] = None,
-    student_bias: Optional[Tensor] = None,
-    teacher_bias: Optional[Tensor] = None,
-    mask: Optional[Tensor] = None,
-    kl_mask: Optional[Tensor] = None,
-    clip_eps: float = 0.2,
-    clip_eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    entropy_coef: float = 0.0,
-    teacher_kl_coef: Optional[float] = None,
-    temperature: float = 1.0,
-    vocab_size: Optional[int] = None,
-    normalizer: Optional[float] = None,
-    kl_normalizer: Optional[float] = None,
-    compute_dtype: Optional[torch.dtype] = None,
-    kl_coef: Optional[float] = None,
-) -> ActorLossOutput:
-    """The same loss the naive way: full [N, V] logits, log_softmax, autograd (float64 with
-    float64 inputs or `compute_dtype=torch.float64`); the arguments as in
-    `fused_linear_actor_loss`."""
-    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "reference_actor_loss")
-    clip_high, temperature, V, keep, kl_keep, norm, kl_norm = _resolve(
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
-        advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
-        normalizer, kl_normalizer)
-    cd = compute_dtype or (torch.float64 if student_hidden.dtype == torch.float64 else torch.float32)
-
-    def logits(h, w, b):
-        z = h.to(cd) @ w[:V].to(cd).T
-        if b is not None:
-            z = z + b[:V].to(cd)
-        return z / temperature
-
-    ls = torch.log_softmax(logits(student_hidden, student_weight, student_bias), -1)
-    p = ls.exp()
-    ent = -(p * ls).sum(-1)
-    lp = ls.gather(1, targets.long().clamp(0, V - 1)[:, None])[:, 0]
-    adv, old = advantages.to(cd), old_logprobs.to(cd)
-    ratio = torch.exp(lp - old)
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_high)
-    pg = torch.maximum(l1, l2)
-    clipped = l2 > l1
-    if dual_clip is not None:
-        cap = -dual_clip * adv
-        capped = (adv < 0) & (pg > cap)
-        pg = torch.where(capped, cap, pg)
-        clipped = clipped | capped
-    kf = keep.to(cd)
-    loss = ((pg * kf).sum() - entropy_coef * (ent * kf).sum()) / norm
-    kl = torch.zeros_like(ent)
-    if teacher_hidden is not None:
-        lt = torch.log_softmax(logits(teacher_hidden, teacher_weight, teacher_bias), -1)
-        kl = (p * (ls - lt)).sum(-1)
-        loss = loss + teacher_kl_coef * (kl * kl_keep.to(cd)).sum() / kl_norm
-    z = torch.zeros_like(ent)
-    return ActorLossOutput(loss, torch.where(keep, lp, z).detach(), torch.where(keep, ent, z).detach(),
-                           torch.where(keep, kl, z).detach(), torch.where(keep, ratio, torch.ones_like(z)).detach(),
-                           clipped & keep)

@@ -24,14 +24,18 @@ from typing import Optional
 
 import torch
 
+from ..errors import UserError
+
 __all__ = ["BackendError", "ENV_VAR", "choose_backend", "triton_available", "interpreter_active"]
 
 ENV_VAR = "MEMOPD_BACKEND"
 _ENV_CHOICES = ("auto", "torch", "triton")
 
 
-class BackendError(ValueError):
-    """A requested backend cannot run these inputs (or does not exist)."""
+class BackendError(UserError, ValueError):
+    """A requested backend cannot run these inputs (or does not exist): bad input, exit
+    code 2 from the command line (a `backend=` argument or MEMOPD_BACKEND the user chose).
+    Still a ValueError, as it was before it joined the UserError hierarchy."""
 
 
 # looked up once: a constant to torch.compile (a cached function would be traced each time)

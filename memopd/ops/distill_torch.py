@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._protocol import Divergence, DistillParams, DistillStat, LinearHead, head_tensors
+from ..kernels.contract import Divergence, DistillParams, DistillStat, LinearHead, head_tensors
 
 __all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "loss_weight_grads",
            "student_outputs", "log1p_or_plain", "kl_from_sums", "stack_stats"]

@@ -12,13 +12,14 @@ FSDP: docs/deepspeed.md §4.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..kernels.contract import Divergence, DistillOutput, DistillParams, DistillStat, LinearHead, LogProbEntropy, Partial
 from . import _held_grads as held_grads
-from ._protocol import Divergence, DistillOutput, DistillParams, DistillStat, LinearHead, LogProbEntropy, Partial
 from ._validate import (
     check_target_range,
     choose_op_backend,
@@ -260,7 +261,11 @@ class _DistillGradsInForward(torch.autograd.Function):
             more = _bwd_op(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, stats, temperature,
                            vocab_size, divergence, beta, *ctx.need, chunk_size, token_chunk, "torch")
             out = [None if not need else (m if o is None else o + m) for o, m, need in zip(out, more, ctx.need)]
-        return tuple(out) + (None,) * 14
+        return tuple(out) + (None,) * (_GRADS_IN_FORWARD_INPUTS - len(out))
+
+
+# inputs of _DistillGradsInForward.forward after ctx: backward returns one entry per input
+_GRADS_IN_FORWARD_INPUTS = len(inspect.signature(_DistillGradsInForward.forward).parameters) - 1
 
 
 GRADIENT_MODES = ("auto", "forward", "recompute")

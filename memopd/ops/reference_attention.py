@@ -10,36 +10,14 @@ import math
 import torch
 
 from ..layout import AttentionMeta
+from ._validate import check_attention_inputs
 
-__all__ = ["reference_packed_attention", "dense_visibility_mask", "check_attention_inputs"]
+__all__ = ["reference_packed_attention", "dense_visibility_mask"]
 
 
 def dense_visibility_mask(meta: AttentionMeta) -> torch.Tensor:
     """[T, T] bool: True where query i may attend to key j (docs/design.md §3.1)."""
     return meta.visible()
-
-
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> None:
-    """Raise ValueError naming the problem for ill-shaped packed-attention inputs."""
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(
-            f"packed attention expects q, k, v as [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    T, Hq, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if k.shape[0] != T or k.shape[2] != D:
-        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in tokens or head dim")
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    meta.validate()  # self-consistent metadata (checked once per object; see AttentionMeta.validate)
-    if meta.num_tokens != T:
-        raise ValueError(f"metadata describes {meta.num_tokens} tokens, q has {T}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device != k.device or q.device != v.device or meta.device != q.device:
-        raise ValueError(f"q/k/v/meta devices differ: {q.device}, {k.device}, {v.device}, {meta.device}")
 
 
 def reference_packed_attention(

@@ -1,0 +1,170 @@
+"""Triton tiles shared by the kernels that stream an lm_head over the vocabulary (the
+fused distillation / log-prob op, `memopd.kernels.fused_distill`, and the fused actor loss,
+`memopd.kernels.actor_loss`): the logits tile h @ W^T (+ b), the deterministic dH / dW
+GEMMs over a dlogits scratch, accurate expm1 / log1p for small arguments, the device-side
+compaction of kept rows, and the sizing of the dlogits scratch.
+
+Every launcher here assumes validated, contiguous inputs. Rows are addressed through
+`order` (kept rows first) and `count` (their number, a device tensor) from `compaction`,
+so a chunk past the last kept row runs its loops zero times without a host sync.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import INTERPRET
+
+__all__ = ["expm1_small", "log1p_small", "logits_tile", "dh_kernel", "dw_kernel", "GEMM_GPU", "GEMM_GPU_FP32",
+           "GEMM_INTERP", "gemm_meta", "compaction", "default_token_chunk"]
+
+
+# plain exp/log so that the helpers exist in every Triton version
+@triton.jit
+def expm1_small(x):
+    # Kahan's trick: accurate expm1 for |x| < 1 from exp and log only.
+    u = tl.exp(x)
+    um1 = u - 1.0
+    safe = tl.where(um1 == 0.0, 1.0, um1)
+    return tl.where(um1 == 0.0, x, safe * x / tl.log(tl.where(um1 == 0.0, 2.0, u)))
+
+
+@triton.jit
+def log1p_small(x):
+    # Kahan's trick: accurate log1p for |x| < 1.
+    u = 1.0 + x
+    um1 = u - 1.0
+    safe = tl.where(um1 == 0.0, 1.0, um1)
+    return tl.where(um1 == 0.0, x, tl.log(tl.where(um1 == 0.0, 2.0, u)) * x / safe)
+
+
+@triton.jit
+def logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w,
+                 k_end, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Raw logits tile h[rows] @ w[cols]^T (+ b[cols]) in fp32, [BLOCK_N, BLOCK_V]."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols64 = cols.to(tl.int64)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < H
+        h = tl.load(h_ptr + rows64[:, None] * stride_h + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols64[:, None] * stride_w + kk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    return acc
+
+
+@triton.jit
+def dh_kernel(
+    g_ptr, w_ptr, order_ptr, count_ptr, dh_ptr,
+    V, H, c0, n_rows, stride_g, stride_w, stride_dh,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dH[order[c0 + i]] = dlogits[i] @ W  (rows of masked tokens get zeros)."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    count = tl.load(count_ptr)
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_chunk = local < n_rows
+    rows = tl.load(order_ptr + c0 + local, mask=in_chunk, other=0).to(tl.int64)
+    hh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < H
+    active = c0 + pid_m * BLOCK_M < count
+    k_end = tl.where(active, V, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < V
+        a = tl.load(g_ptr + local.to(tl.int64)[:, None] * stride_g + kk[None, :],
+                    mask=in_chunk[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + kk.to(tl.int64)[:, None] * stride_w + hh[None, :],
+                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
+    tl.store(dh_ptr + rows[:, None] * stride_dh + hh[None, :], acc.to(dh_ptr.dtype.element_ty),
+             mask=in_chunk[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def dw_kernel(
+    g_ptr, h_ptr, order_ptr, count_ptr, dw_ptr,
+    V, H, c0, n_rows, stride_g, stride_h, stride_dw,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dW32[v] += sum_i dlogits[i, v] * h[order[c0 + i]]  (fp32 buffer, fixed order)."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    count = tl.load(count_ptr)
+    vv = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    v_ok = vv < V
+    hh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < H
+    # Only kept tokens of this chunk contribute: loop bound from device memory.
+    k_end = tl.minimum(tl.maximum(count - c0, 0), n_rows)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_end
+        a = tl.load(g_ptr + kk.to(tl.int64)[:, None] * stride_g + vv[None, :],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        rows = tl.load(order_ptr + c0 + kk, mask=k_ok, other=0).to(tl.int64)
+        b = tl.load(h_ptr + rows[:, None] * stride_h + hh[None, :],
+                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a.to(b.dtype)), b, acc, input_precision=PREC)
+    out = dw_ptr + vv.to(tl.int64)[:, None] * stride_dw + hh[None, :]
+    omask = v_ok[:, None] & h_ok[None, :]
+    prev = tl.load(out, mask=omask, other=0.0)
+    tl.store(out, prev + acc, mask=omask)
+
+
+# Fixed GEMM tiling for the (non-idempotent) dW accumulation and for dH: autotuning a
+# kernel that accumulates into its output would corrupt it across benchmark runs.
+GEMM_GPU = dict(BLOCK_M=128, BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=3)
+GEMM_GPU_FP32 = dict(BLOCK_M=64, BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
+GEMM_INTERP = dict(BLOCK_M=32, BLOCK_H=32, BLOCK_K=32)
+
+
+def gemm_meta(fp32: bool):
+    if INTERPRET:
+        return dict(GEMM_INTERP)
+    return dict(GEMM_GPU_FP32 if fp32 else GEMM_GPU)
+
+
+def compaction(keep: torch.Tensor):
+    """Kept rows first (stable), and their count as a device tensor: no host sync."""
+    order = torch.argsort((~keep).to(torch.int8), stable=True).to(torch.int32)
+    count = keep.sum(dtype=torch.int32).reshape(1)
+    return order, count
+
+
+def default_token_chunk(n_tokens: int, vocab_size: int, elem_bytes: int) -> int:
+    """Rows of the backward dlogits scratch: ~512 MiB by default (MEMOPD_DISTILL_SCRATCH_MB).
+
+    Each chunk adds one read-modify-write of the fp32 dW buffer (V x H x 8 bytes, ~4 GB
+    at Qwen2.5-7B shapes), so fewer, larger chunks are faster; the budget bounds memory.
+    """
+    budget = int(float(os.environ.get("MEMOPD_DISTILL_SCRATCH_MB", "512")) * 2**20)
+    rows = max(128, budget // max(1, vocab_size * elem_bytes))
+    rows = (rows // 128) * 128
+    return max(1, min(rows, n_tokens))
