@@ -372,9 +372,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _end_process_group(orderly: bool) -> None:
     """Under torchrun, `train` and `compare` join a process group: end it before exit."""
-    if "torch" not in sys.modules or "memopd.trainer.backend" not in sys.modules:
+    if "torch" not in sys.modules or "memopd.trainer.collectives" not in sys.modules:
         return  # nothing distributed was started (and importing torch here would cost seconds)
-    from memopd.trainer.backend import shutdown_distributed
+    from memopd.trainer.collectives import shutdown_distributed
 
     shutdown_distributed(orderly=orderly)
 

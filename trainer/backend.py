@@ -28,11 +28,6 @@ from .collectives import DistInfo, all_reduce, barrier, broadcast, ensure_proces
 from .deepspeed_config import resolve_deepspeed_config
 from .safe_load import load_tensor_file
 
-# TRANSITIONAL (removed once loop.py, rundir.py and memopd/cli.py import from collectives.py
-# and deepspeed_config.py in the committed tree)
-from .collectives import group_for, shutdown_distributed  # noqa: E402,F401
-from .deepspeed_config import load_deepspeed_config as _load_config  # noqa: E402,F401
-
 __all__ = ["TrainBackend", "PlainBackend", "DeepSpeedBackend", "make_backend"]
 
 # Plain-backend gradient all-reduce bucket size (elements): few collectives, bounded extra memory.

@@ -21,7 +21,8 @@ import torch
 
 from memopd.hf import head_of
 
-from .backend import barrier, init_distributed, make_backend
+from .backend import make_backend
+from .collectives import barrier, init_distributed
 from .config import ConfigError, TrainConfig, check_requirements, check_user_data
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
 from .update import UpdateSettings, score, update
@@ -370,9 +371,9 @@ def resolve_vocab_size(cfg: TrainConfig, env, student_lm, teacher_lm=None) -> in
 
 
 def _zero_stage(ds) -> int:
-    from .backend import _load_config  # the bundled example configs resolve as in the backend
+    from .deepspeed_config import load_deepspeed_config  # the bundled example configs resolve as in the backend
 
-    return int(_load_config(ds).get("zero_optimization", {}).get("stage", 0))
+    return int(load_deepspeed_config(ds).get("zero_optimization", {}).get("stage", 0))
 
 
 def _load_lm(path: str):

@@ -569,7 +569,7 @@ def rank0_decides(fn: Callable[[], Any], rank: int, world_size: int) -> Any:
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
             err = e
             box = [("err", type(e).__name__, str(e))]
-    from .backend import group_for
+    from .collectives import group_for
 
     # the group that serves CPU tensors: a gloo side group when the default one is NCCL
     dist.broadcast_object_list(box, src=0, group=group_for(torch.empty(0)))
