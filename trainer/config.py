@@ -3,6 +3,16 @@
 `TrainConfig.load(path, overrides=["steps=20", "arm=ppo", ...])` reads an optional YAML
 file, then applies `key=value` overrides (values parsed as YAML scalars), and checks
 every field. Unknown keys are errors, not silently ignored.
+
+The environment and its data are one nested section, `TrainConfig.env`
+(`memopd.env.build.EnvSpec`: world, world_seed, corpus, tasks, eval_tasks_file,
+tokenizer, policy, policy_kwargs), which `memopd.env.build.build_environment` turns into
+the run's models and environment. A config file gives it as an `env:` mapping, an
+override as `env.policy=full`; the flat names (`policy=full`, `world: replication`) are
+accepted everywhere as short forms of the same keys, and `cfg.policy` reads `cfg.env.policy`.
+`to_dict()` stays flat (one level, the environment's keys among the others): the format
+of every stored config.yaml, checkpoint manifest and report, so a run directory written
+before the section existed resumes and compares unchanged.
 """
 from __future__ import annotations
 
@@ -13,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from memopd.env.build import ENV_SPEC_FIELDS, EnvSpec
 from memopd.errors import UserError
 from memopd.packing import ACTION_DOMAINS
 
@@ -61,23 +72,15 @@ class TrainConfig:
     student: str = ""
     teacher: str = ""
     cache_dir: str = ".memopd_cache"
-    # bring your own data (any HF causal-LM student/teacher): a corpus JSONL and training
-    # question sets JSONL (memopd/env/data.py) replace the generated world; the held-out
-    # sets JSONL is evaluated at the end (grouped by their k; eval_k/eval_tasks are for
-    # the world); tokenizer: a tokenizer dir (default: the student dir)
-    corpus: str = ""
-    tasks: str = ""
-    eval_tasks_file: str = ""
-    tokenizer: str = ""
-    # environment: a world preset of memopd.env.world ("default", "replication": the
-    # held-out replication world of docs/design.md §10) and its seed
-    world: str = "default"
-    world_seed: int = 0
-    # questions per episode while training, cycled step by step (Q16 stays held out)
+    # the environment and its data (memopd/env/build.py, EnvSpec): the generated world
+    # (world, world_seed) or your own data (corpus, tasks, eval_tasks_file, tokenizer;
+    # any HF causal-LM student/teacher), and the memory policy (policy, policy_kwargs)
+    env: EnvSpec = field(default_factory=EnvSpec)
+    # questions per episode while training, cycled step by step (Q16 stays held out);
+    # eval_k / eval_tasks are for the world (user data: the held-out file's sets as they are)
     train_k: list[int] = field(default_factory=lambda: [2, 8])
     eval_k: list[int] = field(default_factory=lambda: [2, 8, 16])
     eval_tasks: int = 32  # held-out question sets per k at the end
-    policy: str = "summary"
     # loss domain: "exact" (the sampled action tokens) or "naive" (also re-encoded copies
     # of model output inside later contexts: the action-domain ablation)
     action_domain: str = "exact"
@@ -154,11 +157,26 @@ class TrainConfig:
             raise ConfigError("checkpoint_every and eval_every must be >= 0")
         if not self.train_k or any(k < 1 for k in self.train_k + self.eval_k):
             raise ConfigError("train_k / eval_k must be non-empty lists of positive integers")
-        world_config(self.world, self.world_seed)  # an unknown preset fails here, before any work
+        world_config(self.env.world, self.env.world_seed)  # an unknown preset fails here, before any work
+        problem = self.env.policy_problem()
+        if problem:
+            raise ConfigError(f"policy={self.env.policy!r} with policy_kwargs={self.env.policy_kwargs}: {problem}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as one flat mapping (the environment's keys among the others, in the
+        order they had before the nested section): what config.yaml, checkpoint manifests
+        and reports store; `from_dict` and `TrainConfig(**d)` read it back."""
+        d = dataclasses.asdict(self)
+        env = d.pop("env")
+        flat = {}
+        for k, v in d.items():
+            flat[k] = v
+            if k == "cache_dir":
+                flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_CACHE_DIR)
+            elif k == "eval_tasks":
+                flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_EVAL_TASKS)
+        return flat
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str | None = None) -> "TrainConfig":
@@ -166,22 +184,39 @@ class TrainConfig:
         `source` (a file name) is named in the errors."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source or 'config'}: must be a mapping of keys to values, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
+        hints = _field_hints(cls)
+        unknown = sorted(k for k in d if not (k in hints or k in _ENV_HINTS or _env_key(k) in _ENV_HINTS))
         if unknown:
             where = f"{source}: " if source else ""
-            raise ConfigError(f"{where}unknown config keys {unknown}; known: {', '.join(sorted(names))}")
-        hints = _field_hints(cls)
-        d = {k: _coerce(k, v, hints[k], where=source) for k, v in d.items()}
-        return cls(**d).validate()
+            raise ConfigError(f"{where}unknown config keys {unknown}; known: {_known_keys()}")
+        top: dict[str, Any] = {}
+        env: dict[str, Any] = {}
+        for k, v in d.items():
+            if k == "env":
+                env.update(_section_items(v, where=source))
+            elif k in _ENV_HINTS or _env_key(k) in _ENV_HINTS:
+                name = _env_key(k) or k
+                env[name] = _coerce(name, v, _ENV_HINTS[name], where=source)
+            else:
+                top[k] = _coerce(k, v, hints[k], where=source)
+        return cls(**top, env=EnvSpec(**env)).validate()
 
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] | None = None) -> "TrainConfig":
         """Read an optional YAML file, then apply `key=value` overrides (values parsed as YAML
         scalars); every value is type-checked where it comes from (file or override), then
         the whole config is validated. Nothing is loaded or built here."""
-        hints = _field_hints(cls)
+        hints = {k: v for k, v in _field_hints(cls).items() if k != "env"}
         d: dict[str, Any] = {}
+        env: dict[str, Any] = {}  # the environment section, from flat or nested keys alike
+
+        def put(key: str, value: Any, where: str, raw: str | None = None) -> None:
+            name = _env_key(key) or (key if key in _ENV_HINTS else None)
+            if name is not None:
+                env[name] = _coerce(name, value, _ENV_HINTS[name], where=where, raw=raw)
+            else:
+                d[key] = _coerce(key, value, hints[key], where=where, raw=raw)
+
         if path:
             try:
                 with open(path) as f:
@@ -193,23 +228,103 @@ class TrainConfig:
             loaded = {} if loaded is None else loaded
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: a config file must hold a mapping of keys to values")
-            unknown = sorted(set(loaded) - set(hints))
+            section = loaded.pop("env", None)
+            if section is not None:
+                if not isinstance(section, dict):
+                    raise ConfigError(f"{path}: env must be a mapping of {', '.join(ENV_SPEC_FIELDS)}, "
+                                      f"got {section!r}")
+                loaded.update({f"env.{k}": v for k, v in section.items()})
+            unknown = sorted(k for k in loaded if not _known_key(k, hints))
             if unknown:
-                raise ConfigError(f"{path}: unknown config keys {unknown}; known: {', '.join(sorted(hints))}")
-            d.update({k: _coerce(k, v, hints[k], where=path) for k, v in loaded.items()})
+                raise ConfigError(f"{path}: unknown config keys {unknown}; known: {_known_keys()}")
+            given = [_env_key(k) or k for k in loaded]
+            twice = sorted({k for k in given if given.count(k) > 1})
+            if twice:
+                raise ConfigError(f"{path}: {', '.join(twice)} given both flat and under env:; keep one")
+            for k, v in loaded.items():
+                put(k, v, path)
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value")
             key, raw = item.split("=", 1)
             key = key.strip().replace("-", "_")
-            if key not in hints:
-                raise ConfigError(f"unknown config key {key!r} in override {item!r}; known: {', '.join(sorted(hints))}")
+            if not _known_key(key, hints):
+                raise ConfigError(f"unknown config key {key!r} in override {item!r}; known: {_known_keys()}")
             try:
                 value = yaml.safe_load(raw) if raw != "" else ""
             except yaml.YAMLError:
                 value = raw  # e.g. an unbalanced bracket: keep the text, the type check decides
-            d[key] = _coerce(key, value, hints[key], where=f"override {item!r}", raw=raw)
-        return cls.from_dict(d)
+            put(key, value, f"override {item!r}", raw)
+        return cls.from_dict({**d, "env": env})
+
+
+# Where a flat config lists the environment's keys: where they were before the section existed.
+_ENV_KEYS_AFTER_CACHE_DIR = ("corpus", "tasks", "eval_tasks_file", "tokenizer", "world", "world_seed")
+_ENV_KEYS_AFTER_EVAL_TASKS = ("policy", "policy_kwargs")
+assert sorted(_ENV_KEYS_AFTER_CACHE_DIR + _ENV_KEYS_AFTER_EVAL_TASKS) == sorted(ENV_SPEC_FIELDS)
+
+
+def _env_hints() -> dict[str, Any]:
+    import typing
+
+    hints = typing.get_type_hints(EnvSpec)
+    return {name: hints[name] for name in ENV_SPEC_FIELDS}
+
+
+_ENV_HINTS = _env_hints()
+
+
+def _env_key(key: str) -> str | None:
+    """"env.policy" -> "policy"; None for a key outside the environment section."""
+    return key[4:] if key.startswith("env.") and key[4:] in _ENV_HINTS else None
+
+
+def _known_key(key: str, hints: dict[str, Any]) -> bool:
+    return key in hints or key in _ENV_HINTS or _env_key(key) is not None
+
+
+def _known_keys() -> str:
+    top = sorted(n for n in _field_hints(TrainConfig) if n != "env")
+    return (", ".join(sorted([*top, *ENV_SPEC_FIELDS]))
+            + f" (the environment's {', '.join(ENV_SPEC_FIELDS)} also as env.KEY)")
+
+
+def _alias(name: str) -> property:
+    def get(cfg: "TrainConfig"):
+        return getattr(cfg.env, name)
+
+    def set_(cfg: "TrainConfig", value) -> None:
+        setattr(cfg.env, name, value)
+
+    return property(get, set_, doc=f"`env.{name}` (the flat name of the environment key)")
+
+
+def _init_accepting_flat_keys(generated):
+    """TrainConfig's dataclass __init__, also taking the environment's keys flat
+    (`TrainConfig(policy="full")`, `TrainConfig(**cfg.to_dict())`) and `env` as a mapping;
+    a flat key is applied on top of `env`. Every instance gets its own `EnvSpec`."""
+    import copy
+    import functools
+
+    @functools.wraps(generated)
+    def __init__(self, *args, env: EnvSpec | dict | None = None, **kwargs):
+        flat = {k: kwargs.pop(k) for k in ENV_SPEC_FIELDS if k in kwargs}
+        if isinstance(env, dict):
+            unknown = sorted(set(env) - set(ENV_SPEC_FIELDS))
+            if unknown:
+                raise ConfigError(f"unknown env keys {unknown}; known: {', '.join(ENV_SPEC_FIELDS)}")
+            env = EnvSpec(**env)
+        generated(self, *args, env=copy.deepcopy(env) if env is not None else EnvSpec(), **kwargs)
+        for k, v in flat.items():
+            setattr(self.env, k, v)
+
+    return __init__
+
+
+TrainConfig.__init__ = _init_accepting_flat_keys(TrainConfig.__init__)
+for _name in ENV_SPEC_FIELDS:
+    setattr(TrainConfig, _name, _alias(_name))
+del _name
 
 
 def world_config(preset: str, seed: int = 0):
@@ -340,6 +455,8 @@ def _coerce(name: str, value: Any, tp: Any, *, where: str | None = None, raw: st
         prefix = f"{where}: " if where else ""
         return ConfigError(f"{prefix}{name} must be {expected}, got {shown!r}")
 
+    if tp is EnvSpec:
+        return EnvSpec(**_section_items(value, where=where))
     origin = typing.get_origin(tp)
     if origin in (typing.Union, getattr(types, "UnionType", None)):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -397,6 +514,20 @@ def _coerce(name: str, value: Any, tp: Any, *, where: str | None = None, raw: st
         prefix = f"{where}: " if where else ""
         raise ConfigError(f"{prefix}{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def _section_items(value: Any, *, where: str | None = None) -> dict[str, Any]:
+    """The checked keys of an environment section given as an `EnvSpec` (all its keys) or
+    a mapping (the keys it names), or `ConfigError`."""
+    prefix = f"{where}: " if where else ""
+    if isinstance(value, EnvSpec):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{prefix}env must be a mapping of {', '.join(ENV_SPEC_FIELDS)}, got {value!r}")
+    unknown = sorted(set(value) - set(ENV_SPEC_FIELDS))
+    if unknown:
+        raise ConfigError(f"{prefix}unknown env keys {unknown}; known: {', '.join(ENV_SPEC_FIELDS)}")
+    return {k: _coerce(k, v, _ENV_HINTS[k], where=where) for k, v in value.items()}
 
 
 def _check_fields(cfg: "TrainConfig") -> None:

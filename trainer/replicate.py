@@ -321,7 +321,8 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     refuse_earlier_runs(args, seeds)
     t0 = time.time()
     # the SFT is built once here, before the parallel runs that would race for its cache
-    _, _, _, world, _, student_dir, _ = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    bundle = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    world, student_dir = bundle.tasks, bundle.student_dir
     sft_wall = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
     ks = list(cfg.eval_k)

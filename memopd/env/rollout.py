@@ -9,7 +9,13 @@
   (`</search>`, `</answer>`, eos), included in the sample, or at `max_new_tokens`. A stop
   entry may be an id sequence (a closing tag that the tokenizer splits into several
   tokens): generation then stops once the sampled ids end with it.
-- `rollout(env, engine, tasks, ...)` drives `QAEnv` episodes: each round it sends every
+- `Environment` is the interface `rollout` and the trainer drive (`QAEnv` implements it;
+  docs/design.md, "Adding an environment"): `reset(task, group_id=)` returns an
+  `Episode`, `tokens` gives the stop ids and the pad id, and the optional members
+  (`tokens.extra_tag_tokens`, `answer_words`) have declared defaults that a class
+  subclassing the protocol inherits. `TaskSource` is where the trainer draws question
+  sets from (`World`, `UserTasks`): `sample_tasks(k, n, split=, seed=)`.
+- `rollout(env, engine, tasks, ...)` drives `Environment` episodes: each round it sends every
   live episode's `prompt_ids()` (q + x_t) to the engine, and hands the sampled ids, as
   they are, to `episode.step`, which records them in an `Invocation`. The action ids are
   the sampled ids (never decoded and re-encoded); observations are tokenised by the
@@ -29,13 +35,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from memopd.records import Trajectory
 
-__all__ = ["Sample", "Engine", "HFEngine", "sample_next", "rollout", "default_max_new_tokens", "split_stops"]
+__all__ = ["Sample", "Engine", "HFEngine", "Environment", "EnvTokens", "Episode", "TaskSource", "sample_next", "rollout",
+           "default_max_new_tokens", "split_stops"]
 
 
 @dataclass
@@ -66,6 +73,57 @@ class Engine(Protocol):
         stop_ids: Sequence[int | Sequence[int]],  # ids, or id sequences (multi-token closing tags)
         seed: int | None = None,
     ) -> list[Sample]: ...
+
+
+@runtime_checkable
+class EnvTokens(Protocol):
+    """The ids `rollout` and the trainer need from an environment's tokenizer."""
+
+    stop_ids: Sequence[int | Sequence[int]]  # a sample ends right after one (ids, or multi-token closing tags)
+    pad: int  # the id left-padded batches are filled with
+    # ids an action's tags take beyond one id each; rollout adds it to every call's budget
+    extra_tag_tokens: int = 0
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One episode of an `Environment`: its calls are recorded as they are made."""
+
+    task: Any  # has `k` (questions: sizes the default action budget) and `task_id`
+    done: bool
+    invocations: list  # the recorded calls so far (empty: stopped before its first)
+    rollout_index: int  # which of the task's group this is; set by `rollout`
+
+    def prompt_ids(self) -> list[int]: ...
+
+    def step(self, action_ids: list[int], logprobs: list[float] | None) -> Any: ...
+
+    def stop(self, reason: str) -> None: ...
+
+    def trajectory(self) -> Trajectory: ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What `rollout` and the trainer use of an environment (`QAEnv` is one).
+
+    Required: `reset`, `tokens`, `tokenizer` (its size bounds the sampled ids, and the
+    trainer saves it with the model). Optional, with the defaults below: a class that
+    subclasses `Environment` inherits them, so `rollout` reads them directly."""
+
+    tokens: EnvTokens
+    tokenizer: Any
+    # words the longest answer may take: sizes the default action budget
+    answer_words: int = 1
+
+    def reset(self, task: Any, *, group_id: str | None = None) -> Episode: ...
+
+
+@runtime_checkable
+class TaskSource(Protocol):
+    """Where a trainer draws question sets from (`World`, `UserTasks`)."""
+
+    def sample_tasks(self, k: int, n: int, *, split: str = "train", seed: int = 0) -> list: ...
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
@@ -237,7 +295,7 @@ def _ends_with_any(ids: list[int], seqs: tuple[tuple[int, ...], ...]) -> bool:
 
 
 def rollout(
-    env,
+    env: Environment,
     engine: Engine,
     tasks,
     *,
@@ -269,8 +327,8 @@ def rollout(
         return []
     max_pos = getattr(engine, "max_positions", None)
     stop_ids = env.tokens.stop_ids
-    extra = getattr(env.tokens, "extra_tag_tokens", 0)  # multi-token tags take more room
-    answer_words = getattr(env, "answer_words", 1)
+    extra = env.tokens.extra_tag_tokens  # multi-token tags take more room
+    answer_words = env.answer_words
     bar = None
     if progress:
         from memopd.progress import progress_bar
