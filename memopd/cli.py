@@ -90,7 +90,7 @@ def _cmd_audit(args) -> int:
     report["seconds"] = round(time.time() - t0, 2)
     report["passed"] = not failed
     if args.json:
-        from memopd.trainer.rundir import atomic_write_text
+        from memopd.files import atomic_write_text
 
         # all at once: a failed write (exit 74) leaves no partial report
         atomic_write_text(args.json, json.dumps(report, indent=2))

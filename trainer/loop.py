@@ -15,7 +15,7 @@ import json
 import os
 import random
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -26,6 +26,10 @@ from .collectives import barrier, init_distributed
 from .config import ConfigError, TrainConfig, check_requirements, check_user_data
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
 from .update import UpdateSettings, score, update
+
+if TYPE_CHECKING:
+    from memopd.env.build import EnvironmentBundle
+    from memopd.env.rollout import Environment, TaskSource
 
 __all__ = ["Trainer", "train", "prepare", "sft_cache_dir"]
 
@@ -59,9 +63,13 @@ def _teacher_context_peak(trajs, layout: str | None) -> int:
 
 
 class Trainer:
-    """Holds the models, backends and environment of one run."""
+    """Holds the models, backends and environment of one run.
 
-    def __init__(self, cfg: TrainConfig, *, student_lm, teacher_lm, env, world, log: Callable[[str], None] = print):
+    `env` is the `memopd.env.rollout.Environment` the episodes run in; `world` is the
+    `TaskSource` each step's question sets are drawn from (a `World` or `UserTasks`)."""
+
+    def __init__(self, cfg: TrainConfig, *, student_lm, teacher_lm, env: "Environment", world: "TaskSource",
+                 log: Callable[[str], None] = print):
         self.cfg = cfg
         self.env = env
         self.world = world
@@ -376,134 +384,51 @@ def _zero_stage(ds) -> int:
     return int(load_deepspeed_config(ds).get("zero_optimization", {}).get("stage", 0))
 
 
-def _load_lm(path: str):
-    from memopd.models import load_local_model
-
-    return load_local_model(path, what="model", dtype=torch.float32)
-
-
-def _user_data(cfg: TrainConfig) -> bool:
-    """Bring-your-own data: a corpus / question sets replace the generated world."""
-    return bool(cfg.corpus or cfg.tasks or cfg.eval_tasks_file)
-
-
-def _prepare_user(cfg: TrainConfig, log: Callable[[str], None]):
-    """`prepare` for user data: any local HF causal-LM student/teacher, their tokenizer
-    (tags as id sequences when it splits them), the corpus, and a `UserTasks` sampler."""
-    from memopd.env.data import load_corpus_jsonl, load_tasks_jsonl
-    from memopd.env.protocol import ProtocolError
-    from memopd.env.qa import EnvConfig, QAEnv
-    from memopd.env.tasks import UserTasks
-    from memopd.env.tokenizer import load_tokenizer
-    from memopd.errors import UserError
-    from memopd.models import check_model_dir
-
-    check_user_data(cfg)
-    student_dir = check_model_dir(cfg.student, "student")
-    teacher_dir = check_model_dir(cfg.teacher, "teacher") if cfg.arm_spec.uses_teacher else cfg.teacher
-    tok_dir = cfg.tokenizer or student_dir
-    try:
-        tokenizer = load_tokenizer(tok_dir)
-    except ProtocolError as e:
-        raise UserError(f"tokenizer {tok_dir!r}{'' if cfg.tokenizer else ' (the student dir)'}: {e}") from None
-    docs = load_corpus_jsonl(cfg.corpus)
-    tasks = UserTasks(load_tasks_jsonl(cfg.tasks),
-                      load_tasks_jsonl(cfg.eval_tasks_file) if cfg.eval_tasks_file else None,
-                      sources={"train": cfg.tasks, "eval": cfg.eval_tasks_file})
-    modes = {}
-    for k in cfg.train_k:
-        try:
-            modes[k] = tasks.check_k(k, "train")
-        except UserError as e:
-            raise UserError(f"train_k={cfg.train_k}: {e}; lower train_k or add questions") from None
-    env = QAEnv(docs, tokenizer, EnvConfig(policy=cfg.policy))
-    student = _load_lm(student_dir)
-    teacher = _load_lm(teacher_dir) if cfg.arm_spec.uses_teacher else None
-    for what, d, lm in (("student", student_dir, student), ("teacher", teacher_dir, teacher)):
-        if lm is None:
-            continue
-        rows = int(lm.get_input_embeddings().weight.shape[0])
-        if rows < len(tokenizer):
-            raise UserError(f"{what} {d!r}: its input embeddings have {rows} rows, fewer than the {len(tokenizer)} "
-                            f"ids of the tokenizer {tok_dir!r}: the models must share this tokenizer's vocabulary")
-    tk = env.tokens
-    tags = ("one token each" if tk.single_token_tags else
-            "id sequences (" + ", ".join(f"{t}={len(tk.tag_ids(n))}" for n, t in
-                                         (("mem_open", "<mem>"), ("search_close", "</search>"))) + " ids, ...)")
-    log(f"user data: {len(docs)} documents ({cfg.corpus}); {tasks.num_questions('train')} training questions in "
-        f"sets of k={list(tasks.sizes('train'))} ({cfg.tasks}); train_k "
-        + ", ".join(f"{k}: {m}" for k, m in modes.items())
-        + (f"; held-out: {cfg.eval_tasks_file}" if cfg.eval_tasks_file else "; no held-out file (no final evaluation)")
-        + f"; tokenizer {tok_dir} ({len(tokenizer)} ids), protocol tags {tags}")
-    return student, teacher, env, tasks, tokenizer, student_dir, teacher_dir
-
-
 def sft_cache_dir(cfg: TrainConfig) -> str:
-    """Where the SFT'd defaults of `cfg.world` are cached: `cache_dir/sft` for the default
+    """Where the SFT'd defaults of `cfg.env.world` are cached: `cache_dir/sft` for the default
     world (unchanged, so existing caches stay valid), `cache_dir/sft-<preset>` otherwise."""
-    return os.path.join(cfg.cache_dir, "sft" if cfg.world == "default" else f"sft-{cfg.world}")
+    world = cfg.env.world
+    return os.path.join(cfg.cache_dir, "sft" if world == "default" else f"sft-{world}")
 
 
-def prepare(cfg: TrainConfig, log: Callable[[str], None] = print):
-    """Models and environment of a run.
+def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> "EnvironmentBundle":
+    """Models and environment of a run, as a `memopd.env.build.EnvironmentBundle`.
 
     Generated world: SFT'd defaults from the cache unless student/teacher are given (memopd
-    checkpoints, with memopd_env.json). Bring-your-own (corpus=/tasks=): any local HF
-    causal LMs with their tokenizer on the user's corpus and question sets; `world` is then
-    a `memopd.env.tasks.UserTasks` (the same `sample_tasks` interface)."""
-    from memopd.env.qa import EnvConfig, QAEnv
-    from memopd.env.sft import ENV_META_FILE, read_env_meta, run_sft
-    from memopd.env.tokenizer import load_tokenizer
-    from memopd.env.world import World, WorldConfig
-    from memopd.errors import UserError
+    checkpoints, with memopd_env.json); the SFT stage runs here, on rank 0, before
+    `build_environment`. Bring-your-own (corpus=/tasks=): any local HF causal LMs with
+    their tokenizer on the user's corpus and question sets; the bundle's `tasks` is then a
+    `memopd.env.tasks.UserTasks` (the same `sample_tasks` interface as a `World`)."""
+    from memopd.env.build import build_environment, check_world_checkpoint
+    from memopd.env.sft import run_sft
 
     from .config import world_config
 
-    if _user_data(cfg):
-        return _prepare_user(cfg, log)
-    if cfg.tokenizer:
-        raise UserError(f"tokenizer={cfg.tokenizer!r} is only used with your own data (corpus=, tasks=); the "
-                        "generated world uses the tokenizer of its memopd checkpoints")
-    if cfg.student:
-        from memopd.models import check_model_dir
-
-        check_model_dir(cfg.student, "student")
-        meta_path = os.path.join(cfg.student, ENV_META_FILE)
-        if not os.path.exists(meta_path):
-            raise UserError(f"student={cfg.student!r} is not a memopd checkpoint of the generated world (no "
-                            f"{ENV_META_FILE}): to train any HF causal LM, give your data too: corpus=DOCS.jsonl "
-                            "tasks=SETS.jsonl [eval_tasks_file=HELD_OUT.jsonl] (see the README, 'Bring your own "
-                            "models and data')")
-        with open(meta_path) as f:
-            if "world" not in json.load(f):
-                raise UserError(f"student={cfg.student!r} was trained on user data: give corpus=, tasks= again")
-
+    spec = cfg.env
+    uses_teacher = cfg.arm_spec.uses_teacher
+    if spec.user_data:
+        check_user_data(cfg)
+        return build_environment(spec, student_dir=cfg.student, teacher_dir=cfg.teacher, load_teacher=uses_teacher,
+                                 train_k=cfg.train_k, log=log)
+    check_world_checkpoint(spec, cfg.student)
     info = init_distributed()
     sft_dir = sft_cache_dir(cfg)
     need = [r for r, given in (("student", cfg.student), ("teacher", cfg.teacher)) if not given]
-    if not cfg.arm_spec.uses_teacher and "teacher" in need and cfg.student:
+    if not uses_teacher and "teacher" in need and cfg.student:
         need.remove("teacher")
     if need:
         if info.rank == 0:
-            run_sft(sft_dir, roles=need, world_config=world_config(cfg.world, cfg.world_seed), progress=cfg.progress,
+            run_sft(sft_dir, roles=need, world_config=world_config(spec.world, spec.world_seed), progress=cfg.progress,
                     log=log)
         barrier()
-    student_dir = cfg.student or os.path.join(sft_dir, "student")
-    teacher_dir = cfg.teacher or os.path.join(sft_dir, "teacher")
-    meta = read_env_meta(student_dir)
-    world = World.generate(WorldConfig.from_json(meta["world"]))
-    tokenizer = load_tokenizer(student_dir)
-    env_kw = dict(meta.get("env", {}))
-    env_kw["policy"] = cfg.policy
-    env = QAEnv.from_world(world, tokenizer, EnvConfig(**env_kw))
-    student = _load_lm(student_dir)
-    teacher = _load_lm(teacher_dir) if cfg.arm_spec.uses_teacher else None
-    return student, teacher, env, world, tokenizer, student_dir, teacher_dir
+    return build_environment(spec, student_dir=cfg.student or os.path.join(sft_dir, "student"),
+                             teacher_dir=cfg.teacher or os.path.join(sft_dir, "teacher"), load_teacher=uses_teacher,
+                             log=log)
 
 
 def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -> None:
     """The current actor as a normal HF checkpoint dir that `memopd eval` can load."""
-    from .rundir import atomic_directory
+    from memopd.files import atomic_directory
 
     actor, _ = trainer.inference_modules()  # collective under ZeRO-3
     if trainer.rank != 0:
@@ -518,21 +443,24 @@ def _write_agent(trainer: "Trainer", lm, tokenizer, student_dir: str, out_dir: s
     lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     cfg = trainer.cfg
-    if _user_data(cfg):
+    spec = cfg.env
+    if spec.user_data:
         # no world to regenerate: the data files and the environment settings instead
         # (`memopd eval --model DIR --corpus C --questions Q` evaluates it)
         _check_saved_tokenizer(tokenizer, out_dir, trainer.env, trainer.log)
         meta = {
-            "data": {"corpus": os.path.abspath(cfg.corpus), "tasks": os.path.abspath(cfg.tasks),
-                     "eval_tasks": os.path.abspath(cfg.eval_tasks_file) if cfg.eval_tasks_file else None,
-                     "tokenizer": os.path.abspath(cfg.tokenizer or student_dir)},
+            "data": {"corpus": os.path.abspath(spec.corpus), "tasks": os.path.abspath(spec.tasks),
+                     "eval_tasks": os.path.abspath(spec.eval_tasks_file) if spec.eval_tasks_file else None,
+                     "tokenizer": os.path.abspath(spec.tokenizer or student_dir)},
             "env": dataclasses.asdict(trainer.env.config),
             "student": os.path.abspath(student_dir),
         }
     else:
         with open(os.path.join(student_dir, ENV_META_FILE)) as f:
             meta = json.load(f)
-    meta["env"]["policy"] = cfg.policy
+    meta["env"]["policy"] = spec.policy
+    if spec.policy_kwargs:
+        meta["env"]["policy_kwargs"] = dict(spec.policy_kwargs)
     meta["role"] = f"student+{cfg.arm}"
     with open(os.path.join(out_dir, ENV_META_FILE), "w") as f:
         json.dump(meta, f, indent=2)
@@ -611,18 +539,21 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     from memopd.env.evaluate import evaluate as evaluate_dir
     from memopd.env.evaluate import format_comparison, format_table
 
-    from .rundir import atomic_write_json
+    from memopd.files import atomic_write_json
 
     _set_seed(cfg.seed)
-    student, teacher, env, world, tokenizer, student_dir, teacher_dir = prepare(cfg, log)
-    trainer = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=log)
+    bundle = prepare(cfg, log)
+    tokenizer, student_dir, teacher_dir = bundle.tokenizer, bundle.student_dir, bundle.teacher_dir
+    trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=bundle.teacher, env=bundle.env, world=bundle.tasks,
+                      log=log)
 
-    user = _user_data(cfg)
-    can_eval = not user or bool(cfg.eval_tasks_file)
+    spec = cfg.env
+    user = spec.user_data
+    can_eval = not user or bool(spec.eval_tasks_file)
 
     def evaluate_saved(d: str) -> dict:
         if user:  # the held-out file's sets as they are, grouped by k (as `memopd eval --questions`)
-            return evaluate_dir(d, corpus=cfg.corpus, questions=cfg.eval_tasks_file)
+            return evaluate_dir(d, corpus=spec.corpus, questions=spec.eval_tasks_file)
         return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks)
 
     baseline_cache = _BaselineCache(cfg, student_dir) if not user and not cfg.student else None
@@ -683,7 +614,7 @@ class _BaselineCache:
     def __init__(self, cfg: TrainConfig, student_dir: str):
         import hashlib
 
-        from .rundir import MANIFEST
+        from memopd.files import MANIFEST
 
         self.path = os.path.join(os.path.dirname(os.path.abspath(student_dir)), self.FILE)
         try:
@@ -691,9 +622,10 @@ class _BaselineCache:
                 weights = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             weights = None  # no manifest: nothing identifies the weights, so nothing is cached
-        self.key = None if weights is None else json.dumps(
-            {"student": weights, "policy": cfg.policy, "eval_k": list(cfg.eval_k), "eval_tasks": cfg.eval_tasks},
-            sort_keys=True)
+        key = {"student": weights, "policy": cfg.env.policy, "eval_k": list(cfg.eval_k), "eval_tasks": cfg.eval_tasks}
+        if cfg.env.policy_kwargs:  # absent when empty: the keys of existing caches stay valid
+            key["policy_kwargs"] = cfg.env.policy_kwargs
+        self.key = None if weights is None else json.dumps(key, sort_keys=True)
 
     def _entries(self) -> dict:
         try:
@@ -709,7 +641,7 @@ class _BaselineCache:
     def put(self, results: dict) -> None:
         from memopd.errors import UserError
 
-        from .rundir import atomic_write_json
+        from memopd.files import atomic_write_json
 
         if self.key is None:
             return

@@ -1,28 +1,37 @@
 """Run-directory integrity for `memopd train`: runs never lose or mix data.
 
-An exclusive lock per run directory (`RunDirLock`), atomic writes of every pointer and
-record, manifests (size + sha256 of every file) that mark a checkpoint or SFT cache
-entry complete, the choice of the checkpoint `--resume` continues from and the config
-keys it may change, writability checks before anything is loaded or trained, and
-`rank0_decides` so all ranks act on rank 0's decision. The rules, as a user sees them,
-are in the README ("Run directories").
+An exclusive lock per run directory (`RunDirLock`), the choice of the checkpoint
+`--resume` continues from and the config keys it may change, checkpoints written whole,
+metrics cut back to a resumed step, writability checks before anything is loaded or
+trained, and `rank0_decides` so all ranks act on rank 0's decision. The generic pieces
+underneath (atomic writes, manifests that mark a checkpoint or SFT cache entry complete,
+directory locks) are `memopd.files`, shared with the SFT stage; they are re-exported
+here. The rules, as a user sees them, are in the README ("Run directories").
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
-import errno
-import hashlib
 import json
 import os
 import re
 import shutil
-import socket
-import sys
-import tempfile
 from typing import Any, Callable
 
 from memopd.errors import OutputError, RunDirError, UserError, os_failure, output_error
+from memopd.files import (
+    LOCK_FILE,
+    MANIFEST,
+    DirectoryLock,
+    atomic_directory,
+    atomic_file,
+    atomic_write_json,
+    atomic_write_text,
+    check_writable_dir,
+    guarded_write,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
 
 __all__ = [
     "MANIFEST",
@@ -34,6 +43,7 @@ __all__ = [
     "atomic_file",
     "atomic_write_text",
     "atomic_write_json",
+    "atomic_directory",
     "write_manifest",
     "read_manifest",
     "verify_manifest",
@@ -51,8 +61,6 @@ __all__ = [
     "rank0_decides",
 ]
 
-MANIFEST = "memopd_manifest.json"
-LOCK_FILE = ".lock"
 # what `memopd train` (and `memopd plot`) write into a run directory: a directory holding
 # any of these is a used run directory, and --overwrite deletes exactly these (other files,
 # e.g. a log the caller writes next to them, are left alone)
@@ -67,197 +75,6 @@ RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "report.json", "checkpoints", "fi
 SAFE_RESUME_KEYS = frozenset({"steps", "checkpoint_every", "eval_every", "progress", "tensorboard", "cpu_threads"})
 _IGNORED_KEYS = frozenset({"run_dir"})
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_CHUNK = 1 << 20
-
-
-# --------------------------------------------------------------------------- atomic writes
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def guarded_write(what: str, path: str | os.PathLike, survived: str = "", fix: str = ""):
-    """Turn an operating-system failure of the writes inside (ENOSPC, EDQUOT, EROFS,
-    EACCES, EPERM, EIO, and torch.save's errno-less RuntimeError of a full disk) into one
-    `OutputError` (exit 74) naming `what`, `path`, the cause and what `survived`; other
-    errors pass unchanged. The block must itself leave no partial file behind."""
-    try:
-        yield
-    except OutputError:
-        raise
-    except Exception as e:
-        code = os_failure(e, path)
-        if code is None:
-            raise
-        raise output_error(code, what, path, survived, fix) from e
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
-    os.umask(mask)
-    return mask
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, what: str | None = None):
-    """Yield a temp path next to `path` to write; on success it replaces `path` all at
-    once, so readers (and a resumed run after a kill) see the old content or the new one,
-    never a part. On an error the temp file is removed and `path` keeps its content; an OS
-    failure of the write is an `OutputError` naming `what` (default: the path)."""
-    path = os.fspath(path)
-    d = os.path.dirname(path) or "."
-    before = "its previous content is unchanged" if os.path.exists(path) else ""
-    with guarded_write(what or path, path, before):
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
-        os.close(fd)
-        # mkstemp's 0600 would become the final file's mode: give it a plain open()'s
-        # (0666 less the umask), so team-mates read config.yaml like metrics.jsonl
-        os.chmod(tmp, 0o666 & ~_current_umask())
-        try:
-            yield tmp
-            os.replace(tmp, path)
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
-    _fsync_dir(d)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace `path` by `text` all at once (`atomic_file`), durably (fsync)."""
-    with atomic_file(path) as tmp:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
-@contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, what: str | None = None):
-    """Yield a fresh sibling directory to fill; on success it takes `path`'s place, so
-    `path` holds either the previous complete content or the new one, never a mix or a
-    part (a kill in between leaves `path` as it was, or absent for one rename, plus a
-    `.tmp` sibling). On an error the partial directory is removed and `path` is untouched;
-    an OS failure of a write is an `OutputError` naming `what` (default: the path)."""
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    before = "its previous content is unchanged" if os.path.lexists(path) else ""
-    with guarded_write(what or path, path, before):
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
-        try:
-            os.chmod(tmp, 0o777 & ~_current_umask())  # mkdtemp's 0700 would become the final directory's mode
-            yield tmp
-            old = None
-            if os.path.lexists(path):
-                old = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".old.tmp")
-                os.rmdir(old)
-                os.replace(path, old)
-            os.replace(tmp, path)
-            _fsync_dir(parent)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-
-# --------------------------------------------------------------------------- manifests
-
-
-def _digest(path: str) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(_CHUNK)
-            if not b:
-                break
-            h.update(b)
-            size += len(b)
-    return size, h.hexdigest()
-
-
-def _files_under(root: str) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if rel != MANIFEST:
-                out.append(rel)
-    return out
-
-
-def write_manifest(root: str | os.PathLike, **extra: Any) -> dict:
-    """Record size + sha256 of every file under `root` in root/MANIFEST (atomic, last).
-
-    Call it once everything under `root` is written (after the barrier that follows all
-    ranks' saves): its presence is what makes the directory complete."""
-    root = os.fspath(root)
-    files = {}
-    for rel in _files_under(root):
-        size, sha = _digest(os.path.join(root, rel))
-        files[rel] = {"size": size, "sha256": sha}
-    manifest = {"format": "memopd.manifest", "version": 1, **extra, "files": files}
-    atomic_write_json(os.path.join(root, MANIFEST), manifest)
-    return manifest
-
-
-def read_manifest(root: str | os.PathLike) -> dict | None:
-    try:
-        with open(os.path.join(os.fspath(root), MANIFEST)) as f:
-            m = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return m if isinstance(m, dict) and isinstance(m.get("files"), dict) else None
-
-
-def verify_manifest(root: str | os.PathLike) -> list[str]:
-    """What is wrong with the directory `root` ([] = complete and intact)."""
-    root = os.fspath(root)
-    if not os.path.isdir(root):
-        return ["missing directory"]
-    if not os.path.exists(os.path.join(root, MANIFEST)):
-        return [f"no {MANIFEST} (its save never finished, or it predates manifests)"]
-    m = read_manifest(root)
-    if m is None:
-        return [f"{MANIFEST} is unreadable"]
-    if not m["files"]:
-        return [f"{MANIFEST} lists no files"]
-    problems = []
-    for rel, want in sorted(m["files"].items()):
-        p = os.path.join(root, rel)
-        if not os.path.isfile(p):
-            problems.append(f"{rel} is missing")
-            continue
-        size = os.path.getsize(p)
-        if size != want.get("size"):
-            problems.append(f"{rel} has {size} bytes, {want.get('size')} expected (truncated or replaced)")
-        elif _digest(p)[1] != want.get("sha256"):
-            problems.append(f"{rel} fails its sha256 check (corrupted)")
-    return problems
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -417,31 +234,6 @@ def check_resume_config(stored: dict, new: dict, *, source: str, defaults: dict 
 # --------------------------------------------------------------------------- places
 
 
-def check_writable_dir(path: str | os.PathLike, what: str) -> str:
-    """Create `path` if needed and prove it takes files (write + remove a probe);
-    UserError naming the path otherwise. Returns the path."""
-    path = os.fspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"{what} {path!r} is a file, not a directory: remove it or choose another path")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        parent = os.path.dirname(os.path.abspath(path))
-        while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
-            parent = os.path.dirname(parent)
-        why = f"{parent!r} is a file" if os.path.isfile(parent) else (e.strerror or str(e))
-        raise UserError(f"cannot create the {what} {path!r}: {why}; choose another path") from None
-    probe = os.path.join(path, f".memopd_write_probe.{os.getpid()}")
-    try:
-        with open(probe, "w") as f:
-            f.write("probe")
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"the {what} {path!r} is not writable: {e.strerror or e}; "
-                        "fix its permissions or choose another path") from None
-    return path
-
-
 def _has_content(path: str) -> bool:
     if not os.path.isdir(path) or os.path.islink(path):
         return os.path.lexists(path)
@@ -481,73 +273,15 @@ def clear_outputs(run_dir: str) -> list[str]:
 # --------------------------------------------------------------------------- the lock
 
 
-class RunDirLock:
+class RunDirLock(DirectoryLock):
     """Exclusive ownership of a run directory: flock on RUN_DIR/.lock for the run's life."""
 
     def __init__(self, run_dir: str, name: str = LOCK_FILE, what: str = "run directory"):
-        self.run_dir = run_dir
-        self.path = os.path.join(run_dir, name)
-        self.what = what
-        self._fd: int | None = None
+        super().__init__(run_dir, name, what)
 
     @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def holder(self) -> str:
-        try:
-            with open(self.path) as f:
-                h = json.load(f)
-            return (f"pid {h.get('pid')} on host {h.get('host')}, started {h.get('started')} "
-                    f"(command: {h.get('command')})")
-        except (OSError, ValueError, AttributeError):
-            return "another process (it has not recorded itself yet)"
-
-    def acquire(self, command: str | None = None, wait: Callable[[str], None] | None = None) -> None:
-        """Take the lock or raise RunDirError naming its holder; with `wait`, call
-        `wait(message)` once and block until the holder releases it (or dies: the kernel
-        frees a dead process's flock)."""
-        import fcntl
-
-        if self._fd is not None:
-            return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                os.close(fd)
-                raise UserError(f"cannot lock the {self.what} {self.run_dir!r}: {e.strerror or e}") from None
-            if wait is None:
-                os.close(fd)
-                raise RunDirError(
-                    f"{self.what} {self.run_dir!r} is in use by {self.holder()}. Wait for that run to finish "
-                    "(or stop it), or choose another run_dir") from None
-            wait(f"{self.what} {self.run_dir!r} is in use by {self.holder()}; waiting for it")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except BaseException:
-                os.close(fd)
-                raise
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "command": command if command is not None else " ".join(sys.argv)}
-        data = (json.dumps(info) + "\n").encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        import fcntl
-
-        fd, self._fd = self._fd, None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+    def run_dir(self) -> str:
+        return self.directory
 
 
 # --------------------------------------------------------------------------- ranks
