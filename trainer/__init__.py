@@ -16,7 +16,7 @@ _LAZY = {
     "Trainer": "loop", "train": "loop", "prepare": "loop",
     "make_backend": "backend", "TrainBackend": "backend",
     "init_distributed": "collectives", "shutdown_distributed": "collectives",
-    "Actor": "modules", "Critic": "modules", "Scoring": "modules",
+    "Actor": "modules", "ActorLossCoefs": "modules", "Critic": "modules", "Scoring": "modules",
     "score": "update", "Scored": "update", "PPOInputs": "modules",
     "gae": "ppo", "policy_loss": "ppo", "value_loss": "ppo", "token_rewards": "ppo", "whiten": "ppo",
     "plot_run": "plot",

@@ -106,9 +106,9 @@ class TrainConfig:
     value_clip: float = 0.2
     gamma: float = 1.0
     lam: float = 0.95
-    kl_coef: float = 0.02  # reference-KL penalty folded into the rewards
+    kl_coef: float = 0.02  # reference-KL penalty folded into the rewards (not the teacher weight: opd_coef)
     entropy_coef: float = 0.001  # alpha
-    opd_coef: float = 1.0  # lambda (ignored by the ppo arm)
+    opd_coef: float = 1.0  # lambda: the weight of KL(student || teacher), the op's teacher_kl_coef (0 in the ppo arm)
     max_tokens: int = 4096  # token budget of one micro-batch
     # run management
     checkpoint_every: int = 10
