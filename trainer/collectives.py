@@ -27,6 +27,7 @@ __all__ = [
     "group_for",
 ]
 
+
 # --------------------------------------------------------------------------- launching
 
 
@@ -139,7 +140,7 @@ def ensure_process_group() -> DistInfo:
 
 
 def world_size_hint() -> int:
-    """The world size before any process group exists: the launcher's WORLD_SIZE."""
+    """The process group's world size, or before there is one the launcher's WORLD_SIZE."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return max(1, _env_int("WORLD_SIZE", 1) or 1)
