@@ -134,3 +134,20 @@ def test_config_errors(tmp_path):
     assert (cfg.steps, cfg.arm, cfg.train_k, cfg.actor_lr) == (9, "ppo", [2, 8], 1e-4)
     with pytest.raises(ConfigError, match="minibatches"):
         TrainConfig(tasks_per_step=1, group_size=1, minibatches=2).validate()
+
+
+def test_prepare_returns_a_named_environment_bundle(sft_dirs, tmp_path):
+    from memopd.env.build import EnvironmentBundle
+    from memopd.env.rollout import Environment, TaskSource
+    from memopd.env.world import World
+    from memopd.trainer.loop import prepare
+
+    cfg = _cfg(sft_dirs, tmp_path / "run", arm="ppo", policy="window", policy_kwargs={"turns": 3})
+    bundle = prepare(cfg, log=lambda *_: None)
+    assert isinstance(bundle, EnvironmentBundle) and bundle.teacher is None
+    assert isinstance(bundle.env, Environment) and isinstance(bundle.tasks, World) and isinstance(bundle.tasks, TaskSource)
+    assert (bundle.student_dir, bundle.teacher_dir) == sft_dirs
+    assert bundle.env.config.policy == "window" and bundle.env.config.policy_kwargs == {"turns": 3}
+    assert bundle.env.policy.turns == 3
+    # the 7-tuple order callers unpacked before the bundle had names
+    assert list(bundle) == [bundle.student, None, bundle.env, bundle.tasks, bundle.tokenizer, *sft_dirs]

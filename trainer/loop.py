@@ -395,35 +395,18 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> "Environmen
     """Models and environment of a run, as a `memopd.env.build.EnvironmentBundle`.
 
     Generated world: SFT'd defaults from the cache unless student/teacher are given (memopd
-    checkpoints, with memopd_env.json); the SFT stage runs here, on rank 0, before
-    `build_environment`. Bring-your-own (corpus=/tasks=): any local HF causal LMs with
-    their tokenizer on the user's corpus and question sets; the bundle's `tasks` is then a
+    checkpoints, with memopd_env.json); rank 0 builds missing ones, the others wait.
+    Bring-your-own (corpus=/tasks=): any local HF causal LMs with their tokenizer on the
+    user's corpus and question sets; the bundle's `tasks` is then a
     `memopd.env.tasks.UserTasks` (the same `sample_tasks` interface as a `World`)."""
-    from memopd.env.build import build_environment, check_world_checkpoint
-    from memopd.env.sft import run_sft
+    from memopd.env.build import build_environment
 
-    from .config import world_config
-
-    spec = cfg.env
-    uses_teacher = cfg.arm_spec.uses_teacher
-    if spec.user_data:
+    if cfg.env.user_data:
         check_user_data(cfg)
-        return build_environment(spec, student_dir=cfg.student, teacher_dir=cfg.teacher, load_teacher=uses_teacher,
-                                 train_k=cfg.train_k, log=log)
-    check_world_checkpoint(spec, cfg.student)
     info = init_distributed()
-    sft_dir = sft_cache_dir(cfg)
-    need = [r for r, given in (("student", cfg.student), ("teacher", cfg.teacher)) if not given]
-    if not uses_teacher and "teacher" in need and cfg.student:
-        need.remove("teacher")
-    if need:
-        if info.rank == 0:
-            run_sft(sft_dir, roles=need, world_config=world_config(spec.world, spec.world_seed), progress=cfg.progress,
-                    log=log)
-        barrier()
-    return build_environment(spec, student_dir=cfg.student or os.path.join(sft_dir, "student"),
-                             teacher_dir=cfg.teacher or os.path.join(sft_dir, "teacher"), load_teacher=uses_teacher,
-                             log=log)
+    return build_environment(cfg.env, student=cfg.student, teacher=cfg.teacher, load_teacher=cfg.arm_spec.uses_teacher,
+                             sft_dir=sft_cache_dir(cfg), builds_sft=info.rank == 0, after_sft=barrier,
+                             train_k=cfg.train_k, progress=cfg.progress, log=log)
 
 
 def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -> None:

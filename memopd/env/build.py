@@ -2,14 +2,15 @@
 
 `EnvSpec` is the environment/data section of a run's config (`TrainConfig.env`): which
 world or user data, which tokenizer, which memory policy and its parameters.
-`build_environment(spec, student_dir=, teacher_dir=, ...)` turns it, with the model
-directories the run uses, into one `EnvironmentBundle`: the loaded student and teacher,
+`build_environment(spec, student=, teacher=, ...)` turns it, with the model directories
+the run uses, into one `EnvironmentBundle`: the loaded student and teacher,
 the `Environment` (`QAEnv`), the `TaskSource` the trainer samples question sets from
 (`World` or `UserTasks`), and the tokenizer. Two sources:
 
 - the generated world: the world, tokenizer and environment settings are read back from
-  the student checkpoint's `memopd_env.json` (an SFT'd default or a memopd checkpoint);
-  `check_world_checkpoint` refuses a student that is not one, before any SFT is run;
+  the student checkpoint's `memopd_env.json` (a memopd checkpoint, or an SFT'd default,
+  built first into the SFT cache when missing); `check_world_checkpoint` refuses a
+  student that is not one, before any SFT is run;
 - bring-your-own data (`spec.user_data`): any local HF causal-LM student/teacher, their
   tokenizer (tags become id sequences when it splits them), the user's corpus and
   question sets (memopd/env/data.py).
@@ -129,13 +130,41 @@ def check_world_checkpoint(spec: EnvSpec, student: str) -> None:
             raise UserError(f"student={student!r} was trained on user data: give corpus=, tasks= again")
 
 
-def build_environment(spec: EnvSpec, *, student_dir: str, teacher_dir: str, load_teacher: bool,
-                      train_k: Sequence[int] = (), log: Callable[[str], None] = print) -> EnvironmentBundle:
-    """The models and environment of `spec` (see the module doc). `load_teacher`: whether the
-    run needs the teacher loaded; `train_k`: the question-set sizes the run trains on
-    (user data: each must be servable from the question sets)."""
+def build_environment(spec: EnvSpec, *, student: str = "", teacher: str = "", load_teacher: bool = True,
+                      sft_dir: str | None = None, builds_sft: bool = True, after_sft: Callable[[], None] | None = None,
+                      train_k: Sequence[int] = (), progress: bool = True,
+                      log: Callable[[str], None] = print) -> EnvironmentBundle:
+    """The models and environment of `spec` (see the module doc).
+
+    `student` / `teacher`: model directories; for the generated world an empty one is the
+    SFT'd default under `sft_dir`, built there first if missing (`run_sft`: on this
+    process only when `builds_sft`, e.g. rank 0; `after_sft`, e.g. a barrier, runs on
+    every process once the SFT stage is over). `load_teacher`: whether the run needs the
+    teacher loaded. `train_k`: the question-set sizes the run trains on (user data: each
+    must be servable from the question sets)."""
     if spec.user_data:
-        return _build_user(spec, student_dir, teacher_dir, load_teacher, train_k, log)
+        return _build_user(spec, student, teacher, load_teacher, train_k, log)
+    check_world_checkpoint(spec, student)
+    need = [r for r, given in (("student", student), ("teacher", teacher)) if not given]
+    if not load_teacher and "teacher" in need and student:
+        need.remove("teacher")
+    if need:
+        if sft_dir is None:
+            raise ValueError(f"build_environment: no {' or '.join(need)} directory and no sft_dir to build it in")
+        if builds_sft:
+            from .sft import run_sft
+            from .world import world_preset
+
+            run_sft(sft_dir, roles=need, world_config=world_preset(spec.world, seed=spec.world_seed),
+                    progress=progress, log=log)
+        if after_sft is not None:
+            after_sft()
+    return _build_world(spec, student or os.path.join(sft_dir, "student"), teacher or os.path.join(sft_dir, "teacher"),
+                        load_teacher)
+
+
+def _build_world(spec: EnvSpec, student_dir: str, teacher_dir: str, load_teacher: bool) -> EnvironmentBundle:
+    """`build_environment` for the generated world, from the student checkpoint's metadata."""
     from .qa import EnvConfig, QAEnv
     from .sft import read_env_meta
     from .tokenizer import load_tokenizer
