@@ -29,6 +29,7 @@ __all__ = ["parse_arm", "arm_run_dir", "ChildRunError", "child_error", "result_r
 
 
 def parse_arm(spec: str) -> tuple[str, str]:
+    """(arm, action domain) of `ARM` or `ARM:naive`; a ConfigError for anything else."""
     arm, _, domain = spec.partition(":")
     domain = domain or "exact"
     if arm not in ARMS or domain not in ACTION_DOMAINS:
@@ -37,6 +38,7 @@ def parse_arm(spec: str) -> tuple[str, str]:
 
 
 def arm_run_dir(out: str, spec: str, seed: int) -> str:
+    """The run directory of (arm spec, seed) under `out`: OUT/<arm>/seed<S>/."""
     return os.path.join(out, spec.replace(":", "-"), f"seed{seed}")
 
 
