@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from memopd.env.rollout import Environment, EnvTokens, Episode, Sample, TaskSource, default_max_new_tokens, rollout
+from memopd.env.rollout import Environment, EnvEpisode, EnvTokens, Sample, TaskSource, default_max_new_tokens, rollout
 from memopd.records import Invocation, Trajectory
 
 
@@ -25,7 +25,7 @@ def test_the_embedded_environment_satisfies_the_protocols(tmp_path):
     env, world = _qa_env()
     assert isinstance(env, Environment) and isinstance(env.tokens, EnvTokens)
     assert isinstance(world, TaskSource)
-    assert isinstance(env.reset(world.sample_tasks(2, 1)[0], group_id="g"), Episode)
+    assert isinstance(env.reset(world.sample_tasks(2, 1)[0], group_id="g"), EnvEpisode)
     save_tasks_jsonl(tmp_path / "t.jsonl", [Task("t0", ["q a ?", "q b ?"], [["a"], ["b"]])])
     from memopd.env import load_tasks_jsonl
 

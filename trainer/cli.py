@@ -19,7 +19,8 @@ def train_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="memopd train",
         description="PPO + on-policy distillation of a compact-memory agent (arms: ppo, persistent, memopd).",
-        epilog="Overrides are key=value pairs of TrainConfig (trainer/config.py), e.g. arm=ppo steps=20.",
+        epilog="Overrides are key=value pairs of TrainConfig (trainer/config.py), e.g. arm=ppo steps=20; the "
+               "environment section's keys as env.KEY or flat, e.g. env.policy=full or policy=full.",
     )
     p.add_argument("--config", help="YAML file of TrainConfig fields")
     mode = p.add_mutually_exclusive_group()

@@ -11,7 +11,10 @@ Modules:
   world word, or an open BPE for user corpora);
 - `qa`: `QAEnv` / `Episode`: exact per-call state, memory policy, rewards;
 - `metrics`: EM / token F1;
-- `rollout`: `Engine` protocol, `HFEngine`, `rollout()` recording `Trajectory`s;
+- `rollout`: the `Engine`, `Environment` and `TaskSource` protocols, `HFEngine`,
+  `rollout()` recording `Trajectory`s;
+- `build`: `EnvSpec` (a run config's environment section) and `build_environment`, which
+  turns it into an `EnvironmentBundle` (models, environment, task source, tokenizer);
 - `expert`: the scripted expert (an `Engine`);
 - `sft`: tiny teacher / student models and their supervised training;
 - `evaluate`: held-out evaluation; `cli`: `sft_main` / `eval_main`.
@@ -24,7 +27,19 @@ from .metrics import exact_match, f1_score, normalize_answer, score_answers
 from .protocol import ParsedAction, ProtocolError, ProtocolTokens, parse_action, prefix_text, split_answers
 from .qa import EnvConfig, Episode, QAEnv, StepResult
 from .retriever import BM25Retriever
-from .rollout import Engine, HFEngine, Sample, default_max_new_tokens, rollout, sample_next
+from .rollout import (
+    Engine,
+    EnvEpisode,
+    Environment,
+    EnvTokens,
+    HFEngine,
+    Sample,
+    TaskSource,
+    default_max_new_tokens,
+    rollout,
+    sample_next,
+)
+from .build import EnvironmentBundle, EnvSpec, build_environment
 from .tasks import UserTasks
 from .tokenizer import SPECIAL_TOKENS, build_tokenizer, load_tokenizer
 from .world import World, WorldConfig
@@ -37,6 +52,7 @@ __all__ = [
     "EnvConfig", "Episode", "QAEnv", "StepResult",
     "BM25Retriever",
     "Engine", "HFEngine", "Sample", "default_max_new_tokens", "rollout", "sample_next",
+    "Environment", "EnvEpisode", "EnvTokens", "TaskSource", "EnvSpec", "EnvironmentBundle", "build_environment",
     "UserTasks",
     "SPECIAL_TOKENS", "build_tokenizer", "load_tokenizer",
     "World", "WorldConfig",

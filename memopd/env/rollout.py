@@ -11,12 +11,13 @@
   tokens): generation then stops once the sampled ids end with it.
 - `Environment` is the interface `rollout` and the trainer drive (`QAEnv` implements it;
   docs/design.md, "Adding an environment"): `reset(task, group_id=)` returns an
-  `Episode`, `tokens` gives the stop ids and the pad id, and the optional members
-  (`tokens.extra_tag_tokens`, `answer_words`) have declared defaults that a class
-  subclassing the protocol inherits. `TaskSource` is where the trainer draws question
-  sets from (`World`, `UserTasks`): `sample_tasks(k, n, split=, seed=)`.
-- `rollout(env, engine, tasks, ...)` drives `Environment` episodes: each round it sends every
-  live episode's `prompt_ids()` (q + x_t) to the engine, and hands the sampled ids, as
+  `EnvEpisode` (`qa.Episode` is one), `tokens` gives the stop ids and the pad id, and
+  the optional members (`tokens.extra_tag_tokens`, `answer_words`) have declared
+  defaults that a class subclassing the protocol inherits. `TaskSource` is where the
+  trainer draws question sets from (`World`, `UserTasks`): `sample_tasks(k, n, split=,
+  seed=)`.
+- `rollout(env, engine, tasks, ...)` drives `Environment` episodes: each round it sends
+  every live episode's `prompt_ids()` (q + x_t) to the engine, and hands the sampled ids, as
   they are, to `episode.step`, which records them in an `Invocation`. The action ids are
   the sampled ids (never decoded and re-encoded); observations are tokenised by the
   environment; the next context is built on ids by the memory policy, with provenance.
@@ -41,8 +42,8 @@ import torch
 
 from memopd.records import Trajectory
 
-__all__ = ["Sample", "Engine", "HFEngine", "Environment", "EnvTokens", "Episode", "TaskSource", "sample_next", "rollout",
-           "default_max_new_tokens", "split_stops"]
+__all__ = ["Sample", "Engine", "HFEngine", "Environment", "EnvTokens", "EnvEpisode", "TaskSource", "sample_next",
+           "rollout", "default_max_new_tokens", "split_stops"]
 
 
 @dataclass
@@ -86,7 +87,7 @@ class EnvTokens(Protocol):
 
 
 @runtime_checkable
-class Episode(Protocol):
+class EnvEpisode(Protocol):
     """One episode of an `Environment`: its calls are recorded as they are made."""
 
     task: Any  # has `k` (questions: sizes the default action budget) and `task_id`
@@ -116,7 +117,7 @@ class Environment(Protocol):
     # words the longest answer may take: sizes the default action budget
     answer_words: int = 1
 
-    def reset(self, task: Any, *, group_id: str | None = None) -> Episode: ...
+    def reset(self, task: Any, *, group_id: str | None = None) -> EnvEpisode: ...
 
 
 @runtime_checkable
