@@ -814,3 +814,38 @@ def test_triton_on_cpu_without_interpreter_raises(seed, monkeypatch):
     inp = make_inputs(seed)
     with pytest.raises(BackendError, match="TRITON_INTERPRET"):
         _distill_call(inp, backend="triton")
+
+
+# --------------------------------------------------------------------------------------
+# layering: memopd.ops -> memopd.kernels, never back; the contract imports no Triton
+# --------------------------------------------------------------------------------------
+def test_kernels_never_import_the_ops_layer():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "kernels"
+    upward = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                name = "." * node.level + (node.module or "")
+                if name.startswith(("memopd.ops", "..ops", "..")) and not name.startswith("..kernels"):
+                    upward.append(f"{path.name}: from {name} import ...")
+            elif isinstance(node, ast.Import):
+                upward += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("memopd.ops")]
+    assert len(list(root.glob("*.py"))) >= 6 and not upward, upward
+
+
+def test_contract_and_ops_import_without_triton():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import memopd.kernels.contract, memopd.ops, memopd.ops.fused_distill, memopd.ops.actor_loss, "
+            "memopd.ops.attention\n"
+            "from memopd.ops import ActorLossOutput, DistillOutput, LogProbEntropy, reference_actor_loss\n"
+            "assert callable(reference_actor_loss) and ActorLossOutput._fields[0] == 'loss'\n"
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]", res.stdout

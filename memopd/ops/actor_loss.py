@@ -39,10 +39,14 @@ numbers. The PyTorch path is the distillation op's sweep (`memopd.ops.distill_to
 whose log-normaliser difference is exact and overflow-free at any a'); the Triton
 kernels use the plain log-sum-exp difference where a' exceeds 30 (expm1 would overflow).
 
-Back ends: the PyTorch path (any device, float64 capable) and on CUDA the Triton
-kernels of `memopd.kernels.actor_loss`, chosen by `memopd.ops.dispatch` (docs/design.md
-§6.3). `reference_actor_loss` is the naive, materialising float64-capable reference
-(tests, benchmarks).
+This module holds the public function, the `torch.library` custom op
+(`memopd::fused_actor_loss`) and its autograd glue. Back ends, chosen by
+`memopd.ops.dispatch` (docs/design.md §6.3): the PyTorch path
+`memopd.ops.actor_loss_torch` (any device, float64 capable) and on CUDA the Triton
+kernels of `memopd.kernels.actor_loss`. The argument checks are
+`memopd.ops._validate.resolve_actor_loss`; `reference_actor_loss`
+(`memopd.ops.reference_actor`, re-exported here) is the naive, materialising
+float64-capable reference (tests, benchmarks).
 """
 from __future__ import annotations
 
