@@ -34,10 +34,10 @@ from .contract import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
 from .lm_head_tiles import (
     compaction,
     default_token_chunk,
-    dh_kernel,
-    dw_kernel,
     expm1_small,
     gemm_meta,
+    launch_dh,
+    launch_dw,
     log1p_small,
     logits_tile,
 )
@@ -258,13 +258,9 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
             BLOCK_V=_rows_block(V), **_ROWS_LAUNCH,
         )
         if need_dh:
-            grid_h = (triton.cdiv(n_rows, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            dh_kernel[grid_h](s_buf, ws, order, count, dh, V, Hs, c0, n_rows, s_buf.stride(0), ws.stride(0),
-                               dh.stride(0), UPCAST=gemm_upcast, PREC=gemm_prec, **gm)
+            launch_dh(s_buf, ws, order, count, dh, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
         if need_dw:
-            grid_w = (triton.cdiv(V, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            dw_kernel[grid_w](s_buf, hs, order, count, dw32, V, Hs, c0, n_rows, s_buf.stride(0), hs.stride(0),
-                               dw32.stride(0), UPCAST=gemm_upcast, PREC=gemm_prec, **gm)
+            launch_dw(s_buf, hs, order, count, dw32, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
         if need_db:
             db32[:V] += s_buf[:n_rows].sum(0)
     return part.sum(), stats, dh, dw32, db32

@@ -34,7 +34,8 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
     logit tiles with `tl.dot` and writes dL/dlogits into the scratch;
   - `dh_kernel` computes dH = dlogits @ W_s and writes each token's row directly at
     its original index (masked rows get zeros);
-  - `dw_kernel` (grid over vocab blocks × hidden blocks) accumulates
+  - `dw_kernel` (one program per vocab block × hidden block, hidden blocks fastest so
+    that the programs reading one scratch slab run together) accumulates
     dW += dlogits^T @ H into an fp32 buffer. Each output tile is owned by one program
     and the token loop runs in a fixed order: deterministic, no atomics.
   A fully recomputing backward that keeps dH in registers is only possible when the
@@ -66,7 +67,16 @@ import triton
 import triton.language as tl
 
 from .contract import Divergence, DistillParams, DistillStat, LinearHead, Partial, head_tensors
-from .lm_head_tiles import compaction, default_token_chunk, dh_kernel, dw_kernel, expm1_small, gemm_meta, log1p_small, logits_tile
+from .lm_head_tiles import (
+    compaction,
+    default_token_chunk,
+    expm1_small,
+    gemm_meta,
+    launch_dh,
+    launch_dw,
+    log1p_small,
+    logits_tile,
+)
 from .runtime import INTERPRET, NEG, USE_AUTOTUNE, autotuned, dot_precision, or_dummy, upcast
 
 # Protocol values as constexprs: compiled Triton reads only constexpr globals in kernels.
@@ -624,19 +634,9 @@ def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[Linear
             **meta,
         )
         if need_dh:
-            grid_h = (triton.cdiv(n_rows, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            dh_kernel[grid_h](
-                scratch, ws, order, count, dh, vocab_size, Hs, c0, n_rows,
-                scratch.stride(0), ws.stride(0), dh.stride(0),
-                UPCAST=flags["UPCAST"], PREC=gemm_prec, **gm,
-            )
+            launch_dh(scratch, ws, order, count, dh, vocab_size, c0, n_rows, flags["UPCAST"], gemm_prec, gm)
         if need_dw:
-            grid_w = (triton.cdiv(vocab_size, gm["BLOCK_M"]), triton.cdiv(Hs, gm["BLOCK_H"]))
-            dw_kernel[grid_w](
-                scratch, hs, order, count, dw32, vocab_size, Hs, c0, n_rows,
-                scratch.stride(0), hs.stride(0), dw32.stride(0),
-                UPCAST=flags["UPCAST"], PREC=gemm_prec, **gm,
-            )
+            launch_dw(scratch, hs, order, count, dw32, vocab_size, c0, n_rows, flags["UPCAST"], gemm_prec, gm)
         if need_db:
             # rows of masked tokens are zero in the scratch; torch's sum is deterministic
             db32[:vocab_size] += scratch[:n_rows].sum(0, dtype=torch.float32)
