@@ -40,6 +40,7 @@ from .lm_head_tiles import (
     launch_dw,
     log1p_small,
     logits_tile,
+    new_scratch,
 )
 from .runtime import INTERPRET, NEG, dot_precision, or_dummy, upcast
 
@@ -72,7 +73,9 @@ def _scaled_logits_kernel(
     acc = logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w, k_end,
                        HAS_BIAS, UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
     out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc * inv_temp, mask=in_chunk[:, None] & col_ok[None, :])
+    # acc is 0 past V (masked W and bias): the padded scratch row is written whole, with a
+    # stride-bounded mask that stays vectorised for an odd V (lm_head_tiles: scratch layout)
+    tl.store(out, acc * inv_temp, mask=in_chunk[:, None] & (cols < stride_out)[None, :])
 
 
 @triton.jit
@@ -94,12 +97,14 @@ def _actor_rows_kernel(
     # sweep 1: maxima
     m_s = tl.full([BLOCK_V], NEG, tl.float32)
     m_t = tl.full([BLOCK_V], NEG, tl.float32)
+    # Loads are bounded by the padded row stride (vectorised for any V; the padding holds
+    # zeros) and the values by V.
     for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + offs
         ok = cols < V
-        m_s = tl.maximum(m_s, tl.load(srow + cols, mask=ok, other=NEG))
+        m_s = tl.maximum(m_s, tl.where(ok, tl.load(srow + cols, mask=cols < stride_s, other=NEG), NEG))
         if HAS_TEACHER:
-            m_t = tl.maximum(m_t, tl.load(trow + cols, mask=ok, other=NEG))
+            m_t = tl.maximum(m_t, tl.where(ok, tl.load(trow + cols, mask=cols < stride_t, other=NEG), NEG))
     ms = tl.max(m_s, 0)
     mt = tl.max(m_t, 0)
     # sweep 2: sums with the maxima known (s' = s - max s, t' = t - max t, a' = s' - t')
@@ -112,12 +117,12 @@ def _actor_rows_kernel(
     for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + offs
         ok = cols < V
-        s = tl.load(srow + cols, mask=ok, other=0.0) - ms
+        s = tl.where(ok, tl.load(srow + cols, mask=cols < stride_s, other=0.0), 0.0) - ms
         es = tl.where(ok, tl.exp(s), 0.0)
         z_s += es
         a_s += es * s
         if HAS_TEACHER:
-            t = tl.load(trow + cols, mask=ok, other=0.0) - mt
+            t = tl.where(ok, tl.load(trow + cols, mask=cols < stride_t, other=0.0), 0.0) - mt
             et = tl.where(ok, tl.exp(t), 0.0)
             a = s - t
             z_t += et
@@ -179,14 +184,15 @@ def _actor_rows_kernel(
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             ok = cols < V
-            s = tl.load(srow + cols, mask=ok, other=0.0) - ms  # inactive rows: stored as 0 below
+            s = tl.where(ok, tl.load(srow + cols, mask=cols < stride_s, other=0.0), 0.0) - ms  # inactive: 0 below
             ls = s - log_zs
             ds = coef_a + coef_b * ls
             if HAS_TEACHER:
-                t = tl.load(trow + cols, mask=ok, other=0.0) - mt
+                t = tl.where(ok, tl.load(trow + cols, mask=cols < stride_t, other=0.0), 0.0) - mt
                 ds += g_kl * (s - t)
             ds = tl.exp(ls) * ds + tl.where(cols == y, g_pg, 0.0)
-            tl.store(srow + cols, tl.where(active, ds * inv_temp, 0.0), mask=ok)
+            # the padding past V is rewritten as zeros: the GEMMs read whole padded rows
+            tl.store(srow + cols, tl.where(active & ok, ds * inv_temp, 0.0), mask=cols < stride_s)
 
 
 def _rows_block(V: int) -> int:
@@ -236,8 +242,8 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
     order, count = compaction(keep)
     chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, V, 4)
     chunk = min(chunk, N)
-    s_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32)
-    t_buf = torch.empty((chunk, V), device=dev, dtype=torch.float32) if teacher is not None else s_buf
+    s_buf = new_scratch(chunk, V, torch.float32, dev)
+    t_buf = new_scratch(chunk, V, torch.float32, dev) if teacher is not None else s_buf
     inv_t = 1.0 / params.temperature
     any_grad = need_dh or need_dw or need_db
     gemm_prec = dot_precision(ws.dtype)
@@ -262,5 +268,5 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
         if need_dw:
             launch_dw(s_buf, hs, order, count, dw32, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
         if need_db:
-            db32[:V] += s_buf[:n_rows].sum(0)
+            db32[:V] += s_buf[:n_rows, :V].sum(0)
     return part.sum(), stats, dh, dw32, db32

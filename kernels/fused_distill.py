@@ -76,6 +76,7 @@ from .lm_head_tiles import (
     launch_dw,
     log1p_small,
     logits_tile,
+    new_scratch,
 )
 from .runtime import INTERPRET, NEG, USE_AUTOTUNE, autotuned, dot_precision, or_dummy, upcast
 
@@ -357,7 +358,9 @@ def _distill_dlogits_kernel(
             acc += ((1.0 - beta) * g_d)[:, None] * p * ((delta - u) - aux[:, None])
     ds = tl.where(valid & row_ok[:, None], acc * inv_temp, 0.0)
     out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out, ds.to(out_ptr.dtype.element_ty), mask=in_chunk[:, None] & valid)
+    # the whole padded scratch row: ds is 0 past V, and a stride-bounded mask keeps the
+    # store vectorised for an odd V (lm_head_tiles: scratch layout)
+    tl.store(out, ds.to(out_ptr.dtype.element_ty), mask=in_chunk[:, None] & (cols < stride_out)[None, :])
 
 
 # ----------------------------------------------------------------------------------
@@ -612,7 +615,7 @@ def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[Linear
     elem = torch.empty((), dtype=scratch_dtype).element_size()
     chunk = token_chunk if token_chunk and token_chunk > 0 else default_token_chunk(N, vocab_size, elem)
     chunk = min(chunk, N)
-    scratch = torch.empty((chunk, vocab_size), device=dev, dtype=scratch_dtype)
+    scratch = new_scratch(chunk, vocab_size, scratch_dtype, dev)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
     launch, meta = _launcher("dlogits", params.divergence, fp32)
     gm = gemm_meta(scratch_dtype == torch.float32)
@@ -639,7 +642,7 @@ def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[Linear
             launch_dw(scratch, hs, order, count, dw32, vocab_size, c0, n_rows, flags["UPCAST"], gemm_prec, gm)
         if need_db:
             # rows of masked tokens are zero in the scratch; torch's sum is deterministic
-            db32[:vocab_size] += scratch[:n_rows].sum(0, dtype=torch.float32)
+            db32[:vocab_size] += scratch[:n_rows, :vocab_size].sum(0, dtype=torch.float32)
     dw = None
     if need_dw:
         dw = dw32 if ws.dtype == torch.float32 else dw32.to(ws.dtype)

@@ -7,6 +7,13 @@ compaction of kept rows, and the sizing of the dlogits scratch.
 Every launcher here assumes validated, contiguous inputs. Rows are addressed through
 `order` (kept rows first) and `count` (their number, a device tensor) from `compaction`,
 so a chunk past the last kept row runs its loops zero times without a host sync.
+
+Scratch rows (`new_scratch`) are padded to a multiple of SCRATCH_ROW_ALIGN elements and the
+padding holds zeros: every kernel that reads or writes a scratch row bounds its row mask
+by the row stride, not by V, so the mask is uniform over 16-byte vectors and the accesses
+stay vectorised for any vocabulary size (Qwen2.5's tokenizer has 151,665 entries: masked
+by V, every scratch access became a scalar one). Columns >= V are written as zeros and
+read as zeros, so they never contribute.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from .runtime import INTERPRET
 
 __all__ = ["expm1_small", "log1p_small", "logits_tile", "dh_kernel", "dw_kernel", "dw_program_tile", "dw_grid",
            "launch_dh", "launch_dw", "GEMM_GPU", "GEMM_GPU_FP32", "GEMM_INTERP", "gemm_meta", "compaction",
-           "default_token_chunk"]
+           "SCRATCH_ROW_ALIGN", "scratch_row_stride", "new_scratch", "default_token_chunk"]
 
 
 # plain exp/log so that the helpers exist in every Triton version
@@ -90,8 +97,9 @@ def dh_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < V
+        # the scratch row is stride_g wide with zeros past V (see the module docstring)
         a = tl.load(g_ptr + local.to(tl.int64)[:, None] * stride_g + kk[None, :],
-                    mask=in_chunk[:, None] & k_ok[None, :], other=0.0)
+                    mask=in_chunk[:, None] & (kk < stride_g)[None, :], other=0.0)
         b = tl.load(w_ptr + kk.to(tl.int64)[:, None] * stride_w + hh[None, :],
                     mask=k_ok[:, None] & h_ok[None, :], other=0.0)
         if UPCAST:
@@ -136,8 +144,9 @@ def dw_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < k_end
+        # zeros past V in the padded scratch row: those dW rows get nothing (store mask v_ok)
         a = tl.load(g_ptr + kk.to(tl.int64)[:, None] * stride_g + vv[None, :],
-                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+                    mask=k_ok[:, None] & (vv < stride_g)[None, :], other=0.0)
         rows = tl.load(order_ptr + c0 + kk, mask=k_ok, other=0).to(tl.int64)
         b = tl.load(h_ptr + rows[:, None] * stride_h + hh[None, :],
                     mask=k_ok[:, None] & h_ok[None, :], other=0.0)
@@ -192,13 +201,30 @@ def compaction(keep: torch.Tensor):
     return order, count
 
 
+SCRATCH_ROW_ALIGN = 64  # elements: 128 B rows in bf16, 256 B in fp32
+
+
+def scratch_row_stride(vocab_size: int) -> int:
+    """Row stride (elements) of a [rows, vocab_size] scratch: the next multiple of SCRATCH_ROW_ALIGN."""
+    return -(-vocab_size // SCRATCH_ROW_ALIGN) * SCRATCH_ROW_ALIGN
+
+
+def new_scratch(rows: int, vocab_size: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A [rows, scratch_row_stride(vocab_size)] buffer whose padding columns are zero (the
+    kernels keep them zero); callers address it with its stride and bound columns by V."""
+    buf = torch.empty((rows, scratch_row_stride(vocab_size)), device=device, dtype=dtype)
+    buf[:, vocab_size:].zero_()
+    return buf
+
+
 def default_token_chunk(n_tokens: int, vocab_size: int, elem_bytes: int) -> int:
-    """Rows of the backward dlogits scratch: ~512 MiB by default (MEMOPD_DISTILL_SCRATCH_MB).
+    """Rows of the backward dlogits scratch: ~512 MiB by default (MEMOPD_DISTILL_SCRATCH_MB),
+    counted at the padded row stride (`scratch_row_stride`).
 
     Each chunk adds one read-modify-write of the fp32 dW buffer (V x H x 8 bytes, ~4 GB
     at Qwen2.5-7B shapes), so fewer, larger chunks are faster; the budget bounds memory.
     """
     budget = int(float(os.environ.get("MEMOPD_DISTILL_SCRATCH_MB", "512")) * 2**20)
-    rows = max(128, budget // max(1, vocab_size * elem_bytes))
+    rows = max(128, budget // max(1, scratch_row_stride(vocab_size) * elem_bytes))
     rows = (rows // 128) * 128
     return max(1, min(rows, n_tokens))

@@ -51,12 +51,13 @@ GROUPS = (1, 4, 8)
 # --------------------------------------------------------------------------------------
 # one compile
 # --------------------------------------------------------------------------------------
-def compile_kernel(fn, types, consts, num_warps, num_stages, divisible=None):
+def compile_kernel(fn, types, consts, num_warps, num_stages, divisible=None, keep_ptx=False):
     """Compile `fn` for sm_90a. types: Triton type of each non-constexpr argument; consts:
     the constexpr values; divisible: the arguments the launcher would mark 16-divisible
     (default: every pointer and every stride). Returns a dict with regs, spills (bytes of
     spill stores + loads), shared (bytes), wgmma (whether Hopper warp-group MMAs are used),
-    seconds, error (None, or one line) and log (the full compiler output of a failure)."""
+    seconds, error (None, or one line) and log (the full compiler output of a failure);
+    with keep_ptx, also ptx (the PTX text) when it compiled."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -94,10 +95,13 @@ def compile_kernel(fn, types, consts, num_warps, num_stages, divisible=None):
                     log=f"{type(error).__name__}: {error}\n{fd_text}\n{log}")
     regs = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return dict(regs=int(regs[-1]) if regs else None,
-                spills=sum(int(a) + int(b) for a, b in spills) if spills else None,
-                shared=int(kernel.metadata.shared), wgmma="warp_group_dot" in kernel.asm["ttgir"],
-                seconds=seconds, error=None, log="")
+    row = dict(regs=int(regs[-1]) if regs else None,
+               spills=sum(int(a) + int(b) for a, b in spills) if spills else None,
+               shared=int(kernel.metadata.shared), wgmma="warp_group_dot" in kernel.asm["ttgir"],
+               seconds=seconds, error=None, log="")
+    if keep_ptx:
+        row["ptx"] = kernel.asm["ptx"]
+    return row
 
 
 def _one_line(exc, fd_text):
@@ -149,16 +153,21 @@ def _attn_types(fn):
 
 def _lm_divisible(fn, consts, V, H):
     """What the launcher marks 16-divisible for an lm-head kernel: pointers, and the ints
-    (sizes, strides) whose production value is a multiple of 16. Strides and sizes over
-    the vocabulary are V (the dlogits / logits scratch rows are V wide); the others H."""
+    (sizes, strides) whose production value is a multiple of 16. V itself may be odd; the
+    scratch rows are padded to `scratch_row_stride(V)` (a multiple of 64), so their strides
+    always are; the sizes and strides over the hidden dimension are H."""
+    from memopd.kernels.lm_head_tiles import scratch_row_stride
     names = []
     for n in fn.arg_names:
         if n in consts:
             continue
         if n.endswith("_ptr"):
             names.append(n)
-        elif n in ("V", "stride_out", "stride_g", "stride_s", "stride_t"):
+        elif n == "V":
             if V % 16 == 0:
+                names.append(n)
+        elif n in ("stride_out", "stride_g", "stride_s", "stride_t"):
+            if scratch_row_stride(V) % 16 == 0:
                 names.append(n)
         elif n in ("Hs", "Ht", "H", "stride_hs", "stride_ws", "stride_ht", "stride_wt", "stride_w", "stride_h",
                    "stride_dh"):

@@ -4,18 +4,29 @@
   vocabulary tile, every hidden tile) are adjacent, so the slab is read from HBM once.
   Checked on the launcher's own grid (`dw_grid`) and the index map the kernel calls
   (`dw_program_tile`, evaluated on the host through its Python function).
+* The scratch rows are padded (`scratch_row_stride`), so that at Qwen2.5's odd tokenizer
+  vocabulary (V = 151,665) the compiled scratch accesses of the dH / dW GEMMs, the
+  distillation dlogits kernel and the actor-loss logits / rows kernels stay 16-byte
+  vector accesses. Checked on the sm_90a PTX that `tests/_aot.py` compiles offline (no GPU;
+  skipped, with the reason, when Triton's CUDA backend is not installed), one launch
+  configuration per kernel: the first candidate, the one used when autotuning is off.
 """
 from __future__ import annotations
+
+import os
+import re
 
 import pytest
 import triton
 
-from memopd.kernels.lm_head_tiles import GEMM_GPU, GEMM_GPU_FP32, dw_grid, dw_kernel, dw_program_tile
+import _aot
+from memopd.kernels.lm_head_tiles import GEMM_GPU, GEMM_GPU_FP32, dw_grid, dw_kernel, dw_program_tile, scratch_row_stride
 
+ODD_VOCAB = 151665  # Qwen2.5's tokenizer
 
 
 @pytest.mark.parametrize("meta", [GEMM_GPU, GEMM_GPU_FP32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("V", [151936, 151665, 300])
+@pytest.mark.parametrize("V", [151936, ODD_VOCAB, 300])
 @pytest.mark.parametrize("H", [2048, 3584, 40])
 def test_dw_programs_sharing_a_scratch_slab_are_adjacent(meta, V, H):
     (n_programs,) = dw_grid(V, H, meta)
@@ -33,3 +44,63 @@ def test_dw_programs_sharing_a_scratch_slab_are_adjacent(meta, V, H):
 def test_dw_kernel_takes_its_tile_from_the_tested_map():
     # the kernel must use the map the test above checks, with the grid's hidden-tile count
     assert "dw_program_tile(tl.program_id(0), tl.cdiv(H, BLOCK_H))" in dw_kernel.src
+
+
+@pytest.mark.parametrize("V", [151936, ODD_VOCAB, 300, 64, 1])
+def test_scratch_rows_are_padded_to_64_elements(V):
+    stride = scratch_row_stride(V)
+    assert stride % 64 == 0 and V <= stride < V + 64
+
+
+# --------------------------------------------------------------------------------------
+# compiled PTX at the odd vocabulary
+# --------------------------------------------------------------------------------------
+def _first_job_per_kernel():
+    jobs = {}
+    for job in _aot.lm_head_jobs():
+        if f"V={ODD_VOCAB}" not in job["shape"]:
+            continue
+        key = (job["kernel"], job["variant"])
+        if job["kernel"] in ("dh", "dw", "logits") or key in (("dlogits", "reverse_kl"), ("rows", "teacher")):
+            jobs.setdefault(key, job)
+    return jobs
+
+
+_CASES = [("dh", "gemm"), ("dw", "gemm"), ("dlogits", "reverse_kl"), ("logits", "plain"), ("rows", "teacher")]
+# scalar: no .v2 / .v4 / .v8 qualifier (cache hints such as .L1::evict_last may appear)
+_SCALAR_B16_LOAD = re.compile(r"\bld\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
+_SCALAR_B16_STORE = re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
+_SCALAR_B32_STORE = re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*\.b32\s")
+_ASYNC_16B = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*(?:0x10|16)\b")
+_V4_LOAD = re.compile(r"\bld\.global(?:\.[\w:]+)*\.v4\.b32\s")
+_V4_STORE = re.compile(r"\bst\.global(?:\.[\w:]+)*\.v4\.b32\s")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiles for a GPU; the interpreter is set in this process")
+@pytest.mark.parametrize("kernel,variant", _CASES)
+def test_scratch_accesses_are_16_byte_vectors_at_odd_vocab(kernel, variant):
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend (ptxas) is not installed")
+    job = _first_job_per_kernel()[(kernel, variant)]
+    res = _aot.compile_kernel(job["fn"], job["types"], job["consts"], job["warps"], job["stages"], job["divisible"],
+                              keep_ptx=True)
+    assert res["error"] is None, res["error"]
+    ptx = res["ptx"]
+    what = f"{kernel} {variant} {job['config']} at V={ODD_VOCAB}"
+    if kernel in ("dh", "dw"):
+        # both bf16 operands (the scratch slab and W / H) go to shared memory in 16-byte copies
+        assert _ASYNC_16B.search(ptx), f"{what}: no 16-byte cp.async"
+        assert not _SCALAR_B16_LOAD.search(ptx), f"{what}: scalar bf16 loads"
+    elif kernel == "dlogits":
+        # the bf16 dlogits tile is written to the scratch in 16-byte stores only
+        assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
+        assert not _SCALAR_B16_STORE.search(ptx), f"{what}: scalar bf16 stores"
+    elif kernel == "logits":
+        # the fp32 logits tile: its only global stores, all 16-byte
+        assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
+        assert not _SCALAR_B32_STORE.search(ptx), f"{what}: scalar fp32 stores"
+    else:
+        # the row sweeps read the fp32 student / teacher rows and write dlogits in place in
+        # 16-byte accesses (the per-token statistics are scalar stores, legitimately)
+        assert _V4_LOAD.search(ptx), f"{what}: no 16-byte loads"
+        assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
