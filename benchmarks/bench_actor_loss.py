@@ -69,7 +69,7 @@ GROUPS = {
 CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names))
 BASELINE = {n: base for base, names, _ in GROUPS.values() for n in (base, *names)}
 PEER = {n: peer for _, names, peer in GROUPS.values() for n in names if n.startswith(("fused", "composed"))}
-COEF = dict(clip_eps=0.2, entropy_coef=0.01, kl_coef=0.5)
+COEF = dict(clip_eps=0.2, entropy_coef=0.01, teacher_kl_coef=0.5)
 SEQ_LEN = 256  # Liger's GRPO loss takes [B, T] batches
 
 
@@ -102,7 +102,7 @@ def step_fn(name):
             d = fused_linear_reverse_kl(hs, ws, ht, wt, y, reduction="none")
             pg, _ = policy_loss(d.logprobs, old, adv, COEF["clip_eps"])
             n = y.shape[0]
-            ((pg.sum() - COEF["entropy_coef"] * d.entropy.sum()) / n + COEF["kl_coef"] * d.kl.sum() / n).backward()
+            ((pg.sum() - COEF["entropy_coef"] * d.entropy.sum()) / n + COEF["teacher_kl_coef"] * d.kl.sum() / n).backward()
     elif name in ("naive_rkl", "naive_jsd", "fused_rkl", "fused_rkl_recompute", "fused_jsd"):
         from memopd.ops import fused_linear_distill, reference_linear_distill
 
@@ -125,7 +125,7 @@ def step_fn(name):
     elif name == "liger_grpo":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-        loss = LigerFusedLinearGRPOLoss(beta=COEF["kl_coef"], compiled=True, use_ref_model=True, loss_type="grpo")
+        loss = LigerFusedLinearGRPOLoss(beta=COEF["teacher_kl_coef"], compiled=True, use_ref_model=True, loss_type="grpo")
 
         def run(hs, ws, ht, wt, y, adv, old):
             B = y.shape[0] // SEQ_LEN

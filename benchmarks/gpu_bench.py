@@ -91,7 +91,7 @@ def _lm_case(op, smoke):
             loss = (out.logprobs * adv).sum() + 0.01 * out.entropy.sum()
         else:
             out = fused_linear_actor_loss(h, w, y, adv, old, teacher_hidden=t_h, teacher_weight=t_w, mask=mask,
-                                          kl_coef=0.1, entropy_coef=0.01, backend=be)
+                                          teacher_kl_coef=0.1, entropy_coef=0.01, backend=be)
             outs, loss = [out.logprobs, out.entropy, out.kl], out.loss
         loss.backward()
         return [o.detach() for o in outs] + [h.grad]

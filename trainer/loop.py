@@ -25,6 +25,7 @@ from .backend import make_backend
 from .collectives import barrier, init_distributed
 from .config import ConfigError, TrainConfig, check_requirements, check_user_data
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
+from .stats import KL_TEACHER, train_metric
 from .update import UpdateSettings, score, update
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class Trainer:
             "rce/max_dlogp_vs_sampling": self.actor.all_reduce_max(scored.sample_dlogp),
             "train/kl_penalty_mean": g["penalty"] / max(n_act + n_copies, 1.0),
             "train/lr": self.actor.lr(),
-            **{f"train/{k2}": v for k2, v in stats.items()},
+            **{train_metric(k2): v for k2, v in stats.items()},
             "time/rollout_s": round(t_roll, 3),
             "time/step_s": round(time.time() - t0, 3),
         }
@@ -347,7 +348,7 @@ class Trainer:
                 self.save(step + 1)
             if bar is not None:
                 # the postfix first: a logged progress line then shows this step's figures
-                bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m['train/kl_teacher']:.3f}")
+                bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m[train_metric(KL_TEACHER)]:.3f}")
                 bar.update(1)
         if bar is not None:
             bar.close()
