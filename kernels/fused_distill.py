@@ -78,7 +78,7 @@ from .lm_head_tiles import (
     logits_tile,
     new_scratch,
 )
-from .runtime import INTERPRET, NEG, USE_AUTOTUNE, autotuned, dot_precision, or_dummy, upcast
+from .runtime import INTERPRET, NEG, USE_AUTOTUNE, autotuned, dot_precision, or_dummy, tuning_bucket, upcast
 
 # Protocol values as constexprs: compiled Triton reads only constexpr globals in kernels.
 _REVERSE_KL = tl.constexpr(int(Divergence.REVERSE_KL))
@@ -449,18 +449,22 @@ _KEYS = {"fwd": ["Hs", "Ht", "V", "DIV", "HAS_TEACHER"],
 _TUNERS = {}
 
 
-def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
-    """(kernel or autotuner, explicit meta-parameters) for one kernel variant."""
+def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True, rows: int = 0):
+    """(kernel or autotuner, explicit meta-parameters) for one kernel variant launched over
+    `rows` token rows. The candidates are pruned (`_configs`: spilling ones never reach a
+    tuner); one autotuner per variant and size class of the rows (`tuning_bucket`), since
+    the tuners' own keys name the model's sizes only."""
     if INTERPRET:
         return _KERNELS[kind], dict(_LOSS_INTERP)
     cfgs = _configs(kind, divergence, fp32, has_teacher)
     if not USE_AUTOTUNE:
         c = cfgs[0]
         return _KERNELS[kind], dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-    name = (kind, divergence, fp32, has_teacher)
+    bucket = tuning_bucket(rows)
+    name = (kind, divergence, fp32, has_teacher, bucket)
     if name not in _TUNERS:
         label = (f"{_KERNELS[kind].__name__}[{Divergence(divergence).name.lower()}"
-                 f"{'' if has_teacher else ',no-teacher'}{',fp32' if fp32 else ''}]")
+                 f"{'' if has_teacher else ',no-teacher'}{',fp32' if fp32 else ''},rows<={bucket}]")
         _TUNERS[name] = autotuned(_KERNELS[kind], cfgs, _KEYS[kind], name=label)
     return _TUNERS[name], {}
 
@@ -546,7 +550,7 @@ def distill_forward(student: LinearHead, teacher: Optional[LinearHead], targets:
     splits, per = _split_plan(N, V, dev)
     part = torch.empty((NUM_PART, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
-    launch, meta = _launcher("fwd", params.divergence, fp32, has_teacher)
+    launch, meta = _launcher("fwd", params.divergence, fp32, has_teacher, rows=N)
     grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
     launch[grid](
         hs, ws, bs, ht, wt, bt, targets, order, count, part,
@@ -572,7 +576,7 @@ def jsd_second_pass(student: LinearHead, teacher: LinearHead, keep: torch.Tensor
     splits, per = _split_plan(N, V, dev)
     part = torch.empty((2, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
-    launch, meta = _launcher("jsd", Divergence.JSD, fp32)
+    launch, meta = _launcher("jsd", Divergence.JSD, fp32, rows=N)
     grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
     launch[grid](
         hs, ws, bs, ht, wt, bt, order, count, stats, part,
@@ -617,7 +621,7 @@ def distill_backward(grads: tuple, student: LinearHead, teacher: Optional[Linear
     chunk = min(chunk, N)
     scratch = new_scratch(chunk, vocab_size, scratch_dtype, dev)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
-    launch, meta = _launcher("dlogits", params.divergence, fp32)
+    launch, meta = _launcher("dlogits", params.divergence, fp32, rows=chunk)
     gm = gemm_meta(scratch_dtype == torch.float32)
     flags = _precision_flags(hs, ht, scratch_dtype)
     gemm_prec = dot_precision(scratch_dtype)

@@ -11,6 +11,7 @@ Names (stable: kernel modules and `memopd.ops.dispatch.interpreter_active` rely 
     dot_precision(dt)  `input_precision` of tl.dot for inputs of dtype dt ("ieee" for fp32)
     or_dummy(t, d)     t, or the stand-in pointer d for an absent tensor
     autotuned(fn, ...) the one way the kernel modules build an autotuner (registered by name)
+    tuning_bucket(n)   the size class of a row count that an autotuner is keyed by
     chosen_configs()   {autotuner name: the configuration it picked} of those that have run
     NEG                finite "minus infinity" (a tl.constexpr, usable inside kernels)
     LOG2E              log2(e), a Python float (host side; wrap in tl.constexpr in kernels)
@@ -24,7 +25,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["INTERPRET", "GPU_DRIVER_PRESENT", "USE_AUTOTUNE", "helper", "upcast", "dot_precision",
-           "or_dummy", "autotuned", "chosen_configs", "NEG", "LOG2E"]
+           "or_dummy", "autotuned", "tuning_bucket", "TUNING_BUCKET_MIN", "TUNING_BUCKET_MAX",
+           "chosen_configs", "NEG", "LOG2E"]
 
 # Read once: triton.jit chooses between the interpreter and the compiler when a kernel is
 # decorated, so a later change of the variable could not take effect anyway.
@@ -90,6 +92,20 @@ def autotuned(fn, configs, key, name=None, prune=None, reset_to_zero=None):
     tuner = triton.autotune(list(configs), key=list(key), **kwargs)(fn)
     _AUTOTUNERS[name or fn.__name__] = tuner
     return tuner
+
+
+TUNING_BUCKET_MIN = 256
+TUNING_BUCKET_MAX = 16384
+
+
+def tuning_bucket(n: int) -> int:
+    """Size class of a row count for autotuning: the next power of two, clamped to
+    [TUNING_BUCKET_MIN, TUNING_BUCKET_MAX]. Triton keys a tuner only by exact argument
+    values; keyed by neither the rows nor a class of them, the first call's shape would
+    decide the tiles for the whole process, keyed by the exact count every step would
+    tune again. Past the cap the grid is many waves deep and the best tile stops moving."""
+    p2 = 1 << max(0, int(n) - 1).bit_length()
+    return min(max(p2, TUNING_BUCKET_MIN), TUNING_BUCKET_MAX)
 
 
 def _describe(config) -> str:

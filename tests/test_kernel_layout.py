@@ -10,6 +10,8 @@
   vector accesses. Checked on the sm_90a PTX that `tests/_aot.py` compiles offline (no GPU;
   skipped, with the reason, when Triton's CUDA backend is not installed), one launch
   configuration per kernel: the first candidate, the one used when autotuning is off.
+* The lm-head autotuners are per size class of the token rows (`tuning_bucket`), so the
+  first call's shape does not decide the tiles for the process.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ import pytest
 import triton
 
 import _aot
+import memopd.kernels.fused_distill as fd
+import memopd.kernels.runtime as runtime
+from memopd.kernels.contract import Divergence
 from memopd.kernels.lm_head_tiles import GEMM_GPU, GEMM_GPU_FP32, dw_grid, dw_kernel, dw_program_tile, scratch_row_stride
 
 ODD_VOCAB = 151665  # Qwen2.5's tokenizer
@@ -50,6 +55,27 @@ def test_dw_kernel_takes_its_tile_from_the_tested_map():
 def test_scratch_rows_are_padded_to_64_elements(V):
     stride = scratch_row_stride(V)
     assert stride % 64 == 0 and V <= stride < V + 64
+
+
+def test_tuning_bucket_is_a_capped_power_of_two():
+    assert [runtime.tuning_bucket(n) for n in (0, 1, 256, 257, 5000, 8192, 8193, 16384, 10**6)] == [
+        256, 256, 256, 512, 8192, 8192, 16384, 16384, 16384]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter never autotunes")
+def test_one_autotuner_per_row_bucket(monkeypatch):
+    # building a tuner needs no GPU: pretend autotuning is on and look at what is built
+    monkeypatch.setattr(fd, "USE_AUTOTUNE", True)
+    monkeypatch.setattr(fd, "_TUNERS", {})
+    monkeypatch.setattr(runtime, "_AUTOTUNERS", {})
+    tuner = {n: fd._launcher("fwd", Divergence.REVERSE_KL, False, True, rows=n)[0] for n in (100, 5000, 8000, 20000, 10**6)}
+    assert tuner[5000] is tuner[8000] and tuner[20000] is tuner[10**6]
+    assert len({id(t) for t in tuner.values()}) == 3
+    # the pruned candidates, never a spilling one, reach each tuner
+    assert all(t.configs == fd._configs("fwd", Divergence.REVERSE_KL, False, True) for t in tuner.values())
+    assert sorted(runtime._AUTOTUNERS) == ["_distill_fwd_kernel[reverse_kl,rows<=16384]",
+                                           "_distill_fwd_kernel[reverse_kl,rows<=256]",
+                                           "_distill_fwd_kernel[reverse_kl,rows<=8192]"]
 
 
 # --------------------------------------------------------------------------------------
