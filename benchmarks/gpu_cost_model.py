@@ -1,0 +1,252 @@
+"""Roofline cost model of the lm-head Triton kernels at Qwen2.5-3B shapes, computed on CPU
+from the launchers' own grids, tiles and program orders (no GPU, nothing is run).
+
+    python3 benchmarks/gpu_cost_model.py [--tokens 16384] [--vocab 151665]
+
+Per kernel and per op call (all token chunks of the backward): FLOPs, the bytes its
+programs request from memory, the HBM bytes left after an L2 model, and the predicted
+time and fraction of peak. What it models, and what it does not:
+
+* Grids, tiles and token chunks are the launchers' (`_split_plan`, `_configs(...)[0]` (the
+  fixed choice when autotuning is off), `gemm_meta`, `dw_grid` / `dw_program_tile`,
+  `default_token_chunk`, `scratch_row_stride`), imported, not copied.
+* L2: programs run in program-id order, CONCURRENT_PROGRAMS at a time (one wave). Each
+  program's operand slabs (a block of token rows, a block of W rows or columns, a scratch
+  slab) are read from HBM once per wave (the programs of a wave stream a shared slab in
+  near lockstep) and then stay in a least-recently-used cache of L2_BYTES for later
+  waves. Real waves overlap and slabs stream tile by tile, so this is coarse: it separates
+  an order that re-reads a slab ~V / 128 programs later (a miss) from one that re-reads it
+  in the same wave (a hit), not a 20 % difference.
+* Time = max(FLOPs / MATMUL_SUSTAINED, HBM bytes / HBM_BYTES_PER_S); the fraction of peak
+  is FLOPs / (time x PEAK_BF16). No launch overheads, no tail effects, no occupancy.
+* The per-token reductions, the compaction and the bias sum are left out (O(N + V)).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import OrderedDict
+
+os.environ.setdefault("MEMOPD_TRITON_AUTOTUNE", "0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+
+import memopd.kernels.actor_loss as al  # noqa: E402
+import memopd.kernels.fused_distill as fd  # noqa: E402
+from memopd.kernels.contract import Divergence  # noqa: E402
+from memopd.kernels.lm_head_tiles import (  # noqa: E402
+    GEMM_GPU,
+    default_token_chunk,
+    dw_grid,
+    dw_program_tile,
+    scratch_row_stride,
+)
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s
+MATMUL_SUSTAINED = 790e12  # what a large bf16 matmul measures on them
+HBM_BYTES_PER_S = 4.3e12  # H200; an H100 SXM has 3.35e12
+L2_BYTES = 50 * 2**20
+CONCURRENT_PROGRAMS = 132  # one program per SM: the 8-warp 128 x 128 tiles of these kernels
+BF16, FP32 = 2, 4
+
+STUDENT_H, TEACHER_H = 2048, 3584  # Qwen2.5-3B student, Qwen2.5-7B teacher
+HEAD_ROWS = 151936  # rows of Qwen2.5's lm_head (padded)
+
+
+class L2:
+    """Slabs shared within a wave of concurrent programs, then a least-recently-used cache
+    of whole slabs. Call `program()` before each program's reads, in launch order."""
+
+    def __init__(self, capacity: int, concurrent: int = CONCURRENT_PROGRAMS):
+        self.capacity, self.used, self.lines = capacity, 0, OrderedDict()
+        self.concurrent, self.n_programs, self.wave = concurrent, 0, set()
+        self.requested = self.hbm = 0
+
+    def program(self):
+        if self.n_programs % self.concurrent == 0:
+            self.wave = set()
+        self.n_programs += 1
+
+    def read(self, key, nbytes: int):
+        self.requested += nbytes
+        if key in self.wave or key in self.lines:
+            if key in self.lines:
+                self.lines.move_to_end(key)
+            return
+        self.wave.add(key)
+        self.hbm += nbytes
+        self.lines[key] = nbytes
+        self.used += nbytes
+        while self.used > self.capacity and len(self.lines) > 1:
+            _, b = self.lines.popitem(last=False)
+            self.used -= b
+
+    def write(self, nbytes: int):
+        self.requested += nbytes
+        self.hbm += nbytes
+
+
+def _row(name, flops, cache, note=""):
+    t = max(flops / MATMUL_SUSTAINED, cache.hbm / HBM_BYTES_PER_S)
+    bound = "memory" if cache.hbm / HBM_BYTES_PER_S > flops / MATMUL_SUSTAINED else "compute"
+    return dict(kernel=name, tflop=flops / 1e12, requested_gb=cache.requested / 1e9, hbm_gb=cache.hbm / 1e9,
+                ms=t * 1e3, peak=flops / (t * PEAK_BF16) if flops else 0.0,
+                hbm_util=cache.hbm / (t * HBM_BYTES_PER_S), bound=bound, note=note)
+
+
+def distill_forward(N, V):
+    """The teacher-student forward: grid (token blocks, vocabulary splits), token blocks fastest."""
+    c = fd._configs("fwd", Divergence.REVERSE_KL, False, True)[0].kwargs
+    splits, per = fd._split_plan(N, V, "cpu")
+    cache, flops = L2(L2_BYTES), 0
+    bn = c["BLOCK_N"]
+    for s in range(splits):
+        cols = min(per, V - s * per)
+        for n in range(triton.cdiv(N, bn)):
+            rows = min(bn, N - n * bn)
+            cache.program()
+            cache.read(("hs", n), rows * STUDENT_H * BF16)
+            cache.read(("ht", n), rows * TEACHER_H * BF16)
+            cache.read(("ws", s), cols * STUDENT_H * BF16)
+            cache.read(("wt", s), cols * TEACHER_H * BF16)
+            flops += 2 * rows * cols * (STUDENT_H + TEACHER_H)
+    return _row("fwd (KL, teacher)", flops, cache, f"{splits} splits, BLOCK_N={bn}")
+
+
+def _chunks(N, V, elem):
+    chunk = min(default_token_chunk(N, V, elem), N)
+    return [(c0, min(chunk, N - c0)) for c0 in range(0, N, chunk)], chunk
+
+
+def distill_dlogits(N, V):
+    c = fd._configs("dlogits", Divergence.REVERSE_KL, False, True)[0].kwargs
+    bn, bv = c["BLOCK_N"], c["BLOCK_V"]
+    chunks, chunk = _chunks(N, V, BF16)
+    cache, flops = L2(L2_BYTES), 0
+    for c0, n_rows in chunks:
+        for v in range(triton.cdiv(V, bv)):
+            cols = min(bv, V - v * bv)
+            for n in range(triton.cdiv(n_rows, bn)):
+                rows = min(bn, n_rows - n * bn)
+                cache.program()
+                cache.read(("hs", c0, n), rows * STUDENT_H * BF16)
+                cache.read(("ht", c0, n), rows * TEACHER_H * BF16)
+                cache.read(("ws", v), cols * STUDENT_H * BF16)
+                cache.read(("wt", v), cols * TEACHER_H * BF16)
+                cache.write(rows * bv * BF16)
+                flops += 2 * rows * cols * (STUDENT_H + TEACHER_H)
+    return _row("dlogits (KL, teacher)", flops, cache, f"{len(chunks)} chunks of {chunk} rows")
+
+
+def gemm_dh(N, V, elem, H=STUDENT_H, label="dh"):
+    g = GEMM_GPU
+    chunks, chunk = _chunks(N, V, elem)
+    stride = scratch_row_stride(V)
+    cache, flops = L2(L2_BYTES), 0
+    for c0, n_rows in chunks:
+        n_m = triton.cdiv(n_rows, g["BLOCK_M"])
+        for h in range(triton.cdiv(H, g["BLOCK_H"])):  # grid axis 1
+            for m in range(n_m):  # grid axis 0 runs fastest
+                rows = min(g["BLOCK_M"], n_rows - m * g["BLOCK_M"])
+                cache.program()
+                cache.read(("g", c0, m), rows * stride * elem)
+                cache.read(("w", h), V * g["BLOCK_H"] * BF16)
+                cache.write(rows * g["BLOCK_H"] * BF16)
+                flops += 2 * rows * V * g["BLOCK_H"]
+    return _row(label, flops, cache, f"{len(chunks)} chunks, scratch stride {stride}")
+
+
+def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher"):
+    """order="launcher": the kernel's own map (`dw_program_tile`); "vocab-fastest": the
+    order before it, for comparison."""
+    g = GEMM_GPU
+    chunks, chunk = _chunks(N, V, elem)
+    n_v, n_h = triton.cdiv(V, g["BLOCK_M"]), triton.cdiv(H, g["BLOCK_H"])
+    (n_programs,) = dw_grid(V, H, g)
+    cache, flops = L2(L2_BYTES), 0
+    for c0, n_rows in chunks:
+        for pid in range(n_programs):
+            if order == "launcher":
+                v, h = dw_program_tile.fn(pid, n_h)
+            else:
+                v, h = pid % n_v, pid // n_v
+            cols = min(g["BLOCK_M"], V - v * g["BLOCK_M"])
+            cache.program()
+            cache.read(("g", c0, v), n_rows * g["BLOCK_M"] * elem)
+            cache.read(("h", c0, h), n_rows * g["BLOCK_H"] * BF16)
+            cache.read(("dw", v, h, c0), cols * g["BLOCK_H"] * FP32)  # fp32 accumulator in, then out
+            cache.write(cols * g["BLOCK_H"] * FP32)
+            flops += 2 * n_rows * cols * g["BLOCK_H"]
+    return _row(label, flops, cache, f"{len(chunks)} chunks, {n_programs} programs/chunk, {order} order")
+
+
+def actor_logits(N, V, H, label):
+    m = al._logits_meta(False)
+    chunks, chunk = _chunks(N, V, FP32)
+    stride = scratch_row_stride(V)
+    cache, flops = L2(L2_BYTES), 0
+    for c0, n_rows in chunks:
+        for v in range(triton.cdiv(V, m["BLOCK_V"])):
+            cols = min(m["BLOCK_V"], V - v * m["BLOCK_V"])
+            for n in range(triton.cdiv(n_rows, m["BLOCK_N"])):
+                rows = min(m["BLOCK_N"], n_rows - n * m["BLOCK_N"])
+                cache.program()
+                cache.read(("h", c0, n), rows * H * BF16)
+                cache.read(("w", v), cols * H * BF16)
+                cache.write(rows * min(m["BLOCK_V"], stride - v * m["BLOCK_V"]) * FP32)
+                flops += 2 * rows * cols * H
+    return _row(label, flops, cache, f"{len(chunks)} chunks of {chunk} rows")
+
+
+def actor_rows(N, V):
+    """One program per token: 3 sweeps of the student row, 2 of the teacher row, one write."""
+    stride = scratch_row_stride(V)
+    cache = L2(L2_BYTES)
+    row = stride * FP32
+    for r in range(N):
+        # a row (~0.6 MB) stays in L2 between the sweeps of its own program
+        cache.program()
+        cache.read(("s", r), row)
+        cache.read(("t", r), row)
+        cache.requested += 3 * row  # the later sweeps: L2 hits
+        cache.write(row)
+    return _row("actor rows (teacher)", 0, cache, f"BLOCK_V={al._rows_block(V)}")
+
+
+def report(N, V):
+    rows = [distill_forward(N, V), distill_dlogits(N, V),
+            gemm_dh(N, V, BF16, label="dh (distill)"),
+            gemm_dw(N, V, BF16, label="dw (distill)"),
+            gemm_dw(N, V, BF16, label="dw (distill, vocab tiles fastest: before)", order="vocab-fastest"),
+            actor_logits(N, V, STUDENT_H, "actor logits (student)"),
+            actor_logits(N, V, TEACHER_H, "actor logits (teacher)"),
+            actor_rows(N, V),
+            gemm_dh(N, V, FP32, label="dh (actor, fp32 scratch)"),
+            gemm_dw(N, V, FP32, label="dw (actor, fp32 scratch)"),
+            gemm_dw(N, V, FP32, label="dw (actor, before)", order="vocab-fastest")]
+    print(f"N={N} tokens, V={V} (scratch row stride {scratch_row_stride(V)}), student H={STUDENT_H}, "
+          f"teacher H={TEACHER_H}; peak {PEAK_BF16 / 1e12:.0f} TFLOP/s bf16, {MATMUL_SUSTAINED / 1e12:.0f} "
+          f"sustained, {HBM_BYTES_PER_S / 1e12:.1f} TB/s, L2 {L2_BYTES >> 20} MiB")
+    print("| kernel | TFLOP | requested GB | HBM GB (L2 model) | ms | of bf16 peak | of HBM BW | bound | grid |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kernel']} | {r['tflop']:.1f} | {r['requested_gb']:.1f} | {r['hbm_gb']:.1f} | {r['ms']:.2f} | "
+              f"{r['peak']:.0%} | {r['hbm_util']:.0%} | {r['bound']} | {r['note']} |")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--vocab", type=int, action="append", help="default: 151,665 and 151,936")
+    a = ap.parse_args(argv)
+    for V in a.vocab or [151665, HEAD_ROWS]:
+        report(a.tokens, V)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
