@@ -97,8 +97,9 @@ def _actor_rows_kernel(
     # sweep 1: maxima
     m_s = tl.full([BLOCK_V], NEG, tl.float32)
     m_t = tl.full([BLOCK_V], NEG, tl.float32)
-    # Loads are bounded by the padded row stride (vectorised for any V; the padding holds
-    # zeros) and the values by V.
+    # Loads are bounded by the padded row stride (vectorised for any V). The padding holds
+    # zeros, which is what a load masked by V gave: the sums below mask only what 0 would
+    # not leave out (exp), and the maxima mask the padding to NEG.
     for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + offs
         ok = cols < V
@@ -117,12 +118,12 @@ def _actor_rows_kernel(
     for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + offs
         ok = cols < V
-        s = tl.where(ok, tl.load(srow + cols, mask=cols < stride_s, other=0.0), 0.0) - ms
+        s = tl.load(srow + cols, mask=cols < stride_s, other=0.0) - ms
         es = tl.where(ok, tl.exp(s), 0.0)
         z_s += es
         a_s += es * s
         if HAS_TEACHER:
-            t = tl.where(ok, tl.load(trow + cols, mask=cols < stride_t, other=0.0), 0.0) - mt
+            t = tl.load(trow + cols, mask=cols < stride_t, other=0.0) - mt
             et = tl.where(ok, tl.exp(t), 0.0)
             a = s - t
             z_t += et
@@ -184,11 +185,11 @@ def _actor_rows_kernel(
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             ok = cols < V
-            s = tl.where(ok, tl.load(srow + cols, mask=cols < stride_s, other=0.0), 0.0) - ms  # inactive: 0 below
+            s = tl.load(srow + cols, mask=cols < stride_s, other=0.0) - ms  # inactive rows: stored as 0 below
             ls = s - log_zs
             ds = coef_a + coef_b * ls
             if HAS_TEACHER:
-                t = tl.where(ok, tl.load(trow + cols, mask=cols < stride_t, other=0.0), 0.0) - mt
+                t = tl.load(trow + cols, mask=cols < stride_t, other=0.0) - mt
                 ds += g_kl * (s - t)
             ds = tl.exp(ls) * ds + tl.where(cols == y, g_pg, 0.0)
             # the padding past V is rewritten as zeros: the GEMMs read whole padded rows
