@@ -68,7 +68,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from _timing import apply_threads, bench_clock, interleaved, record_durations
 
 from memopd.hf import packed_forward

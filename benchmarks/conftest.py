@@ -215,7 +215,7 @@ def format_table(summary: dict) -> list[str]:
     lines = [head, "-" * len(head)]
     notes = []
     for r in summary["configs"]:
-        def g(lay, key, fmt):
+        def g(lay, key, fmt, r=r):
             return num(r.get(lay, {}).get(key), fmt)
 
         toks = "/".join(g(lay, "tokens", "d") for lay in LAYOUTS)

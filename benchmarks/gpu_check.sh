@@ -10,7 +10,7 @@
 #
 # Phase 1 (at most GPU_CHECK_PHASE1_S = 210 s): versions and device; the C++ core
 # (memopd._C imported, else built from pybind11 by benchmarks/build_core_for.sh); the
-# compiled-correctness tests (tests/test_kernels_cuda.py: production shapes, autotune
+# compiled-correctness tests (tests/kernels/test_kernels_cuda.py: production shapes, autotune
 # off, pytest-xdist when present, stopping at the first failure). No interpreter suites,
 # no CPU benchmarks. Phase 2 (at most GPU_CHECK_PHASE2_S = 270 s): the cases of
 # benchmarks/gpu_bench.py, attention first, one process and one time limit each; a case
@@ -160,7 +160,7 @@ export PY WORK DRY
 
 XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 6)
-TESTS=(tests/test_kernels_cuda.py -k "not on_cpu")  # (its CPU harness check runs in CI)
+TESTS=(tests/kernels/test_kernels_cuda.py -k "not on_cpu")  # (its CPU harness check runs in CI)
 
 phase1() {
   local end=$(( $(date +%s) + PHASE1_S ))

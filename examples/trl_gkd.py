@@ -6,9 +6,9 @@
 Everything else (GKDConfig, the collator, on-policy generation with `lmbda`, the
 optimiser) is TRL's. This script trains a tiny Qwen2 student against a tiny Llama
 teacher for a few steps on CPU, once with each trainer from the same weights, and prints
-both loss curves: they agree to float32 rounding (tests/test_integrations_trl.py checks
+both loss curves: they agree to float32 rounding (tests/integrations/test_integrations_trl.py checks
 one step to 1e-12 in float64). Needs `pip install 'memopd[integrations]'` (trl 1.16,
-datasets). `python examples/trl_gkd.py --steps 3`; `tests/test_examples.py` runs it.
+datasets). `python examples/trl_gkd.py --steps 3`; `tests/integrations/test_examples.py` runs it.
 """
 from __future__ import annotations
 

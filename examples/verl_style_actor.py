@@ -29,7 +29,7 @@ That is ~20 changed lines in an actor, not two. `python examples/verl_style_acto
 runs one update on one process; `--ranks 2` runs it under FSDP2 with 2 gloo processes,
 each with its half of the batch, and checks the averaged gradient against one process
 holding the whole batch (verl's `global_batch_info` makes the per-rank losses add up to
-the global token mean). `tests/test_examples.py` runs both.
+the global token mean). `tests/integrations/test_examples.py` runs both.
 """
 from __future__ import annotations
 

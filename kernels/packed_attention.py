@@ -79,7 +79,7 @@ import triton.language as tl
 
 from .contract import TRITON_DTYPES as _SUPPORTED_DTYPES
 from .contract import TRITON_HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from .runtime import INTERPRET, GPU_DRIVER_PRESENT, LOG2E, USE_AUTOTUNE, autotuned, dot_precision, helper, upcast
+from .runtime import GPU_DRIVER_PRESENT, INTERPRET, LOG2E, USE_AUTOTUNE, autotuned, dot_precision, helper, upcast
 
 __all__ = [
     "INTERPRET",
@@ -832,7 +832,7 @@ _BWD_DQ_CONFIGS = _cfgs([(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (64, 
                          (16, 16, 4, 2)])
 # The candidates whose plain launch spills registers on sm_90a with 16-bit inputs, per
 # Triton release and head dim: measured by compiling every candidate with Triton 3.6.0
-# and 3.9.0 at GQA groups 1/4/8 (tests/test_aot_matrix.py, which fails when a candidate
+# and 3.9.0 at GQA groups 1/4/8 (tests/kernels/test_aot_matrix.py, which fails when a candidate
 # the pruner keeps spills; a candidate that spills at any group is listed). The register
 # estimate above cannot tell these from neighbours that fit (fwd 128x64 at 8 warps fits at
 # D=128 with 235 registers, 64x64 at 4 warps spills 8 bytes with 3.9), and the two ptxas

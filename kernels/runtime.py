@@ -41,7 +41,7 @@ def _gpu_driver_present() -> bool:
         if not torch.cuda.is_available():
             return False
         return triton.runtime.driver.active.get_current_target() is not None
-    except Exception:  # no driver, no device, or a Triton without the query
+    except Exception:  # noqa: BLE001 no driver, no device, or a Triton without the query
         return False
 
 

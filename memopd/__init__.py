@@ -21,15 +21,6 @@ import importlib.util
 import os
 import sys
 
-from .records import (
-    Invocation,
-    RecordError,
-    Source,
-    Trajectory,
-    load_trajectories,
-    save_trajectories,
-    validate_trajectories,
-)
 from .memory import (
     POLICIES,
     ContextUpdate,
@@ -42,6 +33,15 @@ from .memory import (
     drive,
     make_policy,
     random_trajectories,
+)
+from .records import (
+    Invocation,
+    RecordError,
+    Source,
+    Trajectory,
+    load_trajectories,
+    save_trajectories,
+    validate_trajectories,
 )
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -337,7 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     import traceback
 
     from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED
-
     from .progress import no_library_bars_in_logs
 
     die_with_parent()

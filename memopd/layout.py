@@ -15,7 +15,6 @@ and an empty prefix interval, so they see nothing (their attention output is zer
 from __future__ import annotations
 
 import enum
-
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 

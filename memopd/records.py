@@ -12,7 +12,6 @@ a truncated or corrupted file is an error instead of a silent partial load.
 from __future__ import annotations
 
 import enum
-
 import hashlib
 import json
 import math

@@ -80,7 +80,7 @@ def compile_kernel(fn, types, consts, num_warps, num_stages, divisible=None, kee
             with contextlib.redirect_stdout(out_py):
                 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                         options=dict(num_warps=num_warps, num_stages=num_stages))
-        except Exception as e:  # any compiler failure becomes one line; the full text goes to `log`
+        except Exception as e:  # noqa: BLE001 any compiler failure becomes one line; the full text goes to `log`
             error = e
         finally:
             sys.stderr.flush()

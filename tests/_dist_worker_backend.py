@@ -1,4 +1,4 @@
-"""Helper for tests/test_backend.py: the shared toy problem, and the multi-process worker.
+"""Helper for tests/trainer/test_backend.py: the shared toy problem, and the multi-process worker.
 
 Run under a launcher (``torchrun --standalone --nproc_per_node 2 tests/_dist_worker_backend.py
 OUT [scenario ...]``); each scenario trains the tiny Qwen2 for 4 optimiser steps with the

@@ -1,4 +1,4 @@
-"""Helper for tests/test_trainer_dist.py: two trainer steps (PPO + OPD) on a fixed batch.
+"""Helper for tests/trainer/test_trainer_dist.py: two trainer steps (PPO + OPD) on a fixed batch.
 
 Run as ``python tests/_dist_worker_trainer.py OUT DOMAIN SCENARIO...`` (one process) or under
 ``torchrun --standalone --nproc_per_node 2``. Every scenario builds the same tiny

@@ -25,7 +25,7 @@ def run_worker(args: list[str], timeout: int = 600, extra_env: dict | None = Non
     out = proc.stdout + proc.stderr
     if proc.returncode != 0 and any(t in out for t in _TRANSIENT):
         # a warning, so that the retry shows in the test session's summary even when it passes
-        warnings.warn(f"worker launch failed transiently (rc={proc.returncode}); retried once. Its output:\n{out[-6000:]}")
+        warnings.warn(f"worker launch failed transiently (rc={proc.returncode}); retried once. Its output:\n{out[-6000:]}", stacklevel=2)
         proc = _run(args, timeout, extra_env)
     if proc.returncode != 0:
         pytest.fail(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -1,4 +1,4 @@
-"""Helper for tests/test_run_integrity.py: trainer processes to pause, kill or race.
+"""Helper for tests/trainer/test_run_integrity.py: trainer processes to pause, kill or race.
 
     python tests/_rundir_worker.py pause CONFIG_JSON STATE_DIR PAUSE_AT
         Trainer.fit on the run of CONFIG_JSON (a TrainConfig as JSON); right after the

@@ -3,8 +3,13 @@ can be replayed), one torch thread for the modules that train tiny models, and t
 agents built once per session."""
 import os
 import random
+import sys
 
 import pytest
+
+# The test modules sit in one folder per area (tests/ops, tests/env, ...); the helpers they
+# share (_fused_cases, _launch, the distributed workers) stay here, importable by name.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -46,7 +51,7 @@ def sft_dirs(tmp_path_factory):
 # the interpreter: `pytest tests -m "not slow"` leaves them out for a first check of a
 # checkout (the README gives its measured time); the full suite runs them all.
 SLOW_MODULES = frozenset({
-    "test_actor_loss_triton", "test_aot_matrix", "test_attention_compile", "test_audit_own_samples", "test_backend",
+    "test_actor_loss_triton", "test_aot_matrix", "test_packed_attention_compile", "test_audit_own_samples", "test_backend",
     "test_byo_models", "test_env_sft", "test_hf_rce",
     "test_checkpoint_safety", "test_compare_resume", "test_examples", "test_fused_distill_triton", "test_gpu_check",
     "test_io_faults", "test_packaging", "test_packed_attention_triton", "test_readme", "test_real_scale",

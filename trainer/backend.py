@@ -344,7 +344,7 @@ def _attach_deepspeed_comm(deepspeed, backend: str) -> None:
             compat = deepspeed.ops.__compatible_ops__
             if isinstance(compat, dict):
                 compat["deepspeed_shm_comm"] = False
-        except Exception:  # older/newer layouts: worst case the op gets built once and cached
+        except Exception:  # noqa: BLE001 older/newer layouts: worst case the op gets built once and cached
             pass
     deepspeed.init_distributed(dist_backend=backend)
 

@@ -462,7 +462,7 @@ def _check_saved_tokenizer(tokenizer, out_dir: str, env, log: Callable[[str], No
         again = load_tokenizer(out_dir)
         same = all(again.encode(t, add_special_tokens=False) == tokenizer.encode(t, add_special_tokens=False)
                    for t in probe)
-    except Exception as e:  # a warning, not a failure at the end of a run
+    except Exception as e:  # noqa: BLE001 a warning, not a failure at the end of a run
         same, why = False, f" ({type(e).__name__}: {e})"
     else:
         why = ""
@@ -522,7 +522,6 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     """`train` inside its opened run directory `run`."""
     from memopd.env.evaluate import evaluate as evaluate_dir
     from memopd.env.evaluate import format_comparison, format_table
-
     from memopd.files import atomic_write_json
 
     _set_seed(cfg.seed)
@@ -624,7 +623,6 @@ class _BaselineCache:
 
     def put(self, results: dict) -> None:
         from memopd.errors import UserError
-
         from memopd.files import atomic_write_json
 
         if self.key is None:

@@ -234,7 +234,7 @@ def format_report(rep: dict) -> str:
               "| arm | student context per call (mean) | student peak context (mean / max over steps) | "
               "teacher's longest scored sequence (max) | wall s per training step |", "|---|---|---|---|---|"]
     for arm, c in rep["costs"].items():
-        def cell(key, stat, fmt="{:.0f}"):
+        def cell(key, stat, fmt="{:.0f}", c=c):
             return "-" if c.get(key) is None else fmt.format(c[key][stat])
         lines.append(f"| {arm} | {cell('call_tokens', 'mean', '{:.1f}')} | {cell('student_peak_context', 'mean')} / "
                      f"{cell('student_peak_context', 'max')} | {cell('teacher_context_peak', 'max')} | "
@@ -372,7 +372,7 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     atomic_write_text(paths["md"], table)
     log(table)
     if args.publish:
-        for ext, src in paths.items():
+        for src in paths.values():
             dst = os.path.join(RESULTS_DIR, os.path.basename(src))
             with atomic_file(dst) as tmp:  # a failed copy leaves the published file as it was
                 shutil.copyfile(src, tmp)

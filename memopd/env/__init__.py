@@ -21,6 +21,7 @@ Modules:
 """
 from __future__ import annotations
 
+from .build import EnvironmentBundle, EnvSpec, build_environment
 from .data import DataError, Document, Task, load_corpus_jsonl, load_tasks_jsonl, save_corpus_jsonl, save_tasks_jsonl
 from .expert import ScriptedExpert, expert_action_text, expert_trajectories
 from .metrics import exact_match, f1_score, normalize_answer, score_answers
@@ -39,7 +40,6 @@ from .rollout import (
     rollout,
     sample_next,
 )
-from .build import EnvironmentBundle, EnvSpec, build_environment
 from .tasks import UserTasks
 from .tokenizer import SPECIAL_TOKENS, build_tokenizer, load_tokenizer
 from .world import World, WorldConfig

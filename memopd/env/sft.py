@@ -12,7 +12,6 @@ Recipe, presets and their measured cost: docs/design.md §10.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import random

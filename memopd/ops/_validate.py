@@ -15,9 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..layout import AttentionMeta
-
 from ..kernels.contract import DIVERGENCE_NAMES
+from ..layout import AttentionMeta
 from .dispatch import choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")

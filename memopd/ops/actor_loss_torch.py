@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.contract import ActorLossParams, ActorStat, Divergence, DistillParams, LinearHead
+from ..kernels.contract import ActorLossParams, ActorStat, DistillParams, Divergence, LinearHead
 from .distill_torch import compute_dtype, torch_forward_with_grads
 
 __all__ = ["policy_terms", "torch_actor_loss"]

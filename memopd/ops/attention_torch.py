@@ -374,7 +374,7 @@ def _fused_cpu_backward(dout, q, k, v, out, lse, plan: _TorchPlan, scale):
     lse_rows = lse.t()
     dout = dout.to(q.dtype)
     for b, tok in _bucket_tokens(plan):
-        def padded(x: Tensor, fill: float = 0.0) -> Tensor:
+        def padded(x: Tensor, fill: float = 0.0, b=b, tok=tok) -> Tensor:
             rows = x.new_full((b.n * b.lq,) + tuple(x.shape[1:]), fill)
             return rows.index_copy_(0, b.keep, x.index_select(0, tok)).view(b.n, b.lq, *x.shape[1:]).transpose(1, 2)
 

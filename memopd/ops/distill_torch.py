@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..kernels.contract import Divergence, DistillParams, DistillStat, LinearHead, head_tensors
+from ..kernels.contract import DistillParams, DistillStat, Divergence, LinearHead, head_tensors
 
 __all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "loss_weight_grads",
            "student_outputs", "log1p_or_plain", "kl_from_sums", "stack_stats"]
@@ -449,10 +449,10 @@ def _forward_resident(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, di
         ms_c, mt_c = pick(m_s), pick(m_t)
         small = torch.zeros_like(ms_c)
         big = torch.zeros_like(ms_c)
-        for k, (v0, v1) in enumerate(spans):
+        for k in range(len(spans)):
             s_c, t_c = pick(S[k]), pick(T[k])
             r, c = s_c.shape
-            out = (lambda name: wk(name, r, c)) if idx is None else (lambda name: None)  # gathered rows: fresh
+            out = (lambda name, r=r, c=c: wk(name, r, c)) if idx is None else (lambda name: None)  # gathered rows: fresh
             d = torch.sub(s_c, t_c, out=out("d"))
             es = torch.add((-_LOG2E * ms_c)[:, None], s_c, alpha=_LOG2E, out=out("x")).exp2_()
             et = torch.add((-_LOG2E * mt_c)[:, None], t_c, alpha=_LOG2E, out=out("e")).exp2_()

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.contract import Divergence, DistillOutput, DistillParams, DistillStat, LinearHead, LogProbEntropy, Partial
+from ..kernels.contract import DistillOutput, DistillParams, DistillStat, Divergence, LinearHead, LogProbEntropy, Partial
 from . import _held_grads as held_grads
 from ._validate import (
     check_target_range,

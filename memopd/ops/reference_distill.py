@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.contract import Divergence, DistillOutput, LogProbEntropy
+from ..kernels.contract import DistillOutput, Divergence, LogProbEntropy
 from ._validate import keep_mask, reduce_loss, validate_distill, validate_student_only
 
 __all__ = ["reference_linear_distill", "reference_linear_logprob_entropy",

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
-
 import _attention_cases as attn_cases
 import _fused_cases as fused_cases
+import pytest
+import torch
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="compiled Triton kernels need a GPU")
@@ -181,8 +180,7 @@ def _max_diff(a, b):
 def check_distill(divergence, N, H, V_rows, vocab, dtype, device, backend):
     """fused_linear_distill (or, divergence=None, fused_linear_logprob_entropy) on
     `backend` against the float64 reference: values and the student's gradients."""
-    from memopd.ops import (fused_linear_distill, fused_linear_logprob_entropy, reference_linear_distill,
-                            reference_linear_logprob_entropy)
+    from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy, reference_linear_distill, reference_linear_logprob_entropy
 
     inp = lm_inputs(N, H, V_rows, dtype, device)
     if vocab is not None:

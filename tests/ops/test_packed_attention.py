@@ -14,6 +14,7 @@ from memopd.layout import AttentionMeta, SegmentKind
 from memopd.ops import packed_attention as op_entry
 from memopd.ops.attention import packed_attention, plan_runs, resolve_backend
 from memopd.ops.dispatch import BackendError
+
 # the torch path's internals (its own module, imported by memopd.ops.attention)
 pa_mod = sys.modules["memopd.ops.attention_torch"]
 
@@ -102,7 +103,9 @@ def test_auto_dispatch_uses_torch_on_cpu(monkeypatch):
     assert resolve_backend(q) == "torch"
     calls = []
     for name in ("_torch_packed_attention", "_fused_cpu_forward"):  # the torch path's two forwards
-        def spy(*args, _orig=getattr(pa_mod, name), _name=name):
+        orig = getattr(pa_mod, name)
+
+        def spy(*args, _orig=orig, _name=name):
             calls.append(_name)
             return _orig(*args)
 
@@ -256,7 +259,7 @@ def test_triton_on_cpu_needs_the_interpreter():
         "print('raised')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "raised" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 

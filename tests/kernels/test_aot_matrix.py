@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
-
 import _aot
+import pytest
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="compiles for a GPU; the interpreter is set in this process")

@@ -8,14 +8,14 @@ import dataclasses
 
 import pytest
 import torch
+from _attention_cases import make_inputs, random_meta  # noqa: E402
 
 from memopd.layout import AttentionMeta, SegmentKind
 from memopd.memory import random_trajectories
+
 # the public export (importing the submodule `memopd.ops.attention` first would make
 # `memopd.ops.attention` the module for test_packed_attention's import check)
 from memopd.ops import packed_attention
-
-from _attention_cases import make_inputs, random_meta  # noqa: E402
 
 BACKENDS = ["torch", "reference"]
 

@@ -13,6 +13,7 @@ from memopd.env import EnvConfig, QAEnv, World, WorldConfig, build_tokenizer, ex
 from memopd.env.expert import expert_options
 from memopd.env.metrics import score_answers
 from memopd.env.protocol import letters_index, split_answers
+from memopd.env.rollout import default_max_new_tokens
 from memopd.env.sft import (
     ENV_META_FILE,
     MODEL_PRESETS,
@@ -23,7 +24,6 @@ from memopd.env.sft import (
     expert_examples,
     role_presets,
 )
-from memopd.env.rollout import default_max_new_tokens
 from memopd.env.world import MULTIWORD_VALUES, WORLD_PRESETS, fact_text, max_answer_words, parse_question, world_preset
 
 # sha256 of the default world's corpus, facts, task streams and vocabulary texts (seeds 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _dist_worker_backend as W  # noqa: E402
 from _launch import run_worker  # noqa: E402
 
@@ -25,7 +25,7 @@ from memopd.trainer.backend import make_backend  # noqa: E402
 from memopd.trainer.collectives import DistInfo, init_distributed  # noqa: E402
 from memopd.trainer.deepspeed_config import resolve_deepspeed_config  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(W.__file__).resolve()
 # float reassociation across ranks/partitions only; Adam would amplify any real mismatch.
 # ZeRO-3's partitioned reduction (DeepSpeed 0.19.8) left 1.4e-6 on one weight of 1,024 after
@@ -37,7 +37,7 @@ def _has_deepspeed() -> bool:
         import importlib.util
 
         return importlib.util.find_spec("deepspeed") is not None
-    except Exception:
+    except Exception:  # noqa: BLE001 a broken install counts as absent
         return False
 
 
@@ -90,7 +90,7 @@ def _compare(got: dict, ref: dict, init: dict, what: str) -> None:
     moved = 0.0
     for k, r in ref.items():
         atol = NOISE_ATOL if k.endswith(NOISE_ONLY) else ATOL
-        torch.testing.assert_close(got[k].float(), r.float(), rtol=RTOL, atol=atol, msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(got[k].float(), r.float(), rtol=RTOL, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
         moved = max(moved, (r.float() - init[k].float()).abs().max().item())
     assert moved > 1e-3, f"{what}: parameters barely moved ({moved})"
 
@@ -257,7 +257,7 @@ def test_micro_batch_split_does_not_change_the_step():
     wa, wb = _weights(a), _weights(b)
     for k, v in wa.items():
         atol = NOISE_ATOL if k.endswith(NOISE_ONLY) else ATOL
-        torch.testing.assert_close(wb[k], v, rtol=RTOL, atol=atol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(wb[k], v, rtol=RTOL, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_all_reduce_sum_identity_single_process():

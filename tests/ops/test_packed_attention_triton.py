@@ -16,15 +16,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import _attention_cases as _cases  # noqa: E402
 import pytest  # noqa: E402
+from _attention_cases import assert_close, oracle, random_meta, random_token_meta  # noqa: E402
 
 import memopd.kernels.packed_attention as kern  # noqa: E402
 from memopd.layout import AttentionMeta, SegmentKind  # noqa: E402
 from memopd.ops.attention import packed_attention  # noqa: E402
 from memopd.ops.dispatch import BackendError  # noqa: E402
-
-import _attention_cases as _cases  # noqa: E402
-from _attention_cases import assert_close, oracle, random_meta, random_token_meta  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not kern.INTERPRET and not torch.cuda.is_available(),
@@ -222,7 +221,7 @@ def test_only_needed_blocks_are_computed(shuffle, monkeypatch):
 
 # --------------------------------------------------------------------------------------
 # non-finite inputs stay with the rows/keys that can see them (the torch and reference
-# backends' counterpart is tests/test_attention_isolation.py)
+# backends' counterpart is tests/ops/test_packed_attention_isolation.py)
 # --------------------------------------------------------------------------------------
 def _isolation_meta(long_call=False):
     """4 trajectories (connected components) whose segments share tiles of 16/32 tokens:

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from memopd.env import QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
 from memopd.cli import main as cli_main
+from memopd.env import QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
 from memopd.env.cli import eval_main, sft_main
 from memopd.env.sft import (
     MODEL_PRESETS,
@@ -19,7 +19,6 @@ from memopd.env.sft import (
     train_sft,
 )
 from memopd.errors import UserError
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _builder(out: Path, log: Path) -> subprocess.Popen:
@@ -54,6 +54,7 @@ def test_second_builder_waits_then_reuses_and_readers_never_see_a_part(tmp_path)
 
 def test_a_killed_builder_frees_the_lock(tmp_path):
     from memopd.env.sft import SFT_LOCK_FILE
+    from memopd.errors import RunDirError
     from memopd.trainer.rundir import RunDirLock
 
     out = tmp_path / "cache"
@@ -65,7 +66,7 @@ def test_a_killed_builder_frees_the_lock(tmp_path):
     lock = RunDirLock(str(out), name=SFT_LOCK_FILE, what="SFT cache")
     try:
         lock.acquire()
-    except Exception as e:  # held: the holder is named
+    except RunDirError as e:  # held: the holder is named
         assert f"pid {a.pid}" in str(e), e
     else:
         raise AssertionError("the lock was free while a builder ran")

@@ -5,7 +5,7 @@ Every test draws random inputs from the `seed` fixture of conftest.py (fixed by 
 MEMOPD_TEST_SEED=N or =random chooses another), printed and put into the assertion
 messages. Values and gradients are compared with the naive float64 reference
 (`reference_linear_distill`), which materialises the [N, V] logits. The Triton kernels are tested under the interpreter
-in tests/test_fused_distill_triton.py.
+in tests/ops/test_fused_distill_triton.py.
 """
 from __future__ import annotations
 
@@ -823,7 +823,7 @@ def test_kernels_never_import_the_ops_layer():
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "kernels"
+    root = Path(__file__).resolve().parents[2] / "kernels"
     upward = []
     for path in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

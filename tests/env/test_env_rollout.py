@@ -17,7 +17,6 @@ from memopd.env import (
 from memopd.env.sft import ModelSpec, make_model
 from memopd.records import load_trajectories, save_trajectories
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

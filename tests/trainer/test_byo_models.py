@@ -145,7 +145,7 @@ def test_tags_are_id_sequences(byo):
     assert (p.bos, p.eos, p.pad) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     assert p.extra_tag_tokens > 0
     with pytest.raises(ProtocolError, match="use `mem_open_ids`"):
-        p.mem_open
+        _ = p.mem_open
     # the stop entries are the closing tags' sequences (and eos)
     assert p.stop_ids == (p.search_close_ids, p.answer_close_ids, p.eos)
     a = search_action(env)

@@ -77,7 +77,7 @@ def test_quick_protocol_end_to_end_on_the_default_world(sft_dirs, tmp_path):
     # the test evaluates Q2 only to stay within a couple of minutes
     tiny = [f"student={sft_dirs[0]}", f"teacher={sft_dirs[1]}", "world=default", "steps=2", "eval_every=1",
             "eval_k=[2]", "eval_tasks=3", "tasks_per_step=2", "group_size=2", "ppo_epochs=1", "minibatches=1"]
-    arms = ["ppo", "persistent", "memopd"]  # memopd:naive's runs are covered by tests/test_trainer_run.py
+    arms = ["ppo", "persistent", "memopd"]  # memopd:naive's runs are covered by tests/trainer/test_trainer_run.py
     assert compare_main(["--protocol", "paper", "--quick", "--arms", *arms, "--seeds", "0", "1", "--jobs", "2",
                          "--out", str(out), *tiny]) == 0
     rep = json.loads((out / "replication_quick.json").read_text())

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from memopd.env.rollout import Environment, EnvEpisode, EnvTokens, Sample, TaskSource, default_max_new_tokens, rollout
+from memopd.env.rollout import EnvEpisode, Environment, EnvTokens, Sample, TaskSource, default_max_new_tokens, rollout
 from memopd.records import Invocation, Trajectory
 
 

@@ -12,13 +12,12 @@ about 20 s for this file with aot_eager.
 """
 import pytest
 import torch
+from _attention_cases import make_inputs, random_meta  # noqa: E402
 
 from memopd import pack, random_trajectories
 from memopd.hf import packed_forward
 from memopd.models import tiny_causal_lm
 from memopd.ops import packed_attention
-
-from _attention_cases import make_inputs, random_meta  # noqa: E402
 
 BACKEND = "aot_eager"
 

@@ -19,7 +19,7 @@ import torch
 
 from memopd.errors import EXIT_BAD_INPUT, UnsafeFileError, UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Payload:

@@ -30,7 +30,7 @@ from memopd.trainer.rundir import MANIFEST, verify_manifest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "_rundir_worker.py"
 SKIP = ("time/",)
 

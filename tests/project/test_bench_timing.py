@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import _timing  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def test_a_round_far_from_the_median_is_named():
 def test_packing_summary_table_says_which_rounds_were_unreliable():
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "conftest.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "conftest.py"
     spec = importlib.util.spec_from_file_location("memopd_bench_conftest", path)  # not tests/conftest.py
     bench_conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_conftest)
@@ -97,7 +97,7 @@ def test_knob_configurations_are_named_and_ordered():
 
     bp = _bench_packing()
     assert bp.config_name(8, 4) == "Q8-b4" and bp.config_name(8, 4, 512, 24) == "Q8-b4-p512-c24"
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "conftest.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "conftest.py"
     spec = importlib.util.spec_from_file_location("memopd_bench_conftest", path)
     bench_conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_conftest)

@@ -18,7 +18,7 @@ import pytest
 
 import memopd
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = Path(memopd.__file__).resolve().parent
 FROM_CHECKOUT = PACKAGE == REPO / "memopd"
 

@@ -26,7 +26,7 @@ from memopd.errors import UserError
 from memopd.hf import HeadError, head_of, packed_forward
 from memopd.trainer.config import ConfigError, TrainConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _launch import REPO, run_worker  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _launch import REPO, run_worker  # noqa: E402
 
 WORKER = REPO / "tests" / "_dist_worker_trainer.py"
@@ -53,7 +53,7 @@ def test_two_ranks_equal_one_process(runs, name):
         assert set(got[part]) == set(one[part])
         for k, ref in one[part].items():
             torch.testing.assert_close(got[part][k].float(), ref.float(), rtol=1e-4, atol=ATOL,
-                                       msg=lambda m: f"{name} {part}.{k}: {m}")
+                                       msg=lambda m, part=part, k=k: f"{name} {part}.{k}: {m}")
     assert one["metrics"][1]["train/kl_penalty_mean"] > 0
     for step in (0, 1):
         for k in METRICS:
