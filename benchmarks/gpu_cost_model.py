@@ -234,7 +234,47 @@ def report(N, V):
     for r in rows:
         print(f"| {r['kernel']} | {r['tflop']:.1f} | {r['requested_gb']:.1f} | {r['hbm_gb']:.1f} | {r['ms']:.2f} | "
               f"{r['peak']:.0%} | {r['hbm_util']:.0%} | {r['bound']} | {r['note']} |")
-    return rows
+    ops = op_totals(rows)
+    print()
+    print("| op (one call, forward + backward) | kernels | useful TFLOP | computed TFLOP | ms | useful FLOPs of bf16 peak |")
+    print("|---|---|---|---|---|---|")
+    for o in ops:
+        print(f"| {o['op']} | {' + '.join(o['kernels'])} | {o['useful_tflop']:.1f} | {o['tflop']:.1f} | {o['ms']:.1f} | "
+              f"{o['peak']:.0%} |")
+    return rows, ops
+
+
+# Per op: its kernels (by row name) and which of them do useful work. The distillation op's
+# backward recomputes both logit tiles (`dlogits`), so its useful FLOPs are the forward's
+# two logit GEMMs plus dH and dW; the actor loss computes each GEMM once.
+OPS = {
+    "fused distill (reverse KL, teacher)": (
+        ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill)"],
+        ["fwd (KL, teacher)", "dh (distill)", "dw (distill)"]),
+    "fused distill, dW in the old order": (
+        ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"],
+        ["fwd (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"]),
+    "actor loss (teacher)": (
+        ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor, fp32 scratch)",
+         "dw (actor, fp32 scratch)"], None),
+    "actor loss, dW in the old order": (
+        ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor, fp32 scratch)",
+         "dw (actor, before)"], None),
+}
+
+
+def op_totals(rows):
+    """Sum the kernel rows of each op in OPS: time, computed and useful FLOPs, and the
+    useful FLOPs' fraction of peak over the op's whole time."""
+    by_name = {r["kernel"]: r for r in rows}
+    out = []
+    for op, (kernels, useful) in OPS.items():
+        ks = [by_name[k] for k in kernels]
+        ms = sum(k["ms"] for k in ks)
+        useful_tflop = sum(by_name[k]["tflop"] for k in (useful or kernels))
+        out.append(dict(op=op, kernels=kernels, ms=ms, tflop=sum(k["tflop"] for k in ks), useful_tflop=useful_tflop,
+                        peak=useful_tflop * 1e12 / (ms / 1e3 * PEAK_BF16)))
+    return out
 
 
 def main(argv=None):

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import _aot
 import pytest
@@ -153,3 +154,18 @@ def test_scratch_accesses_are_16_byte_vectors_at_odd_vocab(kernel, variant):
         # 16-byte accesses (the per-token statistics are scalar stores, legitimately)
         assert _V4_LOAD.search(ptx), f"{what}: no 16-byte loads"
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
+
+
+def test_cost_model_dw_order_reads_the_scratch_once():
+    # benchmarks/gpu_cost_model.py replays the launchers' own grids and program order through
+    # an L2 model: the dW GEMM's order must cut its HBM traffic several times against the
+    # order with vocabulary tiles fastest, and the per-op totals must add up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_cost_model as cm
+
+    rows, ops = cm.report(4096, ODD_VOCAB)
+    hbm = {r["kernel"]: r["hbm_gb"] for r in rows}
+    assert hbm["dw (distill)"] * 2 < hbm["dw (distill, vocab tiles fastest: before)"]
+    assert hbm["dw (actor, fp32 scratch)"] * 2 < hbm["dw (actor, before)"]
+    for o in ops:
+        assert 0 < o["useful_tflop"] <= o["tflop"] and 0 < o["peak"] < cm.MATMUL_SUSTAINED / cm.PEAK_BF16 + 1e-9
