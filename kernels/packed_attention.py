@@ -19,11 +19,11 @@ Backward (`packed_attention_bwd`), FA2 style:
   * dK/dV: one program per (key block, kv head). Its query tiles stack the GQA group's
     query heads (tile rows = query rows x heads), so one pass sums dK/dV over the group in
     registers, deterministically. It walks only the query blocks that can see the key block:
-    those ranges come from an O(T) per-key precomputation (`key_query_ranges`, a few
-    vectorised torch ops on the tensors' device, no host sync). For prefix keys the range
-    covers every call segment linked to the prefix, so the prefix's dK/dV are summed over
-    all its readers without copying prefix K/V per segment. The precomputation is per
-    token, so the kernel's block sizes (autotuned on GPU) need not be known when it runs.
+    those ranges come from an O(T) per-key precomputation (`key_query_ranges`: vectorised
+    torch ops on the device, no host sync; the op keeps one per metadata, `key_ranges`).
+    For prefix keys the range covers every call segment linked to the prefix, so the
+    prefix's dK/dV are summed over all its readers without copying prefix K/V per segment.
+    Being per token, it needs none of the kernel's block sizes (autotuned on GPU).
   * dQ: by default accumulated with fp32 atomics from the dK/dV programs (fewest FLOPs);
     with `deterministic=True` a separate query-major kernel recomputes P and writes dQ once
     per row (no atomics, bitwise reproducible). The atomics are `sem="relaxed"`: the dQ sum
@@ -1072,12 +1072,15 @@ def packed_attention_bwd(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    key_ranges: torch.Tensor | None = None,
 ):
     """Backward kernels. Returns (dq, dk, dv) in the inputs' dtype.
 
     deterministic=False: dQ accumulated with fp32 atomics inside the dK/dV kernel.
     deterministic=True: no atomics anywhere; a second, query-major kernel writes dQ.
     dq/dk/dv, if given, are output buffers (every element is written; used by tests).
+    key_ranges: `key_query_ranges` of this metadata, if the caller keeps it (it depends on
+    the metadata only, so every layer's backward can share one); computed here if None.
     """
     check_triton_inputs(q, k, v)
     q, k, v, o, do = _contig(q), _contig(k), _contig(v), _contig(o), _contig(do)
@@ -1103,7 +1106,10 @@ def packed_attention_bwd(
     # delta_i = sum_d dO_i * O_i, the softmax-backward row term, [Hq, T] fp32
     delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()
     lse = lse.float().contiguous()
-    kqr = key_query_ranges(ss, ps, pe)
+    kqr = key_query_ranges(ss, ps, pe) if key_ranges is None else key_ranges
+    if kqr.shape != (5, T) or kqr.dtype != torch.int32 or kqr.device != q.device or not kqr.is_contiguous():
+        raise ValueError(f"key_ranges must be the contiguous int32 [5, {T}] key_query_ranges of this metadata "
+                         f"on {q.device}; got {kqr.dtype} {tuple(kqr.shape)} on {kqr.device}")
     upcast, prec = _flags(q.dtype)
     group = Hq // Hkv
     group_p2 = triton.next_power_of_2(group)

@@ -11,16 +11,21 @@ key `j` is visible to query `i` iff
 
 Prefix tokens have an empty prefix interval; padding tokens have `seg_start[i] = i + 1`
 and an empty prefix interval, so they see nothing (their attention output is zero).
+
+`cached_on_metadata` keeps what a backend derives from the three token-level tensors
+(the torch path's plan, the Triton backward's per-key query ranges) on the tensors
+themselves, so every layer of a forward and its backward derive it once.
 """
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["SegmentKind", "AttentionMeta", "PackedBatch"]
+__all__ = ["SegmentKind", "AttentionMeta", "PackedBatch", "cached_on_metadata"]
 
 
 class SegmentKind(enum.IntEnum):
@@ -210,6 +215,32 @@ class AttentionMeta:
         own = (j >= self.seg_start.long().unsqueeze(1)) & (j <= i)
         pre = (j >= self.prefix_start.long().unsqueeze(1)) & (j < self.prefix_end.long().unsqueeze(1))
         return own | pre
+
+
+def _versions(*ts: torch.Tensor):
+    # inference tensors have no version counter: such metadata is simply not cached
+    return None if any(t.is_inference() for t in ts) else tuple(t._version for t in ts)
+
+
+def cached_on_metadata(seg_start: torch.Tensor, prefix_start: torch.Tensor, prefix_end: torch.Tensor, name: str,
+                       build: Callable):
+    """`build(seg_start, prefix_start, prefix_end)`, computed on first use and kept on
+    `seg_start` (attribute `_memopd_<name>`, so it dies with the metadata). Reused while
+    prefix_start / prefix_end are the same objects and none of the three tensors changed in
+    place since (their version counters); an in-place change builds it anew. The layers of
+    one forward, and their backwards, receive the same three tensors and so share one
+    result. Inference tensors have no version counter: for them it is built on every call."""
+    versions = _versions(seg_start, prefix_start, prefix_end)
+    slot = f"_memopd_{name}"
+    cached = getattr(seg_start, slot, None)
+    if cached is not None and versions is not None:
+        ps_ref, pe_ref, seen, value = cached
+        if ps_ref() is prefix_start and pe_ref() is prefix_end and seen == versions:
+            return value
+    value = build(seg_start, prefix_start, prefix_end)
+    if versions is not None:
+        setattr(seg_start, slot, (weakref.ref(prefix_start), weakref.ref(prefix_end), versions, value))
+    return value
 
 
 @dataclass

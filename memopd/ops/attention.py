@@ -21,9 +21,10 @@ fake implementation and an autograd formula whose backward is the custom op
 `memopd::packed_attention_bwd`. The wrapper in front of it only reads shapes, dtypes, devices
 and the "checked" mark of the metadata, so `torch.compile(fullgraph=True)` traces it without
 a graph break. The torch path (its planning, cached on the metadata, and its two
-backwards) is `memopd.ops.attention_torch`; the argument checks are
-`memopd.ops._validate.check_attention_inputs`. Second derivatives are not supported on
-these two backends.
+backwards) is `memopd.ops.attention_torch`; the Triton backward's per-key query ranges
+are cached on the metadata the same way (`memopd.layout.cached_on_metadata`); the
+argument checks are `memopd.ops._validate.check_attention_inputs`. Second derivatives are
+not supported on these two backends.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.contract import TRITON_DTYPES, TRITON_HEAD_DIMS
-from ..layout import AttentionMeta
+from ..layout import AttentionMeta, cached_on_metadata
 from ._validate import check_attention_inputs
 from .attention_torch import lse_dtype, lse_shape, plan_runs, torch_backward, torch_forward
 from .dispatch import choose_backend
@@ -119,8 +120,11 @@ def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             prefix_start: Tensor, prefix_end: Tensor, scale: float, deterministic: bool,
             backend: str) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
-        return _kernels().packed_attention_bwd(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end,
-                                               scale, deterministic)
+        kern = _kernels()
+        # depends on the metadata only: computed by the first layer's backward, reused by the others
+        ranges = cached_on_metadata(seg_start, prefix_start, prefix_end, "key_query_ranges", kern.key_query_ranges)
+        return kern.packed_attention_bwd(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end,
+                                         scale, deterministic, key_ranges=ranges)
     return torch_backward(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end, scale)
 
 

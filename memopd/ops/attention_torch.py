@@ -20,14 +20,13 @@ Entry points (called by the custom ops of `memopd.ops.attention`): `torch_forwar
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..layout import AttentionMeta
+from ..layout import AttentionMeta, cached_on_metadata
 
 __all__ = ["torch_forward", "torch_backward", "plan_runs", "Run", "lse_shape", "lse_dtype"]
 
@@ -255,24 +254,10 @@ def _build_plan(seg_start: Tensor, prefix_start: Tensor, prefix_end: Tensor) -> 
     return _TorchPlan(batches, overlaps, torch.cat(tokens) if tokens else None)
 
 
-def _versions(*ts: Tensor):
-    # inference tensors have no version counter: such metadata is simply not cached
-    return None if any(t.is_inference() for t in ts) else tuple(t._version for t in ts)
-
-
 def _plan_of(seg_start: Tensor, prefix_start: Tensor, prefix_end: Tensor) -> _TorchPlan:
     """The plan of these metadata tensors, built on first use and kept on `seg_start` (it dies
     with the metadata; an in-place change of any of the three tensors invalidates it)."""
-    versions = _versions(seg_start, prefix_start, prefix_end)
-    cached = getattr(seg_start, "_memopd_attention_plan", None)
-    if cached is not None and versions is not None:
-        ps_ref, pe_ref, seen, plan = cached
-        if ps_ref() is prefix_start and pe_ref() is prefix_end and seen == versions:
-            return plan
-    plan = _build_plan(seg_start, prefix_start, prefix_end)
-    if versions is not None:
-        seg_start._memopd_attention_plan = (weakref.ref(prefix_start), weakref.ref(prefix_end), versions, plan)
-    return plan
+    return cached_on_metadata(seg_start, prefix_start, prefix_end, "attention_plan", _build_plan)
 
 
 def _all_finite(*xs: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ tokens because the interpreter is slow; block sizes are forced per test (small, 
 BLOCK_M/BLOCK_N included) so that ragged segment edges, prefix ranges and skipped blocks
 fall in different places.
 """
+import dataclasses
 import os
 
 import torch
@@ -21,7 +22,7 @@ import pytest  # noqa: E402
 from _attention_cases import assert_close, oracle, random_meta, random_token_meta  # noqa: E402
 
 import memopd.kernels.packed_attention as kern  # noqa: E402
-from memopd.layout import AttentionMeta, SegmentKind  # noqa: E402
+from memopd.layout import AttentionMeta, SegmentKind, cached_on_metadata  # noqa: E402
 from memopd.ops.attention import packed_attention  # noqa: E402
 from memopd.ops.dispatch import BackendError  # noqa: E402
 
@@ -346,6 +347,71 @@ def test_key_query_ranges_cover_every_reader():
         )
         dense = kqr[4].bool()
         assert not (in_pre & ~pre_vis)[:, dense].any()
+
+
+def _cached_ranges(meta):
+    return cached_on_metadata(meta.seg_start, meta.prefix_start, meta.prefix_end, "key_query_ranges",
+                              kern.key_query_ranges)
+
+
+def _cloned(meta):
+    """Metadata of the same values in tensors of its own."""
+    return AttentionMeta(**{f.name: getattr(meta, f.name).clone() if isinstance(getattr(meta, f.name), torch.Tensor)
+                            else getattr(meta, f.name) for f in dataclasses.fields(meta)})
+
+
+def test_key_query_ranges_cached_per_metadata():
+    """Host side only (CPU tensors): the cached ranges are the function's own, the same
+    tensor for the same metadata, and rebuilt after an in-place change of seg_start."""
+    meta = random_meta(23, 300)
+    first = _cached_ranges(meta)
+    assert torch.equal(first, kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end))
+    assert _cached_ranges(meta) is first
+    # other tensors with the same values: a metadata object of their own
+    copy = _cloned(meta)
+    assert _cached_ranges(copy) is not first and torch.equal(_cached_ranges(copy), first)
+    # a call row becomes padding (sees nothing, read by nobody): new ranges, the function's
+    row = int(torch.nonzero(meta.seg_start < torch.arange(meta.num_tokens)).max())
+    meta.seg_start[row] = row + 1
+    changed = _cached_ranges(meta)
+    assert changed is not first and not torch.equal(changed, first)
+    assert torch.equal(changed, kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end))
+    assert _cached_ranges(meta) is changed
+
+
+def test_backward_computes_key_ranges_once_per_metadata(monkeypatch):
+    """Two attention layers over one metadata object: one `key_query_ranges` for both
+    backwards, and the gradients bitwise those of metadata that has to compute its own."""
+    calls = []
+    build = kern.key_query_ranges
+
+    def counting(*args):
+        calls.append(1)
+        return build(*args)
+
+    monkeypatch.setattr(kern, "key_query_ranges", counting)
+    monkeypatch.setitem(kern._FIXED, "BLOCK_M", 16)
+    monkeypatch.setitem(kern._FIXED, "BLOCK_N", 16)
+    if DEVICE == "cuda":
+        monkeypatch.setitem(kern._FIXED, "num_warps", 4)
+        monkeypatch.setitem(kern._FIXED, "num_stages", 2)
+    meta = random_meta(24, 90).to(DEVICE)
+    q, k, v, do = make_inputs(meta.num_tokens, 2, 2, 16, torch.float32, 24)
+
+    def two_layers(meta):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        hidden = packed_attention(*leaves, meta, backend="triton")
+        packed_attention(hidden, leaves[1], leaves[2], meta, backend="triton").backward(do)
+        return [x.grad for x in leaves]
+
+    shared = two_layers(meta)
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(shared, two_layers(_cloned(meta))))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="key_ranges"):
+        kern.packed_attention_bwd(do, q, k, v, q, torch.zeros(2, meta.num_tokens, device=DEVICE),
+                                  meta.seg_start, meta.prefix_start, meta.prefix_end,
+                                  key_ranges=_cached_ranges(meta)[:, 1:])
 
 
 def test_errors():
