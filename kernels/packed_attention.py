@@ -79,7 +79,7 @@ import triton.language as tl
 
 from .contract import TRITON_DTYPES as _SUPPORTED_DTYPES
 from .contract import TRITON_HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from .runtime import GPU_DRIVER_PRESENT, INTERPRET, LOG2E, USE_AUTOTUNE, autotuned, dot_precision, helper, upcast
+from .runtime import INTERPRET, LOG2E, USE_AUTOTUNE, autotuned, dot_precision, helper, tuning_bucket, upcast
 
 __all__ = [
     "INTERPRET",
@@ -876,24 +876,41 @@ AUTOTUNE = USE_AUTOTUNE
 # launch, which also bypasses autotuning. In the interpreter only the block sizes matter.
 _FIXED: dict = {}
 
-if GPU_DRIVER_PRESENT:
-    _fwd_tuned = autotuned(_fwd_kernel, _FWD_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"], prune=_FWD_PRUNE)
-    # DQ is accumulated with atomics: the tuner must re-zero it between its trial runs
-    _bwd_dkdv_tuned = autotuned(_bwd_dkdv_kernel, _BWD_KV_CONFIGS, ["HEAD_DIM", "GROUP", "GROUP_P2", "PREC", "ATOMIC_DQ"],
-                                prune=_BWD_KV_PRUNE, reset_to_zero=["DQ"])
-    _bwd_dq_tuned = autotuned(_bwd_dq_kernel, _BWD_DQ_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"], prune=_BWD_DQ_PRUNE)
-else:
-    _fwd_tuned = _bwd_dkdv_tuned = _bwd_dq_tuned = None
+# per kernel: (kernel, candidates, pruner, the tuner's key, what its trial runs must
+# re-zero: DQ is accumulated with atomics)
+_TUNED_KERNELS = {
+    "fwd": (_fwd_kernel, _FWD_CONFIGS, _FWD_PRUNE, ["HEAD_DIM", "GROUP", "PREC"], None),
+    "dkdv": (_bwd_dkdv_kernel, _BWD_KV_CONFIGS, _BWD_KV_PRUNE, ["HEAD_DIM", "GROUP", "GROUP_P2", "PREC", "ATOMIC_DQ"],
+             ["DQ"]),
+    "dq": (_bwd_dq_kernel, _BWD_DQ_CONFIGS, _BWD_DQ_PRUNE, ["HEAD_DIM", "GROUP", "PREC"], None),
+}
+_TUNERS: dict = {}
+
+
+def _tuner(kind: str, T: int):
+    """The autotuner of kernel `kind` for a stream of T tokens, or None where nothing is
+    tuned (interpreter, AUTOTUNE off, parameters forced through _FIXED). One autotuner per
+    kernel and size class of T (`tuning_bucket`), since the tuners' own keys name the
+    model's sizes only: the first call's T must not decide the tiles for every later one."""
+    if INTERPRET or not AUTOTUNE or _FIXED:
+        return None
+    bucket = tuning_bucket(T)
+    if (kind, bucket) not in _TUNERS:
+        fn, configs, prune, key, reset = _TUNED_KERNELS[kind]
+        _TUNERS[kind, bucket] = autotuned(fn, configs, key, name=f"{fn.__name__}[T<={bucket}]", prune=prune,
+                                          reset_to_zero=reset)
+    return _TUNERS[kind, bucket]
 
 
 def _pick(raw, tuned, configs, prune, q, group_p2=1):
-    """(kernel, launch kwargs) for one launch: the autotuned kernel, or the raw one with
-    fixed parameters (interpreter, AUTOTUNE off, or forced through _FIXED). group_p2: the
-    smallest BLOCK_M the kernel accepts (dK/dV tiles stack the GQA group's heads)."""
+    """(kernel, launch kwargs) for one launch: the autotuner `tuned` (`_tuner`'s answer), or
+    where that is None (interpreter, AUTOTUNE off, or forced through _FIXED) the raw kernel
+    with fixed parameters. group_p2: the smallest BLOCK_M the kernel accepts (dK/dV tiles
+    stack the GQA group's heads)."""
     if INTERPRET:
         return raw, {"BLOCK_M": max(_FIXED.get("BLOCK_M", _INTERP_BLOCK), group_p2),
                      "BLOCK_N": _FIXED.get("BLOCK_N", _INTERP_BLOCK)}
-    if AUTOTUNE and tuned is not None and not _FIXED:
+    if tuned is not None:
         return tuned, {}
     c = prune(configs, {"HEAD_DIM": q.shape[-1], "Q": q, "GROUP_P2": group_p2})[0]
     params = {"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"],
@@ -1046,7 +1063,7 @@ def packed_attention_fwd(
     if T == 0:
         return out, lse
     upcast, prec = _flags(q.dtype)
-    kernel, params = _pick(_fwd_kernel, _fwd_tuned, _FWD_CONFIGS, _FWD_PRUNE, q)
+    kernel, params = _pick(_fwd_kernel, _tuner("fwd", T), _FWD_CONFIGS, _FWD_PRUNE, q)
     _launch_with_rerun(
         _fwd_kernel, kernel, params, T, Hq, "BLOCK_M",
         ((q, k, v, out, lse, ss, ps, pe),
@@ -1113,7 +1130,7 @@ def packed_attention_bwd(
     upcast, prec = _flags(q.dtype)
     group = Hq // Hkv
     group_p2 = triton.next_power_of_2(group)
-    kernel, params = _pick(_bwd_dkdv_kernel, _bwd_dkdv_tuned, _BWD_KV_CONFIGS, _BWD_KV_PRUNE, q, group_p2)
+    kernel, params = _pick(_bwd_dkdv_kernel, _tuner("dkdv", T), _BWD_KV_CONFIGS, _BWD_KV_PRUNE, q, group_p2)
     _launch_with_rerun(
         _bwd_dkdv_kernel, kernel, params, T, Hkv, "BLOCK_N",
         ((q, k, v, do, dq_acc, dk, dv, lse, delta, ss, ps, pe, kqr),
@@ -1123,7 +1140,7 @@ def packed_attention_bwd(
         dict(GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, UPCAST=upcast, PREC=prec, ATOMIC_DQ=not deterministic),
     )
     if deterministic:
-        kernel, params = _pick(_bwd_dq_kernel, _bwd_dq_tuned, _BWD_DQ_CONFIGS, _BWD_DQ_PRUNE, q)
+        kernel, params = _pick(_bwd_dq_kernel, _tuner("dq", T), _BWD_DQ_CONFIGS, _BWD_DQ_PRUNE, q)
         _launch_with_rerun(
             _bwd_dq_kernel, kernel, params, T, Hq, "BLOCK_M",
             ((q, k, v, do, dq_acc, lse, delta, ss, ps, pe),

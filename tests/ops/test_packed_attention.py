@@ -289,3 +289,54 @@ def test_cuda_triton_matches_torch_path(dtype, D, Hq, Hkv, monkeypatch):
     a = run("triton", q, k, v, do, meta, deterministic=True)
     b = run("triton", q, k, v, do, meta, deterministic=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_one_attention_autotuner_per_token_bucket(monkeypatch):
+    """The attention kernels' autotuners are per size class of the stream's T
+    (`tuning_bucket`), so the first call's T does not decide the tiles for every later one.
+    Building a tuner needs no GPU: autotuning is switched on, the launchers run on CPU
+    tensors up to the launch, and what they would launch is recorded instead."""
+    kern = pytest.importorskip("memopd.kernels.packed_attention")
+    if kern.INTERPRET:
+        pytest.skip("the interpreter never autotunes (TRITON_INTERPRET=1 was set before the kernels were imported)")
+    runtime = sys.modules["memopd.kernels.runtime"]
+    monkeypatch.setattr(kern, "AUTOTUNE", True)
+    monkeypatch.setattr(kern, "_TUNERS", {})
+    monkeypatch.setattr(runtime, "_AUTOTUNERS", {})
+    sizes = (100, 5000, 8000, 20000, 10**6)
+    for kind, raw, configs, key in (("fwd", kern._fwd_kernel, kern._FWD_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"]),
+                                    ("dkdv", kern._bwd_dkdv_kernel, kern._BWD_KV_CONFIGS,
+                                     ["HEAD_DIM", "GROUP", "GROUP_P2", "PREC", "ATOMIC_DQ"]),
+                                    ("dq", kern._bwd_dq_kernel, kern._BWD_DQ_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"])):
+        tuner = {T: kern._tuner(kind, T) for T in sizes}
+        assert tuner[5000] is tuner[8000] and tuner[20000] is tuner[10**6]
+        assert len({id(t) for t in tuner.values()}) == 3
+        for t in tuner.values():
+            assert t.fn is raw and t.configs == configs and t.keys == key
+            assert t.reset_to_zero == (["DQ"] if kind == "dkdv" else [])
+    assert sorted(runtime._AUTOTUNERS) == sorted(f"{name}[T<={b}]" for b in (256, 8192, 16384)
+                                                 for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"))
+    # the launchers ask for the tuner of their own T
+    launched, buckets = [], []
+    monkeypatch.setattr(kern, "check_triton_inputs", lambda *a: None)
+    monkeypatch.setattr(kern, "_launch_with_rerun", lambda raw, kernel, *a: launched.append(kernel))
+    for T in (300, 5000):
+        meta = random_meta(T, T)
+        T = meta.num_tokens
+        q, k, v, do = make_inputs(T, 2, 1, 64, torch.float32, 0)
+        out, lse = kern.packed_attention_fwd(q, k, v, meta.seg_start, meta.prefix_start, meta.prefix_end)
+        kern.packed_attention_bwd(do, q, k, v, out, lse, meta.seg_start, meta.prefix_start, meta.prefix_end,
+                                  deterministic=True)
+        bucket = runtime.tuning_bucket(T)
+        assert launched == [kern._TUNERS[kind, bucket] for kind in ("fwd", "dkdv", "dq")]
+        buckets.append(bucket)
+        launched_tuner = launched[0]
+        launched.clear()
+    assert len(set(buckets)) == 2  # two size classes, two tuners each
+    # nothing is tuned where autotuning is off or the parameters are forced
+    with monkeypatch.context() as forced:
+        forced.setitem(kern._FIXED, "BLOCK_M", 64)
+        assert kern._tuner("fwd", 5000) is None
+    assert kern._tuner("fwd", 5000) is launched_tuner
+    monkeypatch.setattr(kern, "AUTOTUNE", False)
+    assert kern._tuner("fwd", 5000) is None
