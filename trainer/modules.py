@@ -20,6 +20,7 @@ from torch import nn
 from memopd.hf import LMHead, head_of, lm_head_of, packed_forward
 from memopd.layout import PackedBatch
 from memopd.ops import DistillOutput, fused_linear_actor_loss, fused_linear_logprob_entropy, fused_linear_reverse_kl
+from memopd.ops._validate import teacher_kl_weight
 
 __all__ = ["Actor", "ActorLossCoefs", "Critic", "PPOInputs", "Scoring", "scored_rows", "token_logprobs", "register_zero3_external_params"]
 
@@ -63,13 +64,9 @@ class PPOInputs:
     def __init__(self, logp_old: torch.Tensor, advantages: torch.Tensor, kl_mask: torch.Tensor,
                  coefs: ActorLossCoefs | None = None, *, normalizer: float, kl_normalizer: float, **flat_coefs):
         if coefs is None:
-            if "kl_coef" in flat_coefs:
-                if "teacher_kl_coef" in flat_coefs:
-                    raise TypeError("PPOInputs: pass teacher_kl_coef= only; kl_coef= is its deprecated old name")
-                warnings.warn("PPOInputs(kl_coef=...) is deprecated, use teacher_kl_coef= (the weight of the KL "
-                              "to the teacher) or coefs=ActorLossCoefs(...)", DeprecationWarning, stacklevel=2)
-                flat_coefs["teacher_kl_coef"] = flat_coefs.pop("kl_coef")
-            flat_coefs.setdefault("teacher_kl_coef", 0.0)
+            # the deprecated kl_coef= is resolved (warning, both-given error) as the ops do
+            flat_coefs["teacher_kl_coef"] = teacher_kl_weight(flat_coefs.pop("teacher_kl_coef", None),
+                                                              flat_coefs.pop("kl_coef", None), "PPOInputs")
             coefs = ActorLossCoefs(**flat_coefs)
         elif flat_coefs:
             raise TypeError(f"PPOInputs: coefs given, and also {', '.join(sorted(flat_coefs))}; pass one of them")
