@@ -41,6 +41,7 @@ from memopd.kernels.lm_head_tiles import (  # noqa: E402
     default_token_chunk,
     dw_grid,
     dw_program_tile,
+    logits_meta,
     scratch_row_stride,
 )
 
@@ -183,7 +184,7 @@ def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher"):
 
 
 def actor_logits(N, V, H, label):
-    m = al._logits_meta(False)
+    m = logits_meta(False)
     chunks, chunk = _chunks(N, V, FP32)
     stride = scratch_row_stride(V)
     cache, flops = L2(L2_BYTES), 0

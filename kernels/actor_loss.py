@@ -4,7 +4,7 @@ The wrapper in `memopd.ops.actor_loss` validates and dispatches; this module ass
 validated, contiguous inputs. Work per chunk of TOKEN_CHUNK tokens (kept tokens first,
 by the same device-side compaction as the distillation kernels: no host sync):
 
-1. `_scaled_logits_kernel` writes the chunk's student logits / T (and, with a teacher,
+1. `scaled_logits_kernel` (`memopd.kernels.lm_head_tiles`) writes the chunk's student logits / T (and, with a teacher,
    the teacher's) as fp32 [chunk, V] scratch: one lm_head-sized matmul each, `tl.dot`
    with fp32 accumulation, tiles as in the distillation forward.
 2. `_actor_rows_kernel`, one program per token, sweeps its row three times: the maxima;
@@ -38,11 +38,11 @@ from .lm_head_tiles import (
     gemm_meta,
     launch_dh,
     launch_dw,
+    launch_scaled_logits,
     log1p_small,
-    logits_tile,
     new_scratch,
 )
-from .runtime import INTERPRET, NEG, dot_precision, or_dummy, upcast
+from .runtime import INTERPRET, NEG, dot_precision, upcast
 
 # ActorStat rows as constexprs (compiled Triton reads only constexpr globals in kernels)
 _LOGPROB = tl.constexpr(int(ActorStat.LOGPROB))
@@ -50,32 +50,6 @@ _ENTROPY = tl.constexpr(int(ActorStat.ENTROPY))
 _KL = tl.constexpr(int(ActorStat.KL))
 _RATIO = tl.constexpr(int(ActorStat.RATIO))
 _CLIPPED = tl.constexpr(int(ActorStat.CLIPPED))
-
-
-@triton.jit
-def _scaled_logits_kernel(
-    h_ptr, w_ptr, b_ptr, order_ptr, count_ptr, out_ptr,
-    H, V, c0, n_rows, stride_h, stride_w, stride_out, inv_temp,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """out[i, v] = (h[order[c0 + i]] @ w[v] + b[v]) / T for the kept rows of the chunk."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    count = tl.load(count_ptr)
-    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_chunk = local < n_rows
-    row_ok = in_chunk & (c0 + local < count)
-    rows64 = tl.load(order_ptr + c0 + local, mask=in_chunk, other=0).to(tl.int64)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_ok = cols < V
-    k_end = tl.where(c0 + pid_n * BLOCK_N < count, H, 0)
-    acc = logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w, k_end,
-                       HAS_BIAS, UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
-    out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    # acc is 0 past V (masked W and bias): the padded scratch row is written whole, with a
-    # stride-bounded mask that stays vectorised for an odd V (lm_head_tiles: scratch layout)
-    tl.store(out, acc * inv_temp, mask=in_chunk[:, None] & (cols < stride_out)[None, :])
 
 
 @triton.jit
@@ -205,25 +179,6 @@ def _rows_block(V: int) -> int:
 _ROWS_LAUNCH = {} if INTERPRET else dict(num_warps=8, num_stages=1)
 
 
-def _logits_meta(fp32: bool):
-    if INTERPRET:
-        return dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=32)
-    if fp32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_K=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
-
-
-def _scaled_logits(head: LinearHead, order, count, out, c0, n_rows, V, inv_t):
-    h, w, b = head.hidden, head.weight, head.bias
-    meta = _logits_meta(h.dtype == torch.float32)
-    grid = (triton.cdiv(n_rows, meta["BLOCK_N"]), triton.cdiv(V, meta["BLOCK_V"]))
-    _scaled_logits_kernel[grid](
-        h, w, or_dummy(b, w), order, count, out,
-        h.shape[1], V, c0, n_rows, h.stride(0), w.stride(0), out.stride(0), inv_t,
-        HAS_BIAS=b is not None, UPCAST=upcast(h.dtype, w.dtype), PREC=dot_precision(h.dtype), **meta,
-    )
-
-
 def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targets, adv, old_lp, keep, kl_keep,
                        params: ActorLossParams, need_grad: tuple, token_chunk: int):
     """Same contract as the PyTorch path: (loss, stats [len(ActorStat), N], dh | None, dw32 | None, db32 | None)."""
@@ -252,9 +207,9 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
     gemm_upcast = upcast(hs.dtype, ws.dtype)
     for c0 in range(0, N, chunk):
         n_rows = min(chunk, N - c0)
-        _scaled_logits(student, order, count, s_buf, c0, n_rows, V, inv_t)
+        launch_scaled_logits(student, order, count, s_buf, c0, n_rows, V, inv_t)
         if teacher is not None:
-            _scaled_logits(teacher, order, count, t_buf, c0, n_rows, V, inv_t)
+            launch_scaled_logits(teacher, order, count, t_buf, c0, n_rows, V, inv_t)
         _actor_rows_kernel[(n_rows,)](
             s_buf, t_buf, targets, adv, old_lp, kl_keep, order, count, stats, part,
             N, V, c0, s_buf.stride(0), t_buf.stride(0),

@@ -1,6 +1,7 @@
 """Triton tiles shared by the kernels that stream an lm_head over the vocabulary (the
 fused distillation / log-prob op, `memopd.kernels.fused_distill`, and the fused actor loss,
-`memopd.kernels.actor_loss`): the logits tile h @ W^T (+ b), the deterministic dH / dW
+`memopd.kernels.actor_loss`): the logits tile h @ W^T (+ b) and a kernel that writes
+a chunk of scaled logits to scratch, the deterministic dH / dW
 GEMMs over a dlogits scratch, accurate expm1 / log1p for small arguments, the device-side
 compaction of kept rows, and the sizing of the dlogits scratch.
 
@@ -23,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import INTERPRET
+from .contract import LinearHead
+from .runtime import INTERPRET, dot_precision, or_dummy, upcast
 
-__all__ = ["expm1_small", "log1p_small", "logits_tile", "dh_kernel", "dw_kernel", "dw_program_tile", "dw_grid",
+__all__ = ["expm1_small", "log1p_small", "logits_tile", "scaled_logits_kernel", "logits_meta", "launch_scaled_logits",
+           "dh_kernel", "dw_kernel", "dw_program_tile", "dw_grid",
            "launch_dh", "launch_dw", "GEMM_GPU", "GEMM_GPU_FP32", "GEMM_INTERP", "gemm_meta", "compaction",
            "SCRATCH_ROW_ALIGN", "scratch_row_stride", "new_scratch", "default_token_chunk"]
 
@@ -72,6 +75,32 @@ def logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, 
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + b[None, :]
     return acc
+
+
+@triton.jit
+def scaled_logits_kernel(
+    h_ptr, w_ptr, b_ptr, order_ptr, count_ptr, out_ptr,
+    H, V, c0, n_rows, stride_h, stride_w, stride_out, inv_temp,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[i, v] = (h[order[c0 + i]] @ w[v] + b[v]) / T for the kept rows of the chunk."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    count = tl.load(count_ptr)
+    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_chunk = local < n_rows
+    row_ok = in_chunk & (c0 + local < count)
+    rows64 = tl.load(order_ptr + c0 + local, mask=in_chunk, other=0).to(tl.int64)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    k_end = tl.where(c0 + pid_n * BLOCK_N < count, H, 0)
+    acc = logits_tile(h_ptr, w_ptr, b_ptr, rows64, row_ok, cols, col_ok, H, stride_h, stride_w, k_end,
+                       HAS_BIAS, UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
+    out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    # acc is 0 past V (masked W and bias): the padded scratch row is written whole, with a
+    # stride-bounded mask that stays vectorised for an odd V (lm_head_tiles: scratch layout)
+    tl.store(out, acc * inv_temp, mask=in_chunk[:, None] & (cols < stride_out)[None, :])
 
 
 @triton.jit
@@ -177,6 +206,25 @@ def dw_grid(V: int, H: int, meta: dict) -> tuple:
     """Launch grid of `dw_kernel`: one program per (vocabulary tile, hidden tile), in the
     order of `dw_program_tile`."""
     return (triton.cdiv(V, meta["BLOCK_M"]) * triton.cdiv(H, meta["BLOCK_H"]),)
+
+
+def logits_meta(fp32: bool):
+    if INTERPRET:
+        return dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=32)
+    if fp32:
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def launch_scaled_logits(head: LinearHead, order, count, out, c0, n_rows, V, inv_t):
+    h, w, b = head.hidden, head.weight, head.bias
+    meta = logits_meta(h.dtype == torch.float32)
+    grid = (triton.cdiv(n_rows, meta["BLOCK_N"]), triton.cdiv(V, meta["BLOCK_V"]))
+    scaled_logits_kernel[grid](
+        h, w, or_dummy(b, w), order, count, out,
+        h.shape[1], V, c0, n_rows, h.stride(0), w.stride(0), out.stride(0), inv_t,
+        HAS_BIAS=b is not None, UPCAST=upcast(h.dtype, w.dtype), PREC=dot_precision(h.dtype), **meta,
+    )
 
 
 def launch_dh(g, w, order, count, dh, V, c0, n_rows, upcast, prec, meta):

@@ -251,10 +251,10 @@ def lm_head_jobs():
             consts = dict(UPCAST=False, PREC="tf32", **g)
             jobs.append(_job("fused_distill", fn.__name__.strip("_").replace("_kernel", ""), "gemm", shape, fn,
                              _GEMM_TYPES, consts, nw, ns, _lm_divisible(fn, consts, V, H)))
-        meta = dict(al._logits_meta(False))
+        meta = dict(tiles.logits_meta(False))
         nw, ns = meta.pop("num_warps"), meta.pop("num_stages")
         consts = dict(HAS_BIAS=True, UPCAST=False, PREC="tf32", **meta)
-        fn = al._scaled_logits_kernel
+        fn = tiles.scaled_logits_kernel
         jobs.append(_job("actor_loss", "logits", "plain", shape, fn, _LOGITS_TYPES, consts, nw, ns,
                          _lm_divisible(fn, consts, V, H)))
         for teacher in (True, False):
