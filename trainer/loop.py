@@ -593,6 +593,7 @@ class _BaselineCache:
     so its step-0 evaluation is measured once per cached student and evaluation setting."""
 
     FILE = "baseline_eval.json"
+    LOCK = ".baseline_eval.lock"  # not the SFT lock: a builder holds that for minutes
 
     def __init__(self, cfg: TrainConfig, student_dir: str):
         import hashlib
@@ -623,12 +624,19 @@ class _BaselineCache:
 
     def put(self, results: dict) -> None:
         from memopd.errors import UserError
-        from memopd.files import atomic_write_json
+        from memopd.files import DirectoryLock, atomic_write_json
 
         if self.key is None:
             return
+        # read, merge and write under a lock: two runs finishing together would otherwise
+        # each write the entries they read, and one run's entry would be lost
+        lock = DirectoryLock(os.path.dirname(self.path), name=self.LOCK, what="SFT cache")
         try:
-            atomic_write_json(self.path, {**self._entries(), self.key: results})
+            lock.acquire(command="baseline evaluation cache", wait=lambda _message: None)
+            try:
+                atomic_write_json(self.path, {**self._entries(), self.key: results})
+            finally:
+                lock.release()
         except (OSError, UserError):  # a cache: the run does not depend on it
             pass
 

@@ -58,3 +58,37 @@ def test_baseline_cache_is_keyed_by_the_weights_and_the_eval_settings(sft_dirs, 
     manifest = student / "memopd_manifest.json"
     manifest.write_text(manifest.read_text() + " ")  # other weights, another manifest
     assert _BaselineCache(cfg, str(student)).get() is None
+
+
+def _put_baseline(cfg_args, student: str, eval_tasks: int, start: float) -> None:
+    import time
+
+    from memopd.trainer.loop import _BaselineCache
+
+    cfg = _cfg(*cfg_args, eval_tasks=eval_tasks)
+    cache = _BaselineCache(cfg, student)
+    time.sleep(max(0.0, start - time.time()))  # every writer reads at about the same moment
+    cache.put({"Q1": {"em_mean": eval_tasks / 100}})
+
+
+def test_baseline_cache_keeps_every_entry_of_concurrent_writers(sft_dirs, tmp_path):
+    import multiprocessing as mp
+    import shutil
+    import time
+
+    from memopd.trainer.loop import _BaselineCache
+
+    student = tmp_path / "sft" / "student"
+    shutil.copytree(sft_dirs[0], student)
+    start = time.time() + 1.5
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_put_baseline, args=((sft_dirs, tmp_path / "run"), str(student), n, start))
+             for n in range(3, 9)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for n in range(3, 9):
+        got = _BaselineCache(_cfg(sft_dirs, tmp_path / "run", eval_tasks=n), str(student)).get()
+        assert got == {"Q1": {"em_mean": n / 100}}, f"the entry of the writer with eval_tasks={n} was lost"
