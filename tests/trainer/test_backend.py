@@ -12,18 +12,16 @@ import json
 import sys
 from pathlib import Path
 
+import _dist_worker_backend as W
 import pytest
 import torch
 import torch.distributed as dist
+from _launch import run_worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import _dist_worker_backend as W  # noqa: E402
-from _launch import run_worker  # noqa: E402
-
-from memopd.optim import build_lr_lambda  # noqa: E402
-from memopd.trainer.backend import make_backend  # noqa: E402
-from memopd.trainer.collectives import DistInfo, init_distributed  # noqa: E402
-from memopd.trainer.deepspeed_config import resolve_deepspeed_config  # noqa: E402
+from memopd.optim import build_lr_lambda
+from memopd.trainer.backend import make_backend
+from memopd.trainer.collectives import DistInfo, init_distributed
+from memopd.trainer.deepspeed_config import resolve_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(W.__file__).resolve()

@@ -16,18 +16,15 @@
 """
 import copy
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _launch import REPO, run_worker
 
 from memopd import pack
 from memopd.errors import UserError
 from memopd.hf import HeadError, head_of, packed_forward
 from memopd.trainer.config import ConfigError, TrainConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import REPO, run_worker  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,13 +8,10 @@ Weights and the logged metrics must agree.
 """
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import REPO, run_worker  # noqa: E402
+from _launch import REPO, run_worker
 
 WORKER = REPO / "tests" / "_dist_worker_trainer.py"
 ATOL = 1e-4  # Adam's first steps amplify float-order noise in tiny gradients
@@ -43,7 +40,6 @@ def test_two_ranks_equal_one_process(runs, name):
         pytest.skip("deepspeed not installed")
     got = two[name]
     assert one["world_size"] == 1 and got["world_size"] == 2
-    sys.path.insert(0, str(REPO / "tests"))
     from _dist_worker_trainer import make_models
 
     init = make_models()[0].state_dict()
