@@ -9,7 +9,6 @@ to them and turns errors into one-line messages and exit codes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Sequence
 
@@ -104,8 +103,9 @@ def sft_main(argv: Sequence[str] | None = None) -> int:
     summary = run_sft(args.out, roles=roles, force=args.force, world_config=world, env_config=env,
                       sft_configs=cfgs, jobs=args.jobs, progress=not args.no_progress)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+        from memopd.files import atomic_write_json
+
+        atomic_write_json(args.json, summary)  # whole or not at all, and exit 74 on an OS failure
     return 0
 
 

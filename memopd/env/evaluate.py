@@ -20,7 +20,6 @@ replace the generated ones; results are then grouped by the sets' k.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -233,5 +232,6 @@ def write_json(report: dict[str, Any], path: str | os.PathLike) -> None:
     d = os.path.dirname(os.fspath(path))
     if d:
         os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+    from memopd.files import atomic_write_json
+
+    atomic_write_json(path, report)  # whole or not at all, and exit 74 on an OS failure

@@ -326,6 +326,28 @@ def test_audit_json_on_a_read_only_place_is_74(tmp_path, monkeypatch, capsys):
     assert not target.exists()
 
 
+def test_eval_report_json_on_a_full_disk_is_74_and_keeps_the_previous_report(tmp_path, monkeypatch):
+    """`memopd eval --json` (and `memopd sft --json`, the same writer) replaces its file
+    whole or not at all: a write that fails half-way leaves the previous report as it was."""
+    from memopd.env.evaluate import write_json
+
+    target = tmp_path / "reports" / "eval.json"
+    write_json({"results": {"Q2": {"em_mean": 0.25}}}, target)
+    before = target.read_bytes()
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(Exception) as e:
+        write_json({"results": {"Q2": {"em_mean": 0.75}}}, target)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    _one_line_74(e.value, str(target), "no space left", "its previous content is unchanged")
+    assert target.read_bytes() == before
+    assert _leftovers(tmp_path) == []
+
+
 def test_plot_on_a_full_disk_is_74_and_leaves_no_partial_png(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
