@@ -525,6 +525,18 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     return {"path": out, "skipped": False, **meta["sft"]}
 
 
+def _stop_pool(ex) -> None:
+    """Cancel what has not started and end the running workers of a ProcessPoolExecutor
+    (it has no public way to end a running task before Python 3.14)."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+
+
 def run_sft(
     out_dir: str | os.PathLike,
     *,
@@ -621,8 +633,15 @@ def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs
             job_list = [{**j, "bar_relay": relay.queue if relay else None} for j in job_list]
             ex = stack.enter_context(ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
                                                          mp_context=multiprocessing.get_context("spawn")))
-            for r, res in zip(todo, ex.map(_train_role, job_list)):
-                summary[r] = res
+            try:
+                for r, res in zip(todo, ex.map(_train_role, job_list)):
+                    summary[r] = res
+            except BaseException:
+                # Ctrl-C or a failed role: leaving the `with` would wait for the other
+                # role's whole training. Its model is written as an atomic directory, so
+                # stopping it now loses nothing already saved
+                _stop_pool(ex)
+                raise
     else:
         for r, job in zip(todo, job_list):
             summary[r] = _train_role(job)

@@ -76,3 +76,69 @@ def test_a_killed_builder_frees_the_lock(tmp_path):
     assert json.loads((out / SFT_LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
     assert not (out / "student").exists()  # the half-built model is only in a temp sibling
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return {int(c) for c in f.read().split()}
+    except OSError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_to_the_parent_stops_both_roles_at_once(tmp_path):
+    """SIGINT to the parent alone (as `kill -INT`, or a supervisor's stop) while two roles
+    train in parallel: the parent exits 130 within seconds instead of waiting for the other
+    role's whole training, its workers are gone, and no half-written model is left."""
+    if not os.path.exists("/proc/self/task"):
+        import pytest
+
+        pytest.skip("needs /proc to find the workers")
+    out = tmp_path / "cache"
+    log = tmp_path / "sft.log"
+    # far more steps than the test waits for: only an interrupt ends this build early
+    cmd = [sys.executable, "-m", "memopd.cli", "sft", "--out", str(out), "--ks", "1", "--calls-per-k", "4",
+           "--teacher-steps", "100000", "--student-steps", "100000", "--copy-warmup-steps", "0", "--threads", "1",
+           "--jobs", "2", "--no-progress"]
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    t0 = time.time()
+    workers: set[int] = set()
+    while len(workers) < 2 or "expert data" not in log.read_text():
+        assert p.poll() is None, log.read_text()[-2000:]
+        assert time.time() - t0 < 300, log.read_text()[-2000:]
+        # the spawn context's children: the two role workers (and a resource tracker)
+        workers = {c for c in _children(p.pid) if "_train_role" in open(f"/proc/{c}/cmdline").read()
+                   or "spawn_main" in open(f"/proc/{c}/cmdline").read()}
+        time.sleep(0.1)
+    time.sleep(3)  # both roles are training now
+    all_children = _children(p.pid)
+    os.kill(p.pid, signal.SIGINT)
+    t_int = time.time()
+    try:
+        code = p.wait(60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    waited = time.time() - t_int
+    text = log.read_text()
+    assert code == 130, text[-2000:]
+    assert waited < 30, f"the parent took {waited:.0f} s to stop after Ctrl-C"
+    deadline = time.time() + 15
+    while any(_alive(c) for c in all_children) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [c for c in all_children if _alive(c)]
+    for c in left:
+        os.kill(c, signal.SIGKILL)
+    assert left == [], f"workers still running after the parent stopped: {left}"
+    for role in ("teacher", "student"):
+        assert not (out / role).exists(), f"a {role} model appeared from an interrupted build"
