@@ -1,7 +1,7 @@
 """Roofline cost model of the lm-head Triton kernels at Qwen2.5-3B shapes, computed on CPU
 from the launchers' own grids, tiles and program orders (no GPU, nothing is run).
 
-    python3 benchmarks/gpu_cost_model.py [--tokens 16384] [--vocab 151665]
+    python3 benchmarks/gpu_cost_model.py [--tokens 16384] [--vocab 151665] [--json predictions.jsonl]
 
 Per kernel and per op call (all token chunks of the backward): FLOPs, the bytes its
 programs request from memory, the HBM bytes left after an L2 model, and the predicted
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import sys
 from collections import OrderedDict
@@ -324,10 +325,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--vocab", type=int, action="append", help="default: 151,665 and 151,936")
+    ap.add_argument("--json", help="append one JSON line per op and vocabulary here (benchmarks/gpu_bench.py's summary "
+                                   "puts them beside the measured rows)")
     a = ap.parse_args(argv)
     for V in a.vocab or [151665, HEAD_ROWS]:
-        report(a.tokens, V)
+        _, ops = report(a.tokens, V)
         print()
+        if a.json:
+            with open(a.json, "a") as f:
+                for o in ops:
+                    f.write(json.dumps(dict(op=o["op"], N=a.tokens, V=V, Hs=STUDENT_H, Ht=TEACHER_H, ms=round(o["ms"], 2),
+                                            peak=round(o["peak"], 4), useful_tflop=round(o["useful_tflop"], 2))) + "\n")
     return 0
 
 

@@ -7,13 +7,17 @@ by the same device-side compaction as the distillation kernels: no host sync):
 1. `scaled_logits_kernel` (`memopd.kernels.lm_head_tiles`) writes the chunk's student logits / T (and, with a teacher,
    the teacher's) as fp32 [chunk, V] scratch: one lm_head-sized matmul each, `tl.dot`
    with fp32 accumulation, tiles as in the distillation forward.
-2. `_actor_rows_kernel`, one program per token, sweeps its row three times: the maxima;
-   the sums (normalisers, entropy sum, E_p[a'], the joint sum that gives the precise
-   log-normaliser difference, the target logit); then, with the loss known, it writes
-   dL/dlogits into the student scratch in place and the per-token statistics and loss
-   share at the token's own index.
+2. `_actor_rows_kernel`, one program per token, sweeps its row twice: once for every
+   sum (normalisers, entropy sum, E_p[a'], the joint sum that gives the precise
+   log-normaliser difference) against running maxima, rescaled exactly as they rise,
+   after which it stores the per-token statistics and loss share at the token's own
+   index; then, with the loss known, once to write dL/dlogits: into the student scratch in place
+   (fp32 heads, or a bias gradient) or, for 16-bit heads, into a scratch of that dtype,
+   rounded as the GEMMs rounded it (`grad_scratch_dtype`).
 3. dH = dlogits @ W and dW += dlogits^T @ H run the deterministic GEMM kernels that
-   the distillation backward runs too (`dh_kernel`, `dw_kernel`).
+   the distillation backward runs too (`dh_kernel`, `dw_kernel`); dH is split over the
+   vocabulary with a fixed-order sum where a chunk's grid would leave SMs idle
+   (`dh_splits`: at the default 768-row chunk, 6 x 16 programs on 132 SMs).
 
 So a training call is 4 lm_head-sized matmuls (3 without a teacher) and the backward
 only scales the stored gradients. The scratch is bounded by MEMOPD_DISTILL_SCRATCH_MB
