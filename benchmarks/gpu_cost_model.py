@@ -18,7 +18,9 @@ time and fraction of peak. What it models, and what it does not:
   an order that re-reads a slab ~V / 128 programs later (a miss) from one that re-reads it
   in the same wave (a hit), not a 20 % difference.
 * Time = max(FLOPs / MATMUL_SUSTAINED, HBM bytes / HBM_BYTES_PER_S); the fraction of peak
-  is FLOPs / (time x PEAK_BF16). No launch overheads, no tail effects, no occupancy.
+  is FLOPs / (time x PEAK_BF16). No launch overheads, no occupancy; of the tails only the
+  dH GEMM's, whose few long programs per chunk leave SMs idle (its compute time divided
+  by `wave_fill` over CONCURRENT_PROGRAMS SMs; the logits and dW grids fill >= 99 %).
 * The per-token reductions, the compaction and the bias sum are left out (O(N + V)).
 """
 from __future__ import annotations
