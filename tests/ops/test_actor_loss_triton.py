@@ -159,7 +159,14 @@ def test_online_maxima_rising_along_the_row(seed, case):
         inp["ws"][:, 0] = ramp
         inp["wt"][:, 0] = ramp if case == "close" else 1.5 * ramp
     out, _ = _check(seed, inp, kl_coef=1.0, entropy_coef=0.02)
+    keep = inp["mask"]
     if case == "close":
+        # relative precision of a KL of 1e-9..1e-5 (the three-sweep kernel reached 2.2e-3
+        # on such rows; the limit is the fp32 logits themselves)
+        g = torch.Generator().manual_seed(seed)
+        adv, old = torch.randn(24, generator=g), -torch.rand(24, generator=g) * 4 - 0.5
+        (ref, _) = _run(reference_actor_loss, as64(inp), adv.double(), old.double(), kl_coef=1.0, entropy_coef=0.02)
         assert (out.kl >= 0).all() and out.kl.max() < 1e-3
+        assert ((out.kl.double() - ref.kl)[keep].abs() / ref.kl[keep]).max() < 1e-2
     else:
-        assert out.kl[inp["mask"]].min() > 1e-2
+        assert out.kl[keep].min() > 1e-2
