@@ -9,10 +9,13 @@ ms, TFLOP/s, peak memory, max |diff| vs a reference) as JSON.
 
 Cases are the production shapes of the project at 16k tokens: packed attention (T=16384,
 4 prefixes x 8 calls, D=128, bf16; Hq/Hkv 32/8 and 16/2; forward, forward+backward with
-the atomic and the deterministic dQ), and the fused lm-head ops (N=16384, H=2048,
-V=151,936, bf16: reverse-KL distillation, JSD, the teacher-less log-prob + entropy, the PPO
-actor loss with a teacher KL), each forward+backward. Layouts and inputs come from
-bench_packed_attention.py and bench_fused_distill.py.
+the atomic and the deterministic dQ), and the fused lm-head ops at Qwen2.5-3B / 7B shapes
+(N=16384, student H=2048, teacher H=3584, an lm_head of 151,936 rows, bf16: reverse-KL
+distillation, JSD, the teacher-less log-prob + entropy, the PPO actor loss with a teacher
+KL), each forward+backward, at the full head (V=151,936) and, for the actor loss and the
+reverse-KL distillation, at the tokenizer's odd vocabulary (vocab_size=151,665, the
+rows a Qwen2.5 run uses). Layouts and inputs come from bench_packed_attention.py and
+bench_fused_distill.py.
 
 Measurements: first call (compile + autotune + run, wall clock after a CUDA sync); then 3
 warm-up calls and 10 timed calls (CUDA events), median; peak memory
@@ -21,7 +24,10 @@ the torch path on fp32 copies of the same inputs (attention: out, dq, dk, dv; lm
 the per-token outputs and the gradient of the hidden states), max |diff| over all of them.
 TFLOP/s count useful work only: attention 4·pairs·D·Hq for the forward (visible pairs only)
 and 3.5x that with the backward; lm-head ops the matmuls an implementation without
-recomputation needs (2·N·H·V per forward lm-head matmul, two more per backward: dH, dW).
+recomputation needs (2·N·H·V per forward lm-head matmul, at the student's or the
+teacher's H, two more per backward at the student's: dH, dW), and their fraction of the
+bf16 dense peak (PEAK_BF16). The summary puts next to it what benchmarks/gpu_cost_model.py
+predicts for the same op and shape (`--json`; gpu_check.sh runs it beside the cases).
 """
 from __future__ import annotations
 
@@ -67,14 +73,24 @@ def _attention_case(Hq, Hkv, mode, smoke):
                 flops=flops, inputs=(q, k, v, do))
 
 
-def _lm_case(op, smoke):
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s (as gpu_cost_model.py)
+# the cost model's op for a benchmark op (lm-head ops it models)
+COST_MODEL_OPS = {"actor_loss": "actor loss (teacher)", "reverse_kl": "fused distill (reverse KL, teacher)"}
+QWEN_HEAD_ROWS, QWEN_VOCAB = 151936, 151665
+
+
+def _lm_case(op, smoke, vocab=None):
     from bench_fused_distill import make_inputs
 
     from memopd.ops import fused_linear_actor_loss, fused_linear_distill, fused_linear_logprob_entropy
 
-    N, H, V = (64, 32, 500) if smoke else (16384, 2048, 151936)
+    N, Hs, Ht, V = (64, 32, 24, 500) if smoke else (16384, 2048, 3584, QWEN_HEAD_ROWS)
+    if smoke and vocab is not None:
+        vocab = V - 11  # an odd vocabulary below the head's rows, as at the production shape
     dev, dtype, backend = ("cpu", torch.float32, "torch") if smoke else ("cuda", torch.bfloat16, "triton")
-    hs, ws, ht, wt, y, mask = make_inputs(N, H, H, V, device=dev, dtype=dtype)
+    hs, ws, ht, wt, y, mask = make_inputs(N, Hs, Ht, V, device=dev, dtype=dtype)
+    if vocab is not None:
+        y = y % vocab
     g = torch.Generator(device=dev).manual_seed(3)
     adv = torch.randn(N, device=dev, generator=g)
     old = -torch.rand(N, device=dev, generator=g) * 4 - 9
@@ -83,36 +99,42 @@ def _lm_case(op, smoke):
         h, w = xs[0].detach().requires_grad_(), xs[1].detach().requires_grad_()
         t_h, t_w = xs[2], xs[3]
         if op in ("reverse_kl", "jsd"):
-            out = fused_linear_distill(h, w, t_h, t_w, y, mask=mask, divergence=op, backend=be)
+            out = fused_linear_distill(h, w, t_h, t_w, y, mask=mask, divergence=op, backend=be, vocab_size=vocab)
             outs, loss = [out.kl, out.logprobs, out.entropy], out.loss
         elif op == "logprob_entropy":
-            out = fused_linear_logprob_entropy(h, w, y, mask=mask, backend=be)
+            out = fused_linear_logprob_entropy(h, w, y, mask=mask, backend=be, vocab_size=vocab)
             outs = [out.logprobs, out.entropy]
             loss = (out.logprobs * adv).sum() + 0.01 * out.entropy.sum()
         else:
             out = fused_linear_actor_loss(h, w, y, adv, old, teacher_hidden=t_h, teacher_weight=t_w, mask=mask,
-                                          teacher_kl_coef=0.1, entropy_coef=0.01, backend=be)
+                                          teacher_kl_coef=0.1, entropy_coef=0.01, backend=be, vocab_size=vocab)
             outs, loss = [out.logprobs, out.entropy, out.kl], out.loss
         loss.backward()
         return [o.detach() for o in outs] + [h.grad]
 
-    matmuls = {"reverse_kl": 4, "jsd": 4, "logprob_entropy": 3, "actor_loss": 4}[op]
-    return dict(op=op, shape=f"N={N} H={H} V={V}", dtype=str(dtype).split(".")[-1],
+    Vu = vocab or V  # the rows the kernels read
+    # forward lm-head matmuls (student, and the teacher's where there is one), then dH and dW
+    flops = 2.0 * N * Vu * (Hs + (0 if op == "logprob_entropy" else Ht) + 2 * Hs)
+    shape = f"N={N} Hs/Ht={Hs}/{Ht} V={Vu}" + ("" if vocab is None else f" (head rows {V})")
+    return dict(op=op, shape=shape, dtype=str(dtype).split(".")[-1],
                 run=lambda: call((hs, ws, ht, wt), backend),
                 reference=lambda: call([x.float() for x in (hs, ws, ht, wt)], "torch"),
-                flops=2.0 * N * H * V * matmuls, inputs=(hs, ws, ht, wt))
+                flops=flops, inputs=(hs, ws, ht, wt),
+                model=dict(op=COST_MODEL_OPS.get(op), N=N, V=Vu, Hs=Hs, Ht=Ht))
 
 
-# attention first: it is the kernel family the project exists for
+# (gpu_check.sh's BENCH_LIMITS decides the order they run in and their time limits)
 CASES = {
     "attn-fwd-32/8": lambda s: _attention_case(32, 8, "fwd", s),
     "attn-fwd_bwd-32/8": lambda s: _attention_case(32, 8, "fwd_bwd", s),
     "attn-fwd_bwd_det-32/8": lambda s: _attention_case(32, 8, "fwd_bwd_det", s),
     "attn-fwd_bwd-16/2": lambda s: _attention_case(16, 2, "fwd_bwd", s),
     "distill-reverse_kl": lambda s: _lm_case("reverse_kl", s),
+    "distill-reverse_kl-V151665": lambda s: _lm_case("reverse_kl", s, vocab=QWEN_VOCAB),
     "distill-jsd": lambda s: _lm_case("jsd", s),
     "logprob_entropy": lambda s: _lm_case("logprob_entropy", s),
     "actor_loss": lambda s: _lm_case("actor_loss", s),
+    "actor_loss-V151665": lambda s: _lm_case("actor_loss", s, vocab=QWEN_VOCAB),
 }
 
 
@@ -158,8 +180,20 @@ def measure(name: str, smoke: bool = False, rounds: int = 10) -> dict:
     return dict(case=name, op=case["op"], shape=case["shape"], dtype=case["dtype"],
                 config="; ".join(f"{k}: {v}" for k, v in sorted(config.items())) or "-",
                 first_call_s=round(first_s, 3), median_ms=round(med * 1e3, 3),
-                tflops=round(case["flops"] / med / 1e12, 1), peak_mib=None if peak is None else round(peak / 2**20),
-                max_abs_diff=diff, device=torch.cuda.get_device_name() if cuda else "cpu (smoke)")
+                tflops=round(case["flops"] / med / 1e12, 1), peak_frac=round(case["flops"] / med / PEAK_BF16, 4),
+                peak_mib=None if peak is None else round(peak / 2**20),
+                max_abs_diff=diff, device=torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+                model=case.get("model"))
+
+
+def predicted(row, predictions):
+    """The cost model's prediction (a row of `gpu_cost_model.py --json`) for a benchmark
+    row: same op, tokens, vocabulary and hidden sizes; None when it models no such case."""
+    want = row.get("model") or {}
+    for p in predictions:
+        if want.get("op") and all(p.get(k) == want.get(k) for k in ("op", "N", "V", "Hs", "Ht")):
+            return p
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -242,6 +276,7 @@ def summarize(work_dir: str, out_dir: str) -> str:
     env = _read_jsonl(os.path.join(work_dir, "env.jsonl"))
     tests = _junit(work_dir)
     errors = compile_errors(work_dir)
+    predictions = _read_jsonl(os.path.join(work_dir, "predictions.jsonl"))
     lines = ["# memopd gpu_check", ""]
     if env:
         e = env[-1]
@@ -258,21 +293,23 @@ def summarize(work_dir: str, out_dir: str) -> str:
     if errors:
         lines += ["", f"Compile errors ({len(errors)}, full text in logs.tar.gz):"]
         lines += [f"- {e}" for e in errors[:30]]
-    lines += ["", "| op | shape | dtype | chosen config | first call s | ms | TFLOP/s | peak MiB | max abs diff |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| op | shape | dtype | chosen config | first call s | ms | TFLOP/s | peak MiB | max abs diff | "
+              "of bf16 peak | cost model: ms, of peak |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        p = predicted(r, predictions)
         lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['config']} | {_fmt(r['first_call_s'])} | "
                      f"{_fmt(r['median_ms'])} | {_fmt(r['tflops'])} | {_fmt(r['peak_mib'])} | "
-                     f"{_fmt(r['max_abs_diff'], '.3g')} |")
+                     f"{_fmt(r['max_abs_diff'], '.3g')} | {_fmt(r.get('peak_frac'), '.1%')} | "
+                     + ("- |" if p is None else f"{p['ms']:.1f}, {p['peak']:.0%} |"))
     if not rows:
-        lines.append("| (no benchmark rows) | | | | | | | | |")
+        lines.append("| (no benchmark rows) | | | | | | | | | | |")
     text = "\n".join(lines) + "\n"
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(dict(env=env[-1] if env else {}, steps=steps, tests=tests, compile_errors=errors,
-                       benchmarks=rows), f, indent=1)
+                       benchmarks=rows, predictions=predictions), f, indent=1)
     return text
 
 

@@ -13,8 +13,11 @@
 # compiled-correctness tests (tests/kernels/test_kernels_cuda.py: production shapes, autotune
 # off, pytest-xdist when present, stopping at the first failure). No interpreter suites,
 # no CPU benchmarks. Phase 2 (at most GPU_CHECK_PHASE2_S = 270 s): the cases of
-# benchmarks/gpu_bench.py, attention first, one process and one time limit each; a case
-# that no longer fits in the phase's budget is listed as not run.
+# benchmarks/gpu_bench.py in BENCH_LIMITS order (the production shapes first: the actor
+# loss and the distillation at Qwen2.5's odd vocabulary, attention at Hq/Hkv 16/2), one
+# process and one time limit each; a case that no longer fits in the phase's budget is
+# listed as not run. Beside them, on the CPU, benchmarks/gpu_cost_model.py writes its
+# predictions for the same shapes, which the summary puts next to the measured rows.
 #
 # Output ($OUT when set, the device runner's folder; else benchmarks/results/gpu_check/):
 # summary.md (the pasteable table), results.json (everything in it, machine-readable),
@@ -33,7 +36,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --phase) PHASE="${2:-}"; shift ;;
     --phase=*) PHASE="${1#--phase=}" ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (use --dry-run, --phase 1|2|all)" >&2; exit 2 ;;
   esac
   shift
@@ -171,13 +174,24 @@ phase1() {
     "${XDIST[@]}" -rfE --junitxml="$WORK/correctness.xml"
 }
 
-BENCH_LIMITS=(  # case:limit seconds, attention first
-  "attn-fwd-32/8:60" "attn-fwd_bwd-32/8:75" "attn-fwd_bwd_det-32/8:60" "attn-fwd_bwd-16/2:60"
-  "distill-reverse_kl:60" "distill-jsd:45" "logprob_entropy:45" "actor_loss:45"
+BENCH_LIMITS=(  # case:limit seconds, in the order they run: the first five fit the phase's 270 s
+  "actor_loss-V151665:45" "distill-reverse_kl-V151665:60" "attn-fwd_bwd-16/2:60" "attn-fwd_bwd-32/8:60"
+  "attn-fwd-32/8:40" "attn-fwd_bwd_det-32/8:60" "actor_loss:45" "distill-reverse_kl:60" "distill-jsd:45"
+  "logprob_entropy:45"
 )
+
+# the cost model's predictions for the benchmarked lm-head shapes (16k tokens, both
+# vocabularies), on one CPU core beside the GPU steps (and away from the GPU)
+COST_MODEL=(benchmarks/gpu_cost_model.py --tokens 16384 --vocab 151665 --vocab 151936 --json "$WORK/predictions.jsonl")
+COST_PID=""
+start_cost_model() {
+  CUDA_VISIBLE_DEVICES="" timeout 240 "$PY" "${COST_MODEL[@]}" > "$WORK/cost_model.log" 2>&1 &
+  COST_PID=$!
+}
 
 phase2() {
   local end=$(( $(date +%s) + PHASE2_S )) item case limit left
+  [ -z "$COST_PID" ] && start_cost_model
   for item in "${BENCH_LIMITS[@]}"; do
     case="${item%:*}"
     limit="${item##*:}"
@@ -185,6 +199,7 @@ phase2() {
     [ "$left" -lt "$limit" ] && limit="$left"
     step "bench-${case//\//_}" "$limit" "$PY" benchmarks/gpu_bench.py "$case" --json "$WORK/bench_rows.jsonl"
   done
+  wait "$COST_PID" 2>/dev/null || echo "gpu_check: the cost model failed: $(tail -1 "$WORK/cost_model.log")"
   return 0
 }
 
@@ -193,6 +208,8 @@ dry_run() {
   dry core "import memopd._C, else bash benchmarks/build_core_for.sh (limit 90s)" core_check
   dry correctness "$PY -m pytest ${TESTS[*]} -x -q ${XDIST[*]:-(no pytest-xdist: one process)} (limit: the rest of ${PHASE1_S}s); here: collect only" \
     "$PY" -m pytest "${TESTS[@]}" --collect-only -q -p no:cacheprovider
+  dry cost-model "CUDA_VISIBLE_DEVICES= $PY ${COST_MODEL[*]} beside phase 2; here: at 64 tokens" \
+    "$PY" benchmarks/gpu_cost_model.py --tokens 64 --vocab 500 --json "$WORK/predictions.jsonl"
   local item cases=()
   for item in "${BENCH_LIMITS[@]}"; do cases+=("${item%:*}"); done
   dry bench "$PY benchmarks/gpu_bench.py CASE, one process each: ${BENCH_LIMITS[*]} (phase limit ${PHASE2_S}s); here: the smoke run on CPU" \
@@ -209,6 +226,7 @@ rm -f "$OUT_DIR/summary.md" "$OUT_DIR/results.json" "$OUT_DIR/logs.tar.gz"
 if [ "$DRY" = 1 ]; then
   dry_run
 else
+  [ "$PHASE" = all ] && start_cost_model  # done long before phase 2 needs it
   if [ "$PHASE" = 1 ] || [ "$PHASE" = all ]; then phase1; fi
   if [ "$PHASE" = 2 ] || [ "$PHASE" = all ]; then
     if [ "$PHASE" = 2 ] && ! env_check >/dev/null 2>&1; then

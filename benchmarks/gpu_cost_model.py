@@ -1,7 +1,7 @@
 """Roofline cost model of the lm-head Triton kernels at Qwen2.5-3B shapes, computed on CPU
 from the launchers' own grids, tiles and program orders (no GPU, nothing is run).
 
-    python3 benchmarks/gpu_cost_model.py [--tokens 16384] [--vocab 151665]
+    python3 benchmarks/gpu_cost_model.py [--tokens 16384] [--vocab 151665] [--json predictions.jsonl]
 
 Per kernel and per op call (all token chunks of the backward): FLOPs, the bytes its
 programs request from memory, the HBM bytes left after an L2 model, and the predicted
@@ -18,12 +18,16 @@ time and fraction of peak. What it models, and what it does not:
   an order that re-reads a slab ~V / 128 programs later (a miss) from one that re-reads it
   in the same wave (a hit), not a 20 % difference.
 * Time = max(FLOPs / MATMUL_SUSTAINED, HBM bytes / HBM_BYTES_PER_S); the fraction of peak
-  is FLOPs / (time x PEAK_BF16). No launch overheads, no tail effects, no occupancy.
+  is FLOPs / (time x PEAK_BF16). No launch overheads, no occupancy; of the tails only the
+  dH GEMM's, whose few long programs per chunk leave SMs idle (its compute time divided
+  by `wave_fill` over CONCURRENT_PROGRAMS SMs; the logits and dW grids fill >= 99 %).
 * The per-token reductions, the compaction and the bias sum are left out (O(N + V)).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import os
 import sys
 from collections import OrderedDict
@@ -31,6 +35,7 @@ from collections import OrderedDict
 os.environ.setdefault("MEMOPD_TRITON_AUTOTUNE", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 
 import memopd.kernels.actor_loss as al  # noqa: E402
@@ -39,10 +44,13 @@ from memopd.kernels.contract import Divergence  # noqa: E402
 from memopd.kernels.lm_head_tiles import (  # noqa: E402
     GEMM_GPU,
     default_token_chunk,
+    dh_split_width,
+    dh_splits,
     dw_grid,
     dw_program_tile,
     logits_meta,
     scratch_row_stride,
+    wave_fill,
 )
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s
@@ -89,9 +97,11 @@ class L2:
         self.hbm += nbytes
 
 
-def _row(name, flops, cache, note=""):
-    t = max(flops / MATMUL_SUSTAINED, cache.hbm / HBM_BYTES_PER_S)
-    bound = "memory" if cache.hbm / HBM_BYTES_PER_S > flops / MATMUL_SUSTAINED else "compute"
+def _row(name, flops, cache, note="", compute_s=None):
+    # compute_s: the compute time when the grid does not keep every SM busy (`wave_fill`)
+    compute_s = flops / MATMUL_SUSTAINED if compute_s is None else compute_s
+    t = max(compute_s, cache.hbm / HBM_BYTES_PER_S)
+    bound = "memory" if cache.hbm / HBM_BYTES_PER_S > compute_s else "compute"
     return dict(kernel=name, tflop=flops / 1e12, requested_gb=cache.requested / 1e9, hbm_gb=cache.hbm / 1e9,
                 ms=t * 1e3, peak=flops / (t * PEAK_BF16) if flops else 0.0,
                 hbm_util=cache.hbm / (t * HBM_BYTES_PER_S), bound=bound, note=note)
@@ -117,6 +127,7 @@ def distill_forward(N, V):
 
 
 def _chunks(N, V, elem):
+    # elem: the bytes per scratch element the launcher sizes its chunks by
     chunk = min(default_token_chunk(N, V, elem), N)
     return [(c0, min(chunk, N - c0)) for c0 in range(0, N, chunk)], chunk
 
@@ -141,29 +152,51 @@ def distill_dlogits(N, V):
     return _row("dlogits (KL, teacher)", flops, cache, f"{len(chunks)} chunks of {chunk} rows")
 
 
-def gemm_dh(N, V, elem, H=STUDENT_H, label="dh"):
+def gemm_dh(N, V, elem, H=STUDENT_H, label="dh", chunk_elem=None, split=False):
+    """elem: bytes per scratch element; chunk_elem: what the launcher sizes its chunks by
+    (default elem); split: the actor loss's vocabulary split (`dh_splits`, SMs =
+    CONCURRENT_PROGRAMS), else the launcher's default, one share. Every dH program runs
+    the whole K loop, so the compute time is divided by the grid's `wave_fill`."""
     g = GEMM_GPU
-    chunks, chunk = _chunks(N, V, elem)
+    chunks, chunk = _chunks(N, V, chunk_elem or elem)
     stride = scratch_row_stride(V)
-    cache, flops = L2(L2_BYTES), 0
+    cache, flops, compute_s, fills, plans = L2(L2_BYTES), 0, 0.0, [], set()
     for c0, n_rows in chunks:
-        n_m = triton.cdiv(n_rows, g["BLOCK_M"])
-        for h in range(triton.cdiv(H, g["BLOCK_H"])):  # grid axis 1
-            for m in range(n_m):  # grid axis 0 runs fastest
-                rows = min(g["BLOCK_M"], n_rows - m * g["BLOCK_M"])
-                cache.program()
-                cache.read(("g", c0, m), rows * stride * elem)
-                cache.read(("w", h), V * g["BLOCK_H"] * BF16)
-                cache.write(rows * g["BLOCK_H"] * BF16)
-                flops += 2 * rows * V * g["BLOCK_H"]
-    return _row(label, flops, cache, f"{len(chunks)} chunks, scratch stride {stride}")
+        n_m, n_h = triton.cdiv(n_rows, g["BLOCK_M"]), triton.cdiv(H, g["BLOCK_H"])
+        splits = dh_splits(n_rows, H, V, g, CONCURRENT_PROGRAMS) if split else 1
+        k_per = dh_split_width(V, splits, g) if splits > 1 else V
+        plans.add(splits)
+        chunk_flops = 0
+        for sp in range(splits):  # grid axis 2
+            cols = min(k_per, V - sp * k_per)
+            for h in range(n_h):  # grid axis 1
+                for m in range(n_m):  # grid axis 0 runs fastest
+                    rows = min(g["BLOCK_M"], n_rows - m * g["BLOCK_M"])
+                    cache.program()
+                    cache.read(("g", c0, m, sp), rows * min(k_per, stride - sp * k_per) * elem)
+                    cache.read(("w", h, sp), cols * g["BLOCK_H"] * BF16)
+                    cache.write(rows * g["BLOCK_H"] * (FP32 if splits > 1 else BF16))
+                    chunk_flops += 2 * rows * cols * g["BLOCK_H"]
+        if splits > 1:  # dh_reduce_kernel: the fp32 shares in, dH out
+            cache.requested += splits * n_rows * H * FP32
+            cache.hbm += splits * n_rows * H * FP32
+            cache.write(n_rows * H * BF16)
+        fill = wave_fill(n_m * n_h * splits, CONCURRENT_PROGRAMS)
+        fills.append(fill)
+        flops += chunk_flops
+        compute_s += chunk_flops / (MATMUL_SUSTAINED * fill)
+    grid = f"{triton.cdiv(chunk, g['BLOCK_M'])}x{triton.cdiv(H, g['BLOCK_H'])}x{max(plans)} programs/chunk"
+    r = _row(label, flops, cache, f"{len(chunks)} chunks of {chunk} rows, {grid}, SM fill {min(fills):.0%}-"
+             f"{max(fills):.0%}, scratch stride {stride}", compute_s=compute_s)
+    r["fill"] = min(fills)
+    return r
 
 
-def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher"):
+def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher", chunk_elem=None):
     """order="launcher": the kernel's own map (`dw_program_tile`); "vocab-fastest": the
-    order before it, for comparison."""
+    order before it, for comparison. elem, chunk_elem: as in `gemm_dh`."""
     g = GEMM_GPU
-    chunks, chunk = _chunks(N, V, elem)
+    chunks, chunk = _chunks(N, V, chunk_elem or elem)
     n_v, n_h = triton.cdiv(V, g["BLOCK_M"]), triton.cdiv(H, g["BLOCK_H"])
     (n_programs,) = dw_grid(V, H, g)
     cache, flops = L2(L2_BYTES), 0
@@ -201,19 +234,29 @@ def actor_logits(N, V, H, label):
     return _row(label, flops, cache, f"{len(chunks)} chunks of {chunk} rows")
 
 
-def actor_rows(N, V):
-    """One program per token: 3 sweeps of the student row, 2 of the teacher row, one write."""
+def actor_rows(N, V, sweeps=None, grad_elem=None, label="actor rows (teacher)"):
+    """One program per token streams its student and teacher rows `sweeps` times (default:
+    the loops over the row in the kernel's source; the last one writes dL/dlogits, of
+    grad_elem bytes: default what `grad_scratch_dtype` picks for a bf16 head without a
+    bias). A row pair is ~1.2 MB, so the rows of the resident programs (>= one per SM)
+    are several times L2: every sweep reads them from HBM again."""
+    src = inspect.getsource(getattr(al._actor_rows_kernel, "fn", al._actor_rows_kernel))
+    sweeps = sweeps or src.count("for v0 in range(")
+    grad_elem = grad_elem or al.grad_scratch_dtype(torch.bfloat16, need_db=False).itemsize
     stride = scratch_row_stride(V)
     cache = L2(L2_BYTES)
     row = stride * FP32
-    for r in range(N):
-        # a row (~0.6 MB) stays in L2 between the sweeps of its own program
+    in_l2 = CONCURRENT_PROGRAMS * 2 * row <= L2_BYTES
+    for _ in range(N):
         cache.program()
-        cache.read(("s", r), row)
-        cache.read(("t", r), row)
-        cache.requested += 3 * row  # the later sweeps: L2 hits
-        cache.write(row)
-    return _row("actor rows (teacher)", 0, cache, f"BLOCK_V={al._rows_block(V)}")
+        for sweep in range(sweeps):
+            if sweep and in_l2:
+                cache.requested += 2 * row
+            else:
+                cache.requested += 2 * row
+                cache.hbm += 2 * row
+        cache.write(stride * grad_elem)
+    return _row(label, 0, cache, f"BLOCK_V={al._rows_block(V)}, {sweeps} sweeps, dL/dlogits in {grad_elem} B")
 
 
 def report(N, V):
@@ -224,9 +267,12 @@ def report(N, V):
             actor_logits(N, V, STUDENT_H, "actor logits (student)"),
             actor_logits(N, V, TEACHER_H, "actor logits (teacher)"),
             actor_rows(N, V),
-            gemm_dh(N, V, FP32, label="dh (actor, fp32 scratch)"),
+            actor_rows(N, V, sweeps=3, grad_elem=FP32, label="actor rows (teacher, 3 sweeps, fp32 grads: before)"),
+            gemm_dh(N, V, BF16, label="dh (actor)", chunk_elem=FP32, split=True),
+            gemm_dh(N, V, FP32, label="dh (actor, fp32 scratch, unsplit: before)"),
+            gemm_dw(N, V, BF16, label="dw (actor)", chunk_elem=FP32),
             gemm_dw(N, V, FP32, label="dw (actor, fp32 scratch)"),
-            gemm_dw(N, V, FP32, label="dw (actor, before)", order="vocab-fastest")]
+            gemm_dw(N, V, FP32, label="dw (actor, fp32 scratch, vocab tiles fastest)", order="vocab-fastest")]
     print(f"N={N} tokens, V={V} (scratch row stride {scratch_row_stride(V)}), student H={STUDENT_H}, "
           f"teacher H={TEACHER_H}; peak {PEAK_BF16 / 1e12:.0f} TFLOP/s bf16, {MATMUL_SUSTAINED / 1e12:.0f} "
           f"sustained, {HBM_BYTES_PER_S / 1e12:.1f} TB/s, L2 {L2_BYTES >> 20} MiB")
@@ -256,11 +302,10 @@ OPS = {
         ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"],
         ["fwd (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"]),
     "actor loss (teacher)": (
-        ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor, fp32 scratch)",
-         "dw (actor, fp32 scratch)"], None),
-    "actor loss, dW in the old order": (
-        ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor, fp32 scratch)",
-         "dw (actor, before)"], None),
+        ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor)", "dw (actor)"], None),
+    "actor loss, before (3 row sweeps, fp32 scratch, unsplit dH)": (
+        ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher, 3 sweeps, fp32 grads: before)",
+         "dh (actor, fp32 scratch, unsplit: before)", "dw (actor, fp32 scratch)"], None),
 }
 
 
@@ -282,10 +327,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--vocab", type=int, action="append", help="default: 151,665 and 151,936")
+    ap.add_argument("--json", help="append one JSON line per op and vocabulary here (benchmarks/gpu_bench.py's summary "
+                                   "puts them beside the measured rows)")
     a = ap.parse_args(argv)
     for V in a.vocab or [151665, HEAD_ROWS]:
-        report(a.tokens, V)
+        _, ops = report(a.tokens, V)
         print()
+        if a.json:
+            with open(a.json, "a") as f:
+                for o in ops:
+                    f.write(json.dumps(dict(op=o["op"], N=a.tokens, V=V, Hs=STUDENT_H, Ht=TEACHER_H, ms=round(o["ms"], 2),
+                                            peak=round(o["peak"], 4), useful_tflop=round(o["useful_tflop"], 2))) + "\n")
     return 0
 
 

@@ -7,13 +7,17 @@ by the same device-side compaction as the distillation kernels: no host sync):
 1. `scaled_logits_kernel` (`memopd.kernels.lm_head_tiles`) writes the chunk's student logits / T (and, with a teacher,
    the teacher's) as fp32 [chunk, V] scratch: one lm_head-sized matmul each, `tl.dot`
    with fp32 accumulation, tiles as in the distillation forward.
-2. `_actor_rows_kernel`, one program per token, sweeps its row three times: the maxima;
-   the sums (normalisers, entropy sum, E_p[a'], the joint sum that gives the precise
-   log-normaliser difference, the target logit); then, with the loss known, it writes
-   dL/dlogits into the student scratch in place and the per-token statistics and loss
-   share at the token's own index.
+2. `_actor_rows_kernel`, one program per token, sweeps its row twice: once for every
+   sum (normalisers, entropy sum, E_p[a'], the joint sum that gives the precise
+   log-normaliser difference) against running maxima, rescaled exactly as they rise,
+   after which it stores the per-token statistics and loss share at the token's own
+   index; then, with the loss known, once to write dL/dlogits: into the student scratch in place
+   (fp32 heads, or a bias gradient) or, for 16-bit heads, into a scratch of that dtype,
+   rounded as the GEMMs rounded it (`grad_scratch_dtype`).
 3. dH = dlogits @ W and dW += dlogits^T @ H run the deterministic GEMM kernels that
-   the distillation backward runs too (`dh_kernel`, `dw_kernel`).
+   the distillation backward runs too (`dh_kernel`, `dw_kernel`); dH is split over the
+   vocabulary with a fixed-order sum where a chunk's grid would leave SMs idle
+   (`dh_splits`: at the default 768-row chunk, 6 x 16 programs on 132 SMs).
 
 So a training call is 4 lm_head-sized matmuls (3 without a teacher) and the backward
 only scales the stored gradients. The scratch is bounded by MEMOPD_DISTILL_SCRATCH_MB
@@ -34,12 +38,14 @@ from .contract import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
 from .lm_head_tiles import (
     compaction,
     default_token_chunk,
+    dh_splits,
     expm1_small,
     gemm_meta,
     launch_dh,
     launch_dw,
     launch_scaled_logits,
     log1p_small,
+    multiprocessor_count,
     new_scratch,
 )
 from .runtime import INTERPRET, NEG, dot_precision, upcast
@@ -54,8 +60,8 @@ _CLIPPED = tl.constexpr(int(ActorStat.CLIPPED))
 
 @triton.jit
 def _actor_rows_kernel(
-    s_ptr, t_ptr, targets_ptr, adv_ptr, old_ptr, klkeep_ptr, order_ptr, count_ptr, stats_ptr, part_ptr,
-    N, V, c0, stride_s, stride_t,
+    s_ptr, t_ptr, g_ptr, targets_ptr, adv_ptr, old_ptr, klkeep_ptr, order_ptr, count_ptr, stats_ptr, part_ptr,
+    N, V, c0, stride_s, stride_t, stride_g,
     clip_low, clip_high, dual_clip, g_h, kl_scale, inv_norm, inv_temp, precise_limit,
     HAS_TEACHER: tl.constexpr, DUAL: tl.constexpr, NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -68,46 +74,62 @@ def _actor_rows_kernel(
     trow = t_ptr + r.to(tl.int64) * stride_t
     v_end = tl.where(active, V, 0)
     offs = tl.arange(0, BLOCK_V)
-    # sweep 1: maxima
-    m_s = tl.full([BLOCK_V], NEG, tl.float32)
-    m_t = tl.full([BLOCK_V], NEG, tl.float32)
-    # Loads are bounded by the padded row stride (vectorised for any V). The padding holds
-    # zeros, which is what a load masked by V gave: the sums below mask only what 0 would
-    # not leave out (exp), and the maxima mask the padding to NEG.
-    for v0 in range(0, v_end, BLOCK_V):
-        cols = v0 + offs
-        ok = cols < V
-        m_s = tl.maximum(m_s, tl.where(ok, tl.load(srow + cols, mask=cols < stride_s, other=NEG), NEG))
-        if HAS_TEACHER:
-            m_t = tl.maximum(m_t, tl.where(ok, tl.load(trow + cols, mask=cols < stride_t, other=NEG), NEG))
-    ms = tl.max(m_s, 0)
-    mt = tl.max(m_t, 0)
-    # sweep 2: sums with the maxima known (s' = s - max s, t' = t - max t, a' = s' - t')
+    # Sweep 1: every sum in one pass, against running maxima (one scalar per row and side,
+    # raised tile by tile). With s' = s - max s, t' = t - max t, a' = s' - t' and a rise
+    # d of a maximum, each sum is rescaled exactly: e^{s'} by e^{d_s}, s' and a' shift by
+    # d_s and d_s - d_t, so  sum e^{s'} s' -> e^{d_s} (A + d_s Z_s),
+    # sum e^{s'} a' -> e^{d_s} (E + (d_s - d_t) Z_s) and, since
+    # expm1(x + c) = e^c expm1(x) + expm1(c),  sum e^{t'} expm1(a') -> e^{d_t} (e^c R + expm1(c) Z_t).
+    # Every term of A and of d_s Z_s is <= 0 (no cancellation); E and R are first-order
+    # small for p ~ q, as in a sweep with the final maxima, and keep their relative precision.
+    m_s = tl.full([], NEG, tl.float32)
+    m_t = tl.full([], NEG, tl.float32)
     z_s = tl.zeros([BLOCK_V], tl.float32)
     a_s = tl.zeros([BLOCK_V], tl.float32)
     z_t = tl.zeros([BLOCK_V], tl.float32)
     e_pa = tl.zeros([BLOCK_V], tl.float32)
     r_q = tl.zeros([BLOCK_V], tl.float32)
-    a_mx = tl.full([BLOCK_V], NEG, tl.float32)
+    a_hi = tl.full([BLOCK_V], NEG, tl.float32)
+    # Loads are bounded by the padded row stride (vectorised for any V). The padding holds
+    # zeros, which is what a load masked by V gave: the sums mask only what 0 would not
+    # leave out (exp), and the maxima mask the padding to NEG.
     for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + offs
         ok = cols < V
-        s = tl.load(srow + cols, mask=cols < stride_s, other=0.0) - ms
+        s_raw = tl.load(srow + cols, mask=cols < stride_s, other=0.0)
+        ms_new = tl.maximum(m_s, tl.max(tl.where(ok, s_raw, NEG), 0))
+        d_s = tl.where(m_s > NEG, m_s - ms_new, 0.0)  # first tile: the sums are still 0
+        m_s = ms_new
+        al_s = tl.exp(d_s)
+        s = s_raw - m_s
         es = tl.where(ok, tl.exp(s), 0.0)
-        z_s += es
-        a_s += es * s
+        z_old = z_s
+        a_s = al_s * (a_s + d_s * z_old) + es * s
+        z_s = al_s * z_old + es
         if HAS_TEACHER:
-            t = tl.load(trow + cols, mask=cols < stride_t, other=0.0) - mt
+            t_raw = tl.load(trow + cols, mask=cols < stride_t, other=0.0)
+            mt_new = tl.maximum(m_t, tl.max(tl.where(ok, t_raw, NEG), 0))
+            d_t = tl.where(m_t > NEG, m_t - mt_new, 0.0)
+            m_t = mt_new
+            al_t = tl.exp(d_t)
+            c = d_s - d_t  # the shift of the earlier a'
+            c_small = tl.abs(c) < 1.0
+            em1_c = tl.where(c_small, expm1_small(tl.where(c_small, c, 0.0)), tl.exp(tl.minimum(c, precise_limit)) - 1.0)
+            t = t_raw - m_t
             et = tl.where(ok, tl.exp(t), 0.0)
             a = s - t
-            z_t += et
-            e_pa += es * a
+            e_pa = al_s * (e_pa + c * z_old) + es * a
             a_c = tl.minimum(a, precise_limit)
             # expm1 to relative precision: exp(a) - 1 loses it for the tiny a' of p ~ q
             small = tl.abs(a_c) < 1.0
             em1 = tl.where(small, expm1_small(tl.where(small, a_c, 0.0)), tl.exp(a_c) - 1.0)
-            r_q += et * em1
-            a_mx = tl.maximum(a_mx, tl.where(ok, a, NEG))
+            r_q = al_t * ((em1_c + 1.0) * r_q + em1_c * z_t) + et * em1
+            z_t = al_t * z_t + et
+            # an upper bound of every a' both when it was summed (clamped above) and at the
+            # end (shifted by the later c): above precise_limit, the plain difference is used
+            a_hi = tl.maximum(a_hi + tl.maximum(c, 0.0), tl.where(ok, a, NEG))
+    ms = m_s
+    mt = m_t
     zs = tl.sum(z_s, 0)
     log_zs = tl.log(tl.where(active, zs, 1.0))
     ent = log_zs - tl.sum(a_s, 0) / tl.where(active, zs, 1.0)
@@ -122,7 +144,7 @@ def _actor_rows_kernel(
         ratio_q = tl.sum(r_q, 0) / zt
         plain = log_zs - tl.log(zt)
         # log1p(Z_s'/Z_t' - 1) with relative precision (Kahan's form holds for any x > -1)
-        use_plain = (tl.max(a_mx, 0) > precise_limit) | (ratio_q <= -1.0)
+        use_plain = (tl.max(a_hi, 0) > precise_limit) | (ratio_q <= -1.0)
         dlse = tl.where(use_plain, plain, log1p_small(tl.where(use_plain, 0.0, ratio_q)))
         kl = tl.maximum(tl.sum(e_pa, 0) / tl.where(active, zs, 1.0) - dlse, 0.0)
     adv = tl.load(adv_ptr + row).to(tl.float32)
@@ -152,8 +174,9 @@ def _actor_rows_kernel(
     tl.store(stats_ptr + _RATIO * N + row, tl.where(active, ratio, 1.0))
     tl.store(stats_ptr + _CLIPPED * N + row, tl.where(active & clipped, 1.0, 0.0))
     if NEED_GRAD:
-        # sweep 3: dL/dlogits = [p (A + B log p + g_kl a') + g_pg 1[v = y]] / T, in place;
-        # rows of masked tokens are zeroed (the GEMMs and the bias sum read them)
+        # sweep 2: dL/dlogits = [p (A + B log p + g_kl a') + g_pg 1[v = y]] / T into the
+        # gradient scratch g (the student scratch itself, in place, or a buffer of the GEMM
+        # operand's dtype); rows of masked tokens are zeroed (the GEMMs and the bias sum read them)
         coef_a = -g_pg - g_h * ent - g_kl * (dlse + kl)
         coef_b = -g_h
         for v0 in range(0, V, BLOCK_V):
@@ -166,8 +189,13 @@ def _actor_rows_kernel(
                 t = tl.load(trow + cols, mask=cols < stride_t, other=0.0) - mt
                 ds += g_kl * (s - t)
             ds = tl.exp(ls) * ds + tl.where(cols == y, g_pg, 0.0)
-            # the padding past V is rewritten as zeros: the GEMMs read whole padded rows
-            tl.store(srow + cols, tl.where(active & ok, ds * inv_temp, 0.0), mask=cols < stride_s)
+            # the padding past V is written as zeros: the GEMMs read whole padded rows
+            out = tl.where(active & ok, ds * inv_temp, 0.0)
+            if g_ptr.dtype.element_ty != tl.float32:
+                # round to nearest even, as the GEMMs' own conversion of an fp32 operand
+                # (spelled out: the interpreter's default conversion truncates)
+                out = out.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(g_ptr + r.to(tl.int64) * stride_g + cols, out, mask=cols < stride_g)
 
 
 def _rows_block(V: int) -> int:
@@ -205,14 +233,22 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
     gemm_prec = dot_precision(ws.dtype)
     gm = gemm_meta(gemm_prec == "ieee")
     gemm_upcast = upcast(hs.dtype, ws.dtype)
+    g_dtype = grad_scratch_dtype(ws.dtype if hs.dtype == ws.dtype else torch.float32, need_db) if any_grad else torch.float32
+    g_buf = s_buf if g_dtype == torch.float32 else new_scratch(chunk, V, g_dtype, dev)
+    # dH split over the vocabulary where a chunk's grid would leave SMs idle (`dh_splits`);
+    # one fp32 buffer of partial sums serves the full chunks and the shorter last one
+    last = N - (N - 1) // chunk * chunk
+    plan = {n: _dh_splits(n, Hs, V, gm, dev) if need_dh else 1 for n in {chunk, last}}
+    n_part = max(sp * n for n, sp in plan.items() if sp > 1) * Hs if max(plan.values()) > 1 else 0
+    partials = torch.empty(n_part, device=dev, dtype=torch.float32) if n_part else None
     for c0 in range(0, N, chunk):
         n_rows = min(chunk, N - c0)
         launch_scaled_logits(student, order, count, s_buf, c0, n_rows, V, inv_t)
         if teacher is not None:
             launch_scaled_logits(teacher, order, count, t_buf, c0, n_rows, V, inv_t)
         _actor_rows_kernel[(n_rows,)](
-            s_buf, t_buf, targets, adv, old_lp, kl_keep, order, count, stats, part,
-            N, V, c0, s_buf.stride(0), t_buf.stride(0),
+            s_buf, t_buf, g_buf, targets, adv, old_lp, kl_keep, order, count, stats, part,
+            N, V, c0, s_buf.stride(0), t_buf.stride(0), g_buf.stride(0),
             float(params.clip_low), float(params.clip_high), float(params.dual_clip or 0.0),
             -float(params.entropy_coef) / params.normalizer, float(params.teacher_kl_coef) / params.kl_normalizer,
             1.0 / params.normalizer, inv_t, PRECISE_LIMIT,
@@ -220,9 +256,29 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
             BLOCK_V=_rows_block(V), **_ROWS_LAUNCH,
         )
         if need_dh:
-            launch_dh(s_buf, ws, order, count, dh, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
+            launch_dh(g_buf, ws, order, count, dh, V, c0, n_rows, gemm_upcast, gemm_prec, gm, splits=plan[n_rows],
+                      partials=partials)
         if need_dw:
-            launch_dw(s_buf, hs, order, count, dw32, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
+            launch_dw(g_buf, hs, order, count, dw32, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
         if need_db:
-            db32[:V] += s_buf[:n_rows, :V].sum(0)
+            db32[:V] += g_buf[:n_rows, :V].sum(0)
     return part.sum(), stats, dh, dw32, db32
+
+
+def grad_scratch_dtype(gemm_dtype: torch.dtype, need_db: bool) -> torch.dtype:
+    """dtype of the dL/dlogits scratch the dH / dW GEMMs read (gemm_dtype: that of the
+    hidden states and weight, one dtype per head). The compiled GEMMs round it to that
+    dtype before `tl.dot` anyway, so for 16-bit heads the rows kernel stores it rounded,
+    with the same round-to-nearest-even conversion: the same GEMM operands, half the
+    bytes written and read, and the GEMMs' plain 16-bit operand path. fp32 (the student
+    scratch itself, in place) for fp32 heads, and where a bias gradient is needed: it is
+    summed from the unrounded values. (The interpreter's GEMMs upcast to fp32; with a
+    16-bit scratch they then compute from the same rounded values as the GPU.)"""
+    if need_db or gemm_dtype not in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return gemm_dtype
+
+
+def _dh_splits(n_rows: int, H: int, V: int, meta: dict, device) -> int:
+    # one place for the plan, so that tests can force a split under the interpreter
+    return dh_splits(n_rows, H, V, meta, multiprocessor_count(device))

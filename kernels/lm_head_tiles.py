@@ -2,7 +2,8 @@
 fused distillation / log-prob op, `memopd.kernels.fused_distill`, and the fused actor loss,
 `memopd.kernels.actor_loss`): the logits tile h @ W^T (+ b) and a kernel that writes
 a chunk of scaled logits to scratch, the deterministic dH / dW
-GEMMs over a dlogits scratch, accurate expm1 / log1p for small arguments, the device-side
+GEMMs over a dlogits scratch (dH optionally split over the vocabulary, `dh_splits`, with
+a fixed-order reduction), accurate expm1 / log1p for small arguments, the device-side
 compaction of kept rows, and the sizing of the dlogits scratch.
 
 Every launcher here assumes validated, contiguous inputs. Rows are addressed through
@@ -28,7 +29,8 @@ from .contract import LinearHead
 from .runtime import INTERPRET, dot_precision, or_dummy, upcast
 
 __all__ = ["expm1_small", "log1p_small", "logits_tile", "scaled_logits_kernel", "logits_meta", "launch_scaled_logits",
-           "dh_kernel", "dw_kernel", "dw_program_tile", "dw_grid",
+           "dh_tile", "dh_kernel", "dh_split_kernel", "dh_reduce_kernel", "dh_splits", "dh_split_width",
+           "wave_fill", "multiprocessor_count", "dw_kernel", "dw_program_tile", "dw_grid",
            "launch_dh", "launch_dw", "GEMM_GPU", "GEMM_GPU_FP32", "GEMM_INTERP", "gemm_meta", "compaction",
            "SCRATCH_ROW_ALIGN", "scratch_row_stride", "new_scratch", "default_token_chunk"]
 
@@ -104,6 +106,28 @@ def scaled_logits_kernel(
 
 
 @triton.jit
+def dh_tile(g_ptr, w_ptr, local, in_chunk, hh, h_ok, k_lo, k_hi, V, stride_g, stride_w,
+            UPCAST: tl.constexpr, PREC: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_H] tile of dlogits[local, k_lo:k_hi] @ W[k_lo:k_hi, hh]."""
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < V
+        # the scratch row is stride_g wide with zeros past V (see the module docstring)
+        a = tl.load(g_ptr + local.to(tl.int64)[:, None] * stride_g + kk[None, :],
+                    mask=in_chunk[:, None] & (kk < stride_g)[None, :], other=0.0)
+        b = tl.load(w_ptr + kk.to(tl.int64)[:, None] * stride_w + hh[None, :],
+                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def dh_kernel(
     g_ptr, w_ptr, order_ptr, count_ptr, dh_ptr,
     V, H, c0, n_rows, stride_g, stride_w, stride_dh,
@@ -121,22 +145,56 @@ def dh_kernel(
     h_ok = hh < H
     active = c0 + pid_m * BLOCK_M < count
     k_end = tl.where(active, V, 0)
-    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < V
-        # the scratch row is stride_g wide with zeros past V (see the module docstring)
-        a = tl.load(g_ptr + local.to(tl.int64)[:, None] * stride_g + kk[None, :],
-                    mask=in_chunk[:, None] & (kk < stride_g)[None, :], other=0.0)
-        b = tl.load(w_ptr + kk.to(tl.int64)[:, None] * stride_w + hh[None, :],
-                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
+    acc = dh_tile(g_ptr, w_ptr, local, in_chunk, hh, h_ok, 0, k_end, V, stride_g, stride_w,
+                  UPCAST, PREC, BLOCK_M, BLOCK_H, BLOCK_K)
     tl.store(dh_ptr + rows[:, None] * stride_dh + hh[None, :], acc.to(dh_ptr.dtype.element_ty),
              mask=in_chunk[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def dh_split_kernel(
+    g_ptr, w_ptr, count_ptr, part_ptr,
+    V, H, c0, n_rows, k_per_split, stride_g, stride_w,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """part[split, i] = dlogits[i, K_split] @ W[K_split] over one share K_split of the
+    vocabulary (k_per_split columns, a multiple of BLOCK_K): the dH GEMM split over V so
+    that a chunk of few token blocks still fills the GPU. `dh_reduce_kernel` adds the
+    shares in split order (deterministic)."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    count = tl.load(count_ptr)
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_chunk = local < n_rows
+    hh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < H
+    active = c0 + pid_m * BLOCK_M < count
+    k_lo = split * k_per_split
+    k_hi = tl.where(active, tl.minimum(k_lo + k_per_split, V), k_lo)
+    acc = dh_tile(g_ptr, w_ptr, local, in_chunk, hh, h_ok, k_lo, k_hi, V, stride_g, stride_w,
+                  UPCAST, PREC, BLOCK_M, BLOCK_H, BLOCK_K)
+    out = part_ptr + (split.to(tl.int64) * n_rows + local.to(tl.int64))[:, None] * H + hh[None, :]
+    tl.store(out, acc, mask=in_chunk[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def dh_reduce_kernel(
+    part_ptr, order_ptr, dh_ptr, H, c0, n_rows, n_splits, stride_dh,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """dH[order[c0 + i]] = sum over splits of part[split, i], in split order."""
+    local = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_chunk = local < n_rows
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = in_chunk[:, None] & (hh < H)[None, :]
+    rows = tl.load(order_ptr + c0 + local, mask=in_chunk, other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for s in range(0, n_splits):
+        p = part_ptr + (s * n_rows + local.to(tl.int64))[:, None] * H + hh[None, :]
+        acc += tl.load(p, mask=ok, other=0.0)
+    tl.store(dh_ptr + rows[:, None] * stride_dh + hh[None, :], acc.to(dh_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -227,12 +285,78 @@ def launch_scaled_logits(head: LinearHead, order, count, out, c0, n_rows, V, inv
     )
 
 
-def launch_dh(g, w, order, count, dh, V, c0, n_rows, upcast, prec, meta):
-    """dH[order[c0 + i]] = g[i, :V] @ w[:V] for the n_rows rows of one chunk of scratch g."""
+def launch_dh(g, w, order, count, dh, V, c0, n_rows, upcast, prec, meta, splits=1, partials=None):
+    """dH[order[c0 + i]] = g[i, :V] @ w[:V] for the n_rows rows of one chunk of scratch g.
+
+    splits > 1 splits the vocabulary (the GEMM's K) into that many shares, one program
+    per (token block, hidden block, share), with fp32 partial sums in `partials` (at
+    least [splits, n_rows, H] fp32, allocated when None) that a second kernel adds in a
+    fixed order: deterministic, and equal to splits=1 up to fp32 summation order. See
+    `dh_splits` for when it pays. `partials` may be any contiguous fp32 buffer that large
+    (it is addressed as [splits, n_rows, H])."""
     H = dh.shape[1]
-    grid = (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))
-    dh_kernel[grid](g, w, order, count, dh, V, H, c0, n_rows, g.stride(0), w.stride(0), dh.stride(0),
-                    UPCAST=upcast, PREC=prec, **meta)
+    if splits <= 1:
+        grid = (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))
+        dh_kernel[grid](g, w, order, count, dh, V, H, c0, n_rows, g.stride(0), w.stride(0), dh.stride(0),
+                        UPCAST=upcast, PREC=prec, **meta)
+        return
+    k_per = dh_split_width(V, splits, meta)
+    splits = triton.cdiv(V, k_per)
+    if partials is None:
+        partials = torch.empty((splits, n_rows, H), device=g.device, dtype=torch.float32)
+    if partials.dtype != torch.float32 or not partials.is_contiguous() or partials.numel() < splits * n_rows * H:
+        raise ValueError(f"launch_dh: partials must be a contiguous fp32 buffer of at least {splits} x {n_rows} x {H} "
+                         f"elements, got {partials.dtype} {tuple(partials.shape)}")
+    grid = (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]), splits)
+    dh_split_kernel[grid](g, w, count, partials, V, H, c0, n_rows, k_per, g.stride(0), w.stride(0),
+                          UPCAST=upcast, PREC=prec, **meta)
+    r = DH_REDUCE_INTERP if INTERPRET else DH_REDUCE_GPU
+    grid = (triton.cdiv(n_rows, r["BLOCK_M"]), triton.cdiv(H, r["BLOCK_H"]))
+    dh_reduce_kernel[grid](partials, order, dh, H, c0, n_rows, splits, dh.stride(0), **r)
+
+
+# The reduction of the dH shares: an elementwise sum, memory-bound (fp32 partials of a
+# chunk are a few tens of MB); 16 B loads per thread.
+DH_REDUCE_GPU = dict(BLOCK_M=16, BLOCK_H=256, num_warps=4)
+DH_REDUCE_INTERP = dict(BLOCK_M=16, BLOCK_H=32)
+MAX_DH_SPLITS = 8
+MIN_DH_SPLIT_K_STEPS = 16  # BLOCK_K steps per share at least: the partial sums stay a small cost
+
+
+def dh_split_width(V: int, splits: int, meta: dict) -> int:
+    """Vocabulary columns per dH share: a multiple of BLOCK_K, so only the last share is ragged."""
+    return triton.cdiv(triton.cdiv(V, meta["BLOCK_K"]), splits) * meta["BLOCK_K"]
+
+
+def wave_fill(n_programs: int, n_sms: int) -> float:
+    """Fraction of the SMs' time a grid of equal, long programs keeps busy: programs over
+    whole waves of n_sms."""
+    return n_programs / (triton.cdiv(n_programs, n_sms) * n_sms) if n_programs else 0.0
+
+
+def dh_splits(n_rows: int, H: int, V: int, meta: dict, n_sms: int) -> int:
+    """Vocabulary shares of the dH GEMM for one chunk: the count in 1..MAX_DH_SPLITS (each
+    share at least MIN_DH_SPLIT_K_STEPS BLOCK_K steps) whose grid fills n_sms SMs best,
+    the fewest among equals. Every dH program runs the whole K loop, so a grid of
+    (token blocks x hidden blocks) programs short of a whole number of waves leaves SMs
+    idle for the whole GEMM: 6 x 16 = 96 programs on 132 SMs use 73 % of them."""
+    tiles = triton.cdiv(n_rows, meta["BLOCK_M"]) * triton.cdiv(H, meta["BLOCK_H"])
+    most = max(1, min(MAX_DH_SPLITS, triton.cdiv(V, meta["BLOCK_K"]) // MIN_DH_SPLIT_K_STEPS))
+    best, best_fill = 1, wave_fill(tiles, n_sms)
+    for s in range(2, most + 1):
+        s_eff = triton.cdiv(V, dh_split_width(V, s, meta))  # the shares launch_dh launches
+        fill = wave_fill(tiles * s_eff, n_sms)
+        if fill > best_fill + 1e-9:
+            best, best_fill = s_eff, fill
+    return best
+
+
+def multiprocessor_count(device) -> int:
+    """SMs of a CUDA device (cached by torch); 1 elsewhere (the interpreter: no waves)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_dw(g, h, order, count, dw32, V, c0, n_rows, upcast, prec, meta):

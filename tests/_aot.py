@@ -133,14 +133,16 @@ _LOSS_TYPES = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16
                    V="i32", c0="i32", n_rows="i32", v_per_split="i32", stride_hs="i32", stride_ws="i32",
                    stride_ht="i32", stride_wt="i32", stride_out="i32", inv_temp="fp32", beta="fp32")
 _GEMM_TYPES = dict(g_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", order_ptr="*i32", count_ptr="*i32",
-                   dh_ptr="*bf16", dw_ptr="*fp32", V="i32", H="i32", c0="i32", n_rows="i32",
-                   stride_g="i32", stride_w="i32", stride_dh="i32", stride_h="i32", stride_dw="i32")
+                   dh_ptr="*bf16", dw_ptr="*fp32", part_ptr="*fp32", V="i32", H="i32", c0="i32", n_rows="i32",
+                   k_per_split="i32", n_splits="i32", stride_g="i32", stride_w="i32", stride_dh="i32", stride_h="i32",
+                   stride_dw="i32")
 _LOGITS_TYPES = dict(h_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", order_ptr="*i32", count_ptr="*i32",
                      out_ptr="*fp32", H="i32", V="i32", c0="i32", n_rows="i32", stride_h="i32", stride_w="i32",
                      stride_out="i32", inv_temp="fp32")
-_ROWS_TYPES = dict(s_ptr="*fp32", t_ptr="*fp32", targets_ptr="*i64", adv_ptr="*fp32", old_ptr="*fp32",
+_ROWS_TYPES = dict(s_ptr="*fp32", t_ptr="*fp32", g_ptr="*bf16", targets_ptr="*i64", adv_ptr="*fp32", old_ptr="*fp32",
                    klkeep_ptr="*i1", order_ptr="*i32", count_ptr="*i32", stats_ptr="*fp32", part_ptr="*fp32",
-                   N="i32", V="i32", c0="i32", stride_s="i32", stride_t="i32", clip_low="fp32", clip_high="fp32",
+                   N="i32", V="i32", c0="i32", stride_s="i32", stride_t="i32", stride_g="i32", clip_low="fp32",
+                   clip_high="fp32",
                    dual_clip="fp32", g_h="fp32", kl_scale="fp32", inv_norm="fp32", inv_temp="fp32",
                    precise_limit="fp32")
 
@@ -175,6 +177,8 @@ def _lm_divisible(fn, consts, V, H):
                 names.append(n)
         elif n == "stride_dw":
             names.append(n)  # the fp32 dW buffer is [V, H]: its stride is H
+        elif n == "k_per_split":
+            names.append(n)  # a multiple of BLOCK_K (`dh_split_width`)
     return names
 
 
@@ -247,20 +251,30 @@ def lm_head_jobs():
                                  c.num_stages, _lm_divisible(fn, consts, V, H)))
         g = dict(tiles.GEMM_GPU)
         nw, ns = g.pop("num_warps"), g.pop("num_stages")
-        for fn in (tiles.dh_kernel, tiles.dw_kernel):
+        # the scratch is bf16, or fp32 (the actor loss with a bias gradient: rounded in the GEMM)
+        for fn in (tiles.dh_kernel, tiles.dw_kernel, tiles.dh_split_kernel):
             consts = dict(UPCAST=False, PREC="tf32", **g)
-            jobs.append(_job("fused_distill", fn.__name__.strip("_").replace("_kernel", ""), "gemm", shape, fn,
-                             _GEMM_TYPES, consts, nw, ns, _lm_divisible(fn, consts, V, H)))
+            for variant, g_type in (("gemm", "*bf16"), ("gemm-fp32-scratch", "*fp32")):
+                jobs.append(_job("fused_distill", fn.__name__.strip("_").replace("_kernel", ""), variant, shape, fn,
+                                 dict(_GEMM_TYPES, g_ptr=g_type), consts, nw, ns, _lm_divisible(fn, consts, V, H)))
+        r = dict(tiles.DH_REDUCE_GPU)
+        nw = r.pop("num_warps")
+        fn = tiles.dh_reduce_kernel
+        jobs.append(_job("fused_distill", "dh_reduce", "gemm", shape, fn, _GEMM_TYPES, r, nw, 1,
+                         _lm_divisible(fn, r, V, H)))
         meta = dict(tiles.logits_meta(False))
         nw, ns = meta.pop("num_warps"), meta.pop("num_stages")
         consts = dict(HAS_BIAS=True, UPCAST=False, PREC="tf32", **meta)
         fn = tiles.scaled_logits_kernel
         jobs.append(_job("actor_loss", "logits", "plain", shape, fn, _LOGITS_TYPES, consts, nw, ns,
                          _lm_divisible(fn, consts, V, H)))
-        for teacher in (True, False):
+        # dL/dlogits into a bf16 scratch (16-bit heads without a bias gradient) or in place
+        # into the fp32 student scratch (fp32 heads, or a bias gradient)
+        for teacher, grads in ((True, "bf16"), (False, "bf16"), (True, "fp32")):
             consts = dict(HAS_TEACHER=teacher, DUAL=True, NEED_GRAD=True, BLOCK_V=al._rows_block(V))
             fn = al._actor_rows_kernel
-            jobs.append(_job("actor_loss", "rows", "teacher" if teacher else "no-teacher", shape, fn, _ROWS_TYPES,
+            variant = ("teacher" if teacher else "no-teacher") + ("" if grads == "bf16" else "-fp32-grads")
+            jobs.append(_job("actor_loss", "rows", variant, shape, fn, dict(_ROWS_TYPES, g_ptr=f"*{grads}"),
                              consts, al._ROWS_LAUNCH["num_warps"], al._ROWS_LAUNCH["num_stages"],
                              _lm_divisible(fn, consts, V, H)))
     return jobs

@@ -5,7 +5,8 @@
   Checked on the launcher's own grid (`dw_grid`) and the index map the kernel calls
   (`dw_program_tile`, evaluated on the host through its Python function).
 * The scratch rows are padded (`scratch_row_stride`), so that at Qwen2.5's odd tokenizer
-  vocabulary (V = 151,665) the compiled scratch accesses of the dH / dW GEMMs, the
+  vocabulary (V = 151,665) the compiled scratch accesses of the dH / dW GEMMs (dH also
+  split over the vocabulary), the
   distillation dlogits kernel and the actor-loss logits / rows kernels stay 16-byte
   vector accesses. Checked on the sm_90a PTX that `tests/_aot.py` compiles offline (no GPU;
   skipped, with the reason, when Triton's CUDA backend is not installed), one launch
@@ -29,7 +30,17 @@ import triton
 import memopd.kernels.fused_distill as fd
 import memopd.kernels.runtime as runtime
 from memopd.kernels.contract import Divergence
-from memopd.kernels.lm_head_tiles import GEMM_GPU, GEMM_GPU_FP32, dw_grid, dw_kernel, dw_program_tile, scratch_row_stride
+from memopd.kernels.lm_head_tiles import (
+    GEMM_GPU,
+    GEMM_GPU_FP32,
+    dh_split_width,
+    dh_splits,
+    dw_grid,
+    dw_kernel,
+    dw_program_tile,
+    scratch_row_stride,
+    wave_fill,
+)
 
 ODD_VOCAB = 151665  # Qwen2.5's tokenizer
 
@@ -92,12 +103,13 @@ def _first_job_per_kernel():
         if f"V={ODD_VOCAB}" not in job["shape"]:
             continue
         key = (job["kernel"], job["variant"])
-        if job["kernel"] in ("dh", "dw", "logits") or key in (("dlogits", "reverse_kl"), ("rows", "teacher")):
+        if job["kernel"] in ("dh", "dw", "dh_split", "logits") or key in (("dlogits", "reverse_kl"), ("rows", "teacher")):
             jobs.setdefault(key, job)
     return jobs
 
 
-_CASES = [("dh", "gemm"), ("dw", "gemm"), ("dlogits", "reverse_kl"), ("logits", "plain"), ("rows", "teacher")]
+_CASES = [("dh", "gemm"), ("dw", "gemm"), ("dh_split", "gemm"), ("dlogits", "reverse_kl"), ("logits", "plain"),
+          ("rows", "teacher")]
 # scalar: no .v2 / .v4 / .v8 qualifier (cache hints such as .L1::evict_last may appear)
 _SCALAR_B16_LOAD = re.compile(r"\bld\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
 _SCALAR_B16_STORE = re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
@@ -137,7 +149,7 @@ def test_scratch_accesses_are_16_byte_vectors_at_odd_vocab(kernel, variant):
     assert res["error"] is None, res["error"]
     ptx = res["ptx"]
     what = f"{kernel} {variant} {job['config']} at V={ODD_VOCAB}"
-    if kernel in ("dh", "dw"):
+    if kernel in ("dh", "dw", "dh_split"):
         # both bf16 operands (the scratch slab and W / H) go to shared memory in 16-byte copies
         assert _ASYNC_16B.search(ptx), f"{what}: no 16-byte cp.async"
         assert not _SCALAR_B16_LOAD.search(ptx), f"{what}: scalar bf16 loads"
@@ -150,10 +162,11 @@ def test_scratch_accesses_are_16_byte_vectors_at_odd_vocab(kernel, variant):
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
         assert not _SCALAR_B32_STORE.search(ptx), f"{what}: scalar fp32 stores"
     else:
-        # the row sweeps read the fp32 student / teacher rows and write dlogits in place in
+        # the row sweeps read the fp32 student / teacher rows and write the bf16 dlogits in
         # 16-byte accesses (the per-token statistics are scalar stores, legitimately)
         assert _V4_LOAD.search(ptx), f"{what}: no 16-byte loads"
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
+        assert not _SCALAR_B16_STORE.search(ptx), f"{what}: scalar bf16 stores"
 
 
 def test_cost_model_dw_order_reads_the_scratch_once():
@@ -166,6 +179,36 @@ def test_cost_model_dw_order_reads_the_scratch_once():
     rows, ops = cm.report(4096, ODD_VOCAB)
     hbm = {r["kernel"]: r["hbm_gb"] for r in rows}
     assert hbm["dw (distill)"] * 2 < hbm["dw (distill, vocab tiles fastest: before)"]
-    assert hbm["dw (actor, fp32 scratch)"] * 2 < hbm["dw (actor, before)"]
+    assert hbm["dw (actor, fp32 scratch)"] * 2 < hbm["dw (actor, fp32 scratch, vocab tiles fastest)"]
     for o in ops:
         assert 0 < o["useful_tflop"] <= o["tflop"] and 0 < o["peak"] < cm.MATMUL_SUSTAINED / cm.PEAK_BF16 + 1e-9
+
+
+def test_cost_model_actor_rows_and_dh_grid():
+    # the actor loss at Qwen2.5-3B shapes, 16k tokens: the rows kernel streams each row
+    # pair twice (the loops of its source), not three times; the dH grid split over the
+    # vocabulary fills the SMs where the unsplit one (6 x 16 programs on 132) did not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_cost_model as cm
+
+    N = 16384
+    now, before = cm.actor_rows(N, ODD_VOCAB), cm.actor_rows(N, ODD_VOCAB, sweeps=3, grad_elem=4)
+    assert "2 sweeps" in now["note"] and now["hbm_gb"] < 0.7 * before["hbm_gb"]
+    split, unsplit = cm.gemm_dh(N, ODD_VOCAB, 2, chunk_elem=4, split=True), cm.gemm_dh(N, ODD_VOCAB, 4)
+    assert "6x16x1 programs/chunk" in unsplit["note"] and unsplit["fill"] < 0.75
+    assert "6x16x4 programs/chunk" in split["note"] and split["fill"] > 0.95
+    assert split["ms"] < 0.8 * unsplit["ms"]
+
+
+@pytest.mark.parametrize("n_rows,H,expect", [(768, 2048, 4), (256, 2048, 4), (1664, 2048, 5), (1024, 3584, 7)])
+def test_dh_split_plan_fills_the_sms(n_rows, H, expect):
+    # the plan at the default token chunks of the actor loss (768 rows, the last of 16k
+    # tokens 256) and of the distillation (1664) at V=151,665 on 132 SMs: the best fill of
+    # up to 8 shares, the fewest shares among equals
+    splits = dh_splits(n_rows, H, ODD_VOCAB, GEMM_GPU, 132)
+    tiles = triton.cdiv(n_rows, GEMM_GPU["BLOCK_M"]) * triton.cdiv(H, GEMM_GPU["BLOCK_H"])
+    assert splits == expect
+    assert wave_fill(tiles * splits, 132) >= max(wave_fill(tiles * s, 132) for s in range(1, 9)) - 1e-9
+    k_per = dh_split_width(ODD_VOCAB, splits, GEMM_GPU)
+    assert k_per % GEMM_GPU["BLOCK_K"] == 0 and triton.cdiv(ODD_VOCAB, k_per) == splits
+    assert dh_splits(n_rows, H, ODD_VOCAB, GEMM_GPU, 1) == 1  # one SM (the interpreter): never

@@ -154,10 +154,10 @@ LM_SHAPES = [pytest.param(151936, None, id="V151936"), pytest.param(151936, 1516
 LM_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 
 
-def lm_inputs(N, H, V_rows, dtype, device, seed=0):
+def lm_inputs(N, H, V_rows, dtype, device, seed=0, bias=True):
     # logits of a few units (weights ~ 1/sqrt(H)), a fifth of the rows masked
     inp = fused_cases.make_inputs(seed, N=N, Hs=H, Ht=H, V=V_rows, dtype=dtype, scale=2.0 / H ** 0.5,
-                                  mask_p=0.2)
+                                  mask_p=0.2, bias=bias)
     out = {}
     for key, x in inp.items():
         if isinstance(x, torch.Tensor):
@@ -220,10 +220,10 @@ def check_distill(divergence, N, H, V_rows, vocab, dtype, device, backend):
     return diffs
 
 
-def check_actor_loss(N, H, V_rows, vocab, dtype, device, backend):
+def check_actor_loss(N, H, V_rows, vocab, dtype, device, backend, bias=True):
     from memopd.ops import fused_linear_actor_loss, reference_actor_loss
 
-    inp = lm_inputs(N, H, V_rows, dtype, device)
+    inp = lm_inputs(N, H, V_rows, dtype, device, bias=bias)
     if vocab is not None:
         inp["y"] = inp["y"] % vocab
     gen = torch.Generator().manual_seed(7)
@@ -250,6 +250,7 @@ def check_actor_loss(N, H, V_rows, vocab, dtype, device, backend):
         err = (a.double() - b).abs()
         assert (err <= gt * b.abs().max().item() + grt * b.abs()).all(), f"{name}: max |diff| {err.max().item():.3e}"
         diffs[name] = err.max().item()
+    diffs["grads"] = g
     return diffs
 
 
@@ -274,6 +275,51 @@ def test_fused_distill_production_shape(divergence, dtype, V_rows, vocab, lm_fix
 @pytest.mark.parametrize("dtype", LM_DTYPES)
 def test_actor_loss_production_shape(dtype, V_rows, vocab, lm_fixed_tiles):
     check_actor_loss(1024, 2048, V_rows, vocab, dtype, "cuda", "triton")
+
+
+@cuda_only
+def test_actor_loss_bf16_grad_scratch_without_bias(lm_fixed_tiles, monkeypatch):
+    # Qwen2.5's case: a bf16 head without a bias, V=151,665. dL/dlogits is stored in bf16
+    # (rounded to nearest even, as the GEMMs rounded the fp32 scratch) and dH is split over
+    # the vocabulary (1024 tokens: chunks of 768 and 256 rows, 6 x 16 and 2 x 16 programs).
+    # Against float64, and against the fp32 scratch: the same GEMM operands, so dH / dW
+    # agree far below bf16 resolution (a truncating conversion would not: ~1e-3)
+    import memopd.kernels.actor_loss as al
+
+    bf16 = check_actor_loss(1024, 2048, 151936, 151665, torch.bfloat16, "cuda", "triton", bias=False)["grads"]
+    monkeypatch.setattr(al, "grad_scratch_dtype", lambda dtype, need_db: torch.float32)
+    fp32 = check_actor_loss(1024, 2048, 151936, 151665, torch.bfloat16, "cuda", "triton", bias=False)["grads"]
+    for name, a, b in zip(("d_hidden", "d_weight"), bf16, fp32):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 1e-5 * b.float().abs().max().item(), f"{name}: bf16 vs fp32 scratch, max |diff| {err:.3e}"
+
+
+@cuda_only
+def test_dh_split_matches_unsplit_on_gpu():
+    # the vocabulary-split dH with its fixed-order reduction: the same bits on every call,
+    # and the unsplit GEMM's result up to fp32 summation order
+    from memopd.kernels.lm_head_tiles import compaction, gemm_meta, launch_dh, new_scratch
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n, H, V = 768, 2048, 151665
+    g = new_scratch(n, V, torch.bfloat16, "cuda")
+    g[:, :V] = (torch.randn(n, V, device="cuda", generator=gen) * 1e-3).to(torch.bfloat16)
+    w = torch.randn(151936, H, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    keep = torch.rand(n, device="cuda", generator=gen) > 0.2
+    order, count = compaction(keep)
+    meta = gemm_meta(False)
+    out = {}
+    for splits in (1, 4, 4):
+        dh = torch.full((n, H), float("nan"), device="cuda", dtype=torch.float32)
+        launch_dh(g, w, order, count, dh, V, 0, n, False, "tf32", meta, splits=splits)
+        out.setdefault(splits, []).append(dh)
+    ref = (g[:, :V].float() @ w[:V].float())
+    assert torch.equal(out[4][0], out[4][1])
+    for dh in (out[1][0], out[4][0]):
+        rows = order[: int(count)].long()
+        assert torch.isfinite(dh).all()
+        assert (dh[rows] - ref[: rows.numel()]).abs().max() <= 1e-3 * ref.abs().max()
+    assert (out[4][0] - out[1][0]).abs().max() <= 1e-5 * out[1][0].abs().max()
 
 
 # --------------------------------------------------------------------------------------

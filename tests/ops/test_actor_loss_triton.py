@@ -105,3 +105,68 @@ def test_matches_torch_path(seed):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6)
     for x, y_ in zip(ga, gb):
         torch.testing.assert_close(x, y_, rtol=1e-4, atol=1e-6)
+
+
+@inproc
+@pytest.mark.parametrize("teacher", [True, False])
+def test_bf16_without_bias_rounds_the_grad_scratch(seed, teacher):
+    # the production case (16-bit head, no bias): dL/dlogits is stored in bf16, rounded as
+    # the GEMMs rounded their fp32 operand; with a bias it stays fp32 (summed unrounded)
+    import memopd.kernels.actor_loss as al
+
+    assert al.grad_scratch_dtype(torch.bfloat16, need_db=False) == torch.bfloat16
+    assert al.grad_scratch_dtype(torch.bfloat16, need_db=True) == torch.float32
+    assert al.grad_scratch_dtype(torch.float32, need_db=False) == torch.float32
+    inp = make_inputs(seed, N=24, Hs=32, Ht=32, V=100, dtype=torch.bfloat16, bias=False)
+    _check(seed, inp, teacher, tol=2e-2, gtol=3e-2, kl_coef=0.5 if teacher else 0.0, entropy_coef=0.01)
+
+
+@inproc
+@pytest.mark.parametrize("bias", [True, False])
+def test_dh_split_over_the_vocabulary(seed, bias, monkeypatch):
+    # the dH GEMM in vocabulary shares with a fixed-order sum (what a GPU gets when a chunk's
+    # grid would leave SMs idle; one SM here never splits): against float64, against the
+    # unsplit GEMM up to fp32 summation order, and the same bits on a second call
+    import memopd.kernels.actor_loss as al
+
+    inp = make_inputs(seed, N=40, Hs=24, Ht=20, V=150, bias=bias, teacher_bias=True)
+    kw = dict(vocab_size=150, kl_coef=0.8, entropy_coef=0.05, token_chunk_size=16)
+    _, unsplit = _check(seed, inp, **kw)
+    plans = []
+    monkeypatch.setattr(al, "_dh_splits", lambda n, H, V, meta, dev: plans.append(n) or 3)
+    _, split = _check(seed, inp, **kw)
+    _, again = _check(seed, inp, **kw)
+    assert sorted(set(plans)) == [8, 16]  # full chunks of 16 rows and the last one of 8
+    assert torch.equal(split[0], again[0])
+    assert (split[0] - unsplit[0]).abs().max() <= 1e-6 * unsplit[0].abs().max()
+    for a, b in zip(split[1:], unsplit[1:]):  # dW, db do not depend on the dH plan
+        assert torch.equal(a, b)
+
+
+@inproc
+@pytest.mark.parametrize("case", ["close", "shifted"])
+def test_online_maxima_rising_along_the_row(seed, case):
+    # logits that rise along the vocabulary, so the running maxima of the one-sweep sums
+    # are raised in every tile: "close", p ~ q (the precise log-normaliser path, KL tiny);
+    # "shifted", the teacher's ramp steeper than the student's, so that the two maxima rise
+    # by different amounts and every earlier a' is shifted (a' stays below the plain limit)
+    V, H = 300, 16
+    inp = make_inputs(seed, N=24, Hs=H, Ht=H, V=V, bias=False, teacher="close", scale=0.3)
+    ramp = torch.linspace(-6.0, 6.0, V)
+    with torch.no_grad():
+        for h in (inp["hs"], inp["ht"]):
+            h[:, 0] = 1.0
+        inp["ws"][:, 0] = ramp
+        inp["wt"][:, 0] = ramp if case == "close" else 1.5 * ramp
+    out, _ = _check(seed, inp, kl_coef=1.0, entropy_coef=0.02)
+    keep = inp["mask"]
+    if case == "close":
+        # relative precision of a KL of 1e-9..1e-5 (the three-sweep kernel reached 2.2e-3
+        # on such rows; the limit is the fp32 logits themselves)
+        g = torch.Generator().manual_seed(seed)
+        adv, old = torch.randn(24, generator=g), -torch.rand(24, generator=g) * 4 - 0.5
+        (ref, _) = _run(reference_actor_loss, as64(inp), adv.double(), old.double(), kl_coef=1.0, entropy_coef=0.02)
+        assert (out.kl >= 0).all() and out.kl.max() < 1e-3
+        assert ((out.kl.double() - ref.kl)[keep].abs() / ref.kl[keep]).max() < 1e-2
+    else:
+        assert out.kl[keep].min() > 1e-2

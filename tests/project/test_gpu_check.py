@@ -52,3 +52,24 @@ def test_bad_arguments_are_one_line_errors():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_bench.py"), "no-such-case"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no-such-case" in r.stderr
+
+
+def test_summary_puts_the_cost_model_beside_the_measured_row(tmp_path):
+    # gpu_check.sh runs benchmarks/gpu_cost_model.py --json beside the cases; a row gets the
+    # prediction of its own op and shape only (tokens, vocabulary, both hidden sizes)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    model = dict(op="actor loss (teacher)", N=16384, V=151665, Hs=2048, Ht=3584)
+    rows = [dict(case="actor_loss-V151665", op="actor_loss", shape="N=16384 Hs/Ht=2048/3584 V=151665 (head rows 151936)",
+                 dtype="bfloat16", config="-", first_call_s=30.0, median_ms=95.5, tflops=505.8, peak_frac=0.5114,
+                 peak_mib=3000, max_abs_diff=0.01, device="H200", model=model),
+            dict(case="actor_loss", op="actor_loss", shape="N=16384 Hs/Ht=2048/3584 V=151936", dtype="bfloat16",
+                 config="-", first_call_s=30.0, median_ms=96.0, tflops=504.0, peak_frac=0.5096, peak_mib=3000,
+                 max_abs_diff=0.01, device="H200", model=dict(model, V=151936))]
+    (work / "bench_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    preds = [dict(model, ms=73.04, peak=0.6689, useful_tflop=48.3), dict(model, Ht=2048, V=151936, ms=1.0, peak=0.9)]
+    (work / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    text = gpu_bench.summarize(str(work), str(out))
+    assert "| 95.5 | 505.8 | 3000 | 0.01 | 51.1% | 73.0, 67% |" in text
+    assert "| 96.0 | 504.0 | 3000 | 0.01 | 51.0% | - |" in text  # the V=151,936 prediction is for another Ht
+    assert json.loads((out / "results.json").read_text())["predictions"] == preds
