@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
 import memopd.kernels.actor_loss as al  # noqa: E402
+import memopd.kernels.distill_rows as dr  # noqa: E402
 import memopd.kernels.fused_distill as fd  # noqa: E402
 from memopd.kernels.contract import Divergence  # noqa: E402
 from memopd.kernels.lm_head_tiles import (  # noqa: E402
@@ -116,8 +117,8 @@ def distill_forward(N, V):
     return _row("fwd (KL, teacher)", flops, cache, f"{splits} splits, BLOCK_N={bn}")
 
 
-def _chunks(N, V, elem):
-    chunk = min(default_token_chunk(N, V, elem), N)
+def _chunks(N, V, elem, chunk=None):
+    chunk = min(default_token_chunk(N, V, elem), N) if chunk is None else chunk
     return [(c0, min(chunk, N - c0)) for c0 in range(0, N, chunk)], chunk
 
 
@@ -141,9 +142,9 @@ def distill_dlogits(N, V):
     return _row("dlogits (KL, teacher)", flops, cache, f"{len(chunks)} chunks of {chunk} rows")
 
 
-def gemm_dh(N, V, elem, H=STUDENT_H, label="dh"):
+def gemm_dh(N, V, elem, H=STUDENT_H, label="dh", chunk=None):
     g = GEMM_GPU
-    chunks, chunk = _chunks(N, V, elem)
+    chunks, chunk = _chunks(N, V, elem, chunk)
     stride = scratch_row_stride(V)
     cache, flops = L2(L2_BYTES), 0
     for c0, n_rows in chunks:
@@ -159,11 +160,11 @@ def gemm_dh(N, V, elem, H=STUDENT_H, label="dh"):
     return _row(label, flops, cache, f"{len(chunks)} chunks, scratch stride {stride}")
 
 
-def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher"):
+def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher", chunk=None):
     """order="launcher": the kernel's own map (`dw_program_tile`); "vocab-fastest": the
     order before it, for comparison."""
     g = GEMM_GPU
-    chunks, chunk = _chunks(N, V, elem)
+    chunks, chunk = _chunks(N, V, elem, chunk)
     n_v, n_h = triton.cdiv(V, g["BLOCK_M"]), triton.cdiv(H, g["BLOCK_H"])
     (n_programs,) = dw_grid(V, H, g)
     cache, flops = L2(L2_BYTES), 0
@@ -183,9 +184,9 @@ def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher"):
     return _row(label, flops, cache, f"{len(chunks)} chunks, {n_programs} programs/chunk, {order} order")
 
 
-def actor_logits(N, V, H, label):
+def actor_logits(N, V, H, label, chunk=None):
     m = logits_meta(False)
-    chunks, chunk = _chunks(N, V, FP32)
+    chunks, chunk = _chunks(N, V, FP32, chunk)
     stride = scratch_row_stride(V)
     cache, flops = L2(L2_BYTES), 0
     for c0, n_rows in chunks:
@@ -216,6 +217,53 @@ def actor_rows(N, V):
     return _row("actor rows (teacher)", 0, cache, f"BLOCK_V={al._rows_block(V)}")
 
 
+# Programs of the distillation row kernel resident at once: its 8-warp programs need
+# 53-74 registers a thread on sm_90a (tests/_aot.py), so 4 fit an SM by registers and by
+# warps (64 a SM).
+ROWS_PROGRAMS_PER_SM = 4
+
+
+def distill_rows(N, V, divergence, teacher=True):
+    """`_distill_rows_kernel`, one program per token over the launcher's chunks
+    (`dr.chunk_rows`): the maxima sweep and the sums sweep read the student and teacher
+    rows, the JSD adds a sweep of both, and the gradient sweep reads both and writes the
+    student row in place. A later sweep of a program finds its rows in L2 only if the
+    rows of all resident programs fit there (at V=151,665 they are ~0.6 MB a head, ~300 MB
+    over 528 resident programs: they do not, so every sweep streams from HBM)."""
+    stride = scratch_row_stride(V)
+    row = stride * FP32
+    heads = 2 if teacher else 1
+    sweeps = 2 + (divergence == Divergence.JSD and teacher)  # reads before the gradient sweep
+    resident = CONCURRENT_PROGRAMS * ROWS_PROGRAMS_PER_SM
+    fits = resident * row * heads <= L2_BYTES
+    chunks, chunk = _chunks(N, V, FP32, dr.chunk_rows(N, V))
+    cache = L2(L2_BYTES)
+    for _c0, n_rows in chunks:
+        for _r in range(n_rows):  # grid (n_rows,)
+            cache.program()
+            reads = (sweeps + 1) * heads  # + the gradient sweep's reads
+            first = heads
+            cache.requested += reads * row
+            cache.hbm += (first if fits else reads) * row
+            cache.write(row)
+    name = Divergence(divergence).name.lower() if teacher else "no teacher"
+    return _row(f"distill rows ({name})", 0, cache,
+                f"BLOCK_V={dr.rows_block(V)}, {sweeps + 1} sweeps, {len(chunks)} chunks of {chunk} rows, "
+                f"rows {'in' if fits else 'not in'} L2")
+
+
+def distill_forward_grads_rows(N, V):
+    """The kernel rows of the distillation op with its gradients in the forward: the
+    launchers' own chunk (`dr.chunk_rows`), tiles (`logits_meta`, `gemm_meta`) and grids."""
+    chunk = dr.chunk_rows(N, V)
+    return [actor_logits(N, V, STUDENT_H, "distill fwd-grads logits (student)", chunk),
+            actor_logits(N, V, TEACHER_H, "distill fwd-grads logits (teacher)", chunk),
+            distill_rows(N, V, Divergence.REVERSE_KL), distill_rows(N, V, Divergence.JSD),
+            distill_rows(N, V, Divergence.REVERSE_KL, teacher=False),
+            gemm_dh(N, V, FP32, label="dh (distill fwd-grads, fp32 scratch)", chunk=chunk),
+            gemm_dw(N, V, FP32, label="dw (distill fwd-grads, fp32 scratch)", chunk=chunk)]
+
+
 def report(N, V):
     rows = [distill_forward(N, V), distill_dlogits(N, V),
             gemm_dh(N, V, BF16, label="dh (distill)"),
@@ -226,7 +274,7 @@ def report(N, V):
             actor_rows(N, V),
             gemm_dh(N, V, FP32, label="dh (actor, fp32 scratch)"),
             gemm_dw(N, V, FP32, label="dw (actor, fp32 scratch)"),
-            gemm_dw(N, V, FP32, label="dw (actor, before)", order="vocab-fastest")]
+            gemm_dw(N, V, FP32, label="dw (actor, before)", order="vocab-fastest")] + distill_forward_grads_rows(N, V)
     print(f"N={N} tokens, V={V} (scratch row stride {scratch_row_stride(V)}), student H={STUDENT_H}, "
           f"teacher H={TEACHER_H}; peak {PEAK_BF16 / 1e12:.0f} TFLOP/s bf16, {MATMUL_SUSTAINED / 1e12:.0f} "
           f"sustained, {HBM_BYTES_PER_S / 1e12:.1f} TB/s, L2 {L2_BYTES >> 20} MiB")
@@ -242,12 +290,17 @@ def report(N, V):
     for o in ops:
         print(f"| {o['op']} | {' + '.join(o['kernels'])} | {o['useful_tflop']:.1f} | {o['tflop']:.1f} | {o['ms']:.1f} | "
               f"{o['peak']:.0%} |")
+    by_op = {o["op"]: o for o in ops}
+    old, new = by_op["fused distill (reverse KL, teacher)"], by_op["fused distill, gradients in the forward (reverse KL)"]
+    print(f"\nfused distill, reverse KL: recompute {old['ms']:.1f} ms ({old['peak']:.0%} of peak, useful FLOPs) -> "
+          f"gradients in the forward {new['ms']:.1f} ms ({new['peak']:.0%}): {old['ms'] / new['ms']:.2f}x")
     return rows, ops
 
 
 # Per op: its kernels (by row name) and which of them do useful work. The distillation op's
-# backward recomputes both logit tiles (`dlogits`), so its useful FLOPs are the forward's
-# two logit GEMMs plus dH and dW; the actor loss computes each GEMM once.
+# recomputing backward recomputes both logit tiles (`dlogits`), so its useful FLOPs are the
+# forward's two logit GEMMs plus dH and dW; with the gradients in the forward (and in the
+# actor loss) each GEMM runs once.
 OPS = {
     "fused distill (reverse KL, teacher)": (
         ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill)"],
@@ -255,6 +308,15 @@ OPS = {
     "fused distill, dW in the old order": (
         ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"],
         ["fwd (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"]),
+    "fused distill, gradients in the forward (reverse KL)": (
+        ["distill fwd-grads logits (student)", "distill fwd-grads logits (teacher)", "distill rows (reverse_kl)",
+         "dh (distill fwd-grads, fp32 scratch)", "dw (distill fwd-grads, fp32 scratch)"], None),
+    "fused distill, gradients in the forward (JSD)": (
+        ["distill fwd-grads logits (student)", "distill fwd-grads logits (teacher)", "distill rows (jsd)",
+         "dh (distill fwd-grads, fp32 scratch)", "dw (distill fwd-grads, fp32 scratch)"], None),
+    "fused log-prob + entropy, gradients in the forward (no teacher)": (
+        ["distill fwd-grads logits (student)", "distill rows (no teacher)", "dh (distill fwd-grads, fp32 scratch)",
+         "dw (distill fwd-grads, fp32 scratch)"], None),
     "actor loss (teacher)": (
         ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor, fp32 scratch)",
          "dw (actor, fp32 scratch)"], None),

@@ -42,6 +42,12 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   hidden size is small (like flash-attention's head dim); with H = 2048..4096 the
   dH / dW accumulators do not fit, and re-reading them from global memory once per
   vocabulary tile costs far more than one bf16 scratch write, hence the scratch.
+* Gradients in the forward (the default for a reduced loss, `gradients="forward"`):
+  `memopd.kernels.distill_rows` writes both logits chunks to fp32 scratch, a row
+  kernel computes the statistics and dL/dlogits in place, then the same dH / dW GEMMs
+  run in the forward: 4 lm-head-sized matmuls against the 6 of `distill_forward` +
+  `distill_backward` here, which stay the path of `gradients="recompute"`. Both use the
+  divergence math of this module (`_dlse_terms`, `_jsd_kl_terms`, `_dlogits_terms`).
 * Teacher-less mode (`memopd.ops.fused_linear_logprob_entropy`: student log-prob and
   entropy only, like verl's fused linear-for-PPO): the launchers take `ht = wt = bt =
   None` and pass dummy pointers; the forward kernel's HAS_TEACHER=False constexpr
@@ -119,6 +125,65 @@ def _jsd_u(delta, beta):
     u_pos = d_pos + tl.log((1.0 - beta) + beta * tl.exp(-d_pos))
     u_neg = tl.log(beta + (1.0 - beta) * tl.exp(d_neg))
     return tl.where(small, u_small, tl.where(pos, u_pos, u_neg))
+
+
+# ----------------------------------------------------------------------------------
+# divergence math shared by the tile kernels here and the row kernel of
+# `memopd.kernels.distill_rows`: elementwise over a [BLOCK_N, BLOCK_V] tile (per-token
+# values passed as [BLOCK_N, 1] columns) or over a [BLOCK_V] piece of one row (per-token
+# values passed as scalars). s, t are logits / T.
+# ----------------------------------------------------------------------------------
+@triton.jit
+def _dlse_terms(es, et, d, c_s, c_t):
+    """(e^{t - M}, e^{s - M} - e^{t - M}) at a joint max M, from es = e^{s - m_s},
+    et = e^{t - m_t}, d = s - t, c_s = e^{m_s - M}, c_t = e^{m_t - M}. The difference is
+    et·expm1(d) where |d| is small, so its sum gives lse_s - lse_t = log1p(ΣΔ / Σe^{t-M})
+    with relative precision when the teacher is the student up to noise."""
+    eS = es * c_s
+    eT = et * c_t
+    small = tl.abs(d) < 0.5
+    return eT, tl.where(small, eT * expm1_small(tl.where(small, d, 0.0)), eS - eT)
+
+
+@triton.jit
+def _jsd_kl_terms(s, t, lse_s, lse_t, dlse, beta, valid):
+    """Per entry, the terms of KL(p || M) and KL(q || M) (M = beta q + (1 - beta) p), from
+    the log-sum-exps and the precise dlse = lse_s - lse_t; 0 where not `valid`."""
+    p = tl.where(valid, tl.exp(s - lse_s), 0.0)
+    q = tl.where(valid, tl.exp(t - lse_t), 0.0)
+    delta = tl.where(valid, (s - t) - dlse, 0.0)
+    u = _jsd_u(delta, beta)
+    return p * (delta - u), q * (-u)
+
+
+@triton.jit
+def _dlogits_terms(s, t, is_y, valid, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g_d, beta,
+                   DIV: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_GDIV: tl.constexpr):
+    """dL/ds for L = Σ g_lp·logprob + g_h·entropy + g_d·divergence (each term present only
+    where its HAS_* is set; `t` is read only with HAS_GDIV), 0 where not `valid`."""
+    ls = s - lse_s
+    p = tl.where(valid, tl.exp(ls), 0.0)
+    acc = p * 0.0
+    if HAS_GLP:
+        acc += g_lp * (tl.where(is_y, 1.0, 0.0) - p)
+    if HAS_GENT:
+        acc -= g_h * p * tl.where(valid, ls + ent, 0.0)
+    if HAS_GDIV:
+        delta = tl.where(valid, (s - t) - dlse, 0.0)
+        if DIV == _REVERSE_KL:
+            # d KL(p||q) / ds_v = p_v * ((ls_v - lt_v) - KL)
+            acc += g_d * p * (delta - aux)
+        elif DIV == _FORWARD_KL:
+            # d KL(q||p) / ds_v = p_v - q_v = -p_v expm1(-δ_v): relative precision when
+            # q ~ p; the plain difference where |δ| is large (no cancellation, no overflow)
+            q = tl.where(valid, tl.exp(t - lse_t), 0.0)
+            small = tl.abs(delta) < 0.5
+            acc += g_d * tl.where(small, -p * expm1_small(-tl.where(small, delta, 0.0)), p - q)
+        else:
+            # d JSD / ds_v = (1 - beta) * p_v * ((ls_v - lm_v) - KL(p||M))
+            u = _jsd_u(delta, beta)
+            acc += ((1.0 - beta) * g_d) * p * ((delta - u) - aux)
+    return acc
 
 
 # ----------------------------------------------------------------------------------
@@ -210,10 +275,7 @@ def _distill_fwd_kernel(
             # joint-max difference of the two normalisers, precise where d is small
             m_j_new = tl.maximum(m_s_new, m_t_new)
             r_j = tl.exp(m_j - m_j_new)
-            eS = es * tl.exp(m_s_new - m_j_new)[:, None]
-            eT = et * tl.exp(m_t_new - m_j_new)[:, None]
-            small = tl.abs(d) < 0.5
-            g = tl.where(small, eT * expm1_small(tl.where(small, d, 0.0)), eS - eT)
+            eT, g = _dlse_terms(es, et, d, tl.exp(m_s_new - m_j_new)[:, None], tl.exp(m_t_new - m_j_new)[:, None])
             zt_j = r_j * zt_j + tl.sum(eT, axis=1)
             dz_j = r_j * dz_j + tl.sum(g, axis=1)
             m_t = m_t_new
@@ -272,14 +334,9 @@ def _jsd_pass_kernel(
                          stride_ws, Hs, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
         t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
                          stride_wt, Ht, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
-        s = s * inv_temp
-        t = t * inv_temp
-        p = tl.where(valid, tl.exp(s - lse_s[:, None]), 0.0)
-        q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
-        delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-        u = _jsd_u(delta, beta)
-        kl_pm += tl.sum(p * (delta - u), axis=1)
-        kl_qm += tl.sum(q * (-u), axis=1)
+        pm, qm = _jsd_kl_terms(s * inv_temp, t * inv_temp, lse_s[:, None], lse_t[:, None], dlse[:, None], beta, valid)
+        kl_pm += tl.sum(pm, axis=1)
+        kl_qm += tl.sum(qm, axis=1)
     base = part_ptr + pid_s * N + rows64
     tl.store(base, kl_pm, mask=in_range)
     tl.store(base + n_split * N, kl_qm, mask=in_range)
@@ -319,18 +376,16 @@ def _distill_dlogits_kernel(
                      stride_ws, ks_end, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
     s = s * inv_temp
     lse_s = tl.load(stats_ptr + _LSE_S * N + rows64, mask=row_ok, other=0.0)
-    ls = s - lse_s[:, None]
-    p = tl.where(valid, tl.exp(ls), 0.0)
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    # per-token values a term does not use stay these zeros (compiled out with the term)
+    zero = tl.zeros([BLOCK_N], dtype=tl.float32)
+    g_lp, y, g_h, ent, g_d, dlse, aux, lse_t = zero, zero.to(tl.int32) - 1, zero, zero, zero, zero, zero, zero
+    t = s
     if HAS_GLP:
         g_lp = tl.load(glp_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         y = tl.load(tgt_ptr + rows64, mask=row_ok, other=-1).to(tl.int32)
-        onehot = tl.where(cols[None, :] == y[:, None], 1.0, 0.0)
-        acc += g_lp[:, None] * (onehot - p)
     if HAS_GENT:
         g_h = tl.load(gent_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         ent = tl.load(stats_ptr + _ENTROPY * N + rows64, mask=row_ok, other=0.0)
-        acc -= g_h[:, None] * p * tl.where(valid, ls + ent[:, None], 0.0)
     if HAS_GDIV:
         g_d = tl.load(gdiv_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
@@ -338,24 +393,11 @@ def _distill_dlogits_kernel(
         t = t * inv_temp
         dlse = tl.load(stats_ptr + _DLSE * N + rows64, mask=row_ok, other=0.0)
         aux = tl.load(stats_ptr + _AUX * N + rows64, mask=row_ok, other=0.0)
-        if DIV == _REVERSE_KL:
-            # d KL(p||q) / ds_v = p_v * ((ls_v - lt_v) - KL)
-            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-            acc += g_d[:, None] * p * (delta - aux[:, None])
-        elif DIV == _FORWARD_KL:
-            # d KL(q||p) / ds_v = p_v - q_v = -p_v expm1(-δ_v): relative precision when
-            # q ~ p; the plain difference where |δ| is large (no cancellation, no overflow)
+        if DIV == _FORWARD_KL:
             lse_t = tl.load(stats_ptr + _LSE_T * N + rows64, mask=row_ok, other=0.0)
-            q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
-            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-            small = tl.abs(delta) < 0.5
-            pq = tl.where(small, -p * expm1_small(-tl.where(small, delta, 0.0)), p - q)
-            acc += g_d[:, None] * pq
-        else:
-            # d JSD / ds_v = (1 - beta) * p_v * ((ls_v - lm_v) - KL(p||M))
-            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-            u = _jsd_u(delta, beta)
-            acc += ((1.0 - beta) * g_d)[:, None] * p * ((delta - u) - aux[:, None])
+    acc = _dlogits_terms(s, t, cols[None, :] == y[:, None], valid, lse_s[:, None], lse_t[:, None], dlse[:, None],
+                         aux[:, None], ent[:, None], g_lp[:, None], g_h[:, None], g_d[:, None], beta,
+                         DIV, HAS_GLP, HAS_GENT, HAS_GDIV)
     ds = tl.where(valid & row_ok[:, None], acc * inv_temp, 0.0)
     out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
     # the whole padded scratch row: ds is 0 past V, and a stride-bounded mask keeps the

@@ -13,8 +13,8 @@ Three layers:
   output is kept for a log).
 * `matrix_jobs`: the production matrix. Every autotune candidate that the kernel's pruner
   keeps (a pruned candidate is never launched), plain and SAFE, at bf16: attention
-  D=64/128 and GQA groups 1/4/8; the fused distillation, log-prob/entropy and actor-loss
-  kernels at the lm-head sizes V=151,936 (Qwen2.5's padded head) and 151,665 (its
+  D=64/128 and GQA groups 1/4/8; the fused distillation (both gradient paths),
+  log-prob/entropy and actor-loss kernels at the lm-head sizes V=151,936 (Qwen2.5's padded head) and 151,665 (its
   tokenizer), H=2048/3584. Shapes enter a compile only through constexprs and the
   launcher's divisibility-by-16 specialisation, so equal specialisations are one job.
 * `python tests/_aot.py --shard i/n`: run a share of the jobs in this process (the Triton
@@ -145,6 +145,10 @@ _ROWS_TYPES = dict(s_ptr="*fp32", t_ptr="*fp32", targets_ptr="*i64", adv_ptr="*f
                    precise_limit="fp32")
 
 
+# the distillation row kernel (gradients in the forward): the loss's names, the rows' scratch
+_DISTILL_ROWS_TYPES = dict(_LOSS_TYPES, s_ptr="*fp32", t_ptr="*fp32", stride_s="i32", stride_t="i32")
+
+
 def _attn_types(fn):
     # DQ: the fp32 atomic accumulator in the dK/dV kernel, the bf16 output of the dQ kernel
     dq = "*fp32" if fn.__name__ == "_bwd_dkdv_kernel" else "*bf16"
@@ -215,6 +219,7 @@ def attention_jobs():
 
 def lm_head_jobs():
     import memopd.kernels.actor_loss as al
+    import memopd.kernels.distill_rows as dr
     import memopd.kernels.fused_distill as fd
     import memopd.kernels.lm_head_tiles as tiles
     from memopd.kernels.contract import Divergence
@@ -257,6 +262,15 @@ def lm_head_jobs():
         fn = tiles.scaled_logits_kernel
         jobs.append(_job("actor_loss", "logits", "plain", shape, fn, _LOGITS_TYPES, consts, nw, ns,
                          _lm_divisible(fn, consts, V, H)))
+        # every gradient term compiled in (the op's reduced loss needs the divergence's alone)
+        for div, teacher, variant in ((Divergence.REVERSE_KL, True, "reverse_kl"),
+                                      (Divergence.FORWARD_KL, True, "forward_kl"),
+                                      (Divergence.JSD, True, "jsd"), (Divergence.REVERSE_KL, False, "no-teacher")):
+            consts = dict(DIV=int(div), HAS_TEACHER=teacher, HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True,
+                          NEED_GRAD=True, BLOCK_V=dr.rows_block(V))
+            fn = dr._distill_rows_kernel
+            jobs.append(_job("fused_distill", "distill_rows", variant, shape, fn, _DISTILL_ROWS_TYPES, consts,
+                             dr.ROWS_LAUNCH["num_warps"], dr.ROWS_LAUNCH["num_stages"], _lm_divisible(fn, consts, V, H)))
         for teacher in (True, False):
             consts = dict(HAS_TEACHER=teacher, DUAL=True, NEED_GRAD=True, BLOCK_V=al._rows_block(V))
             fn = al._actor_rows_kernel

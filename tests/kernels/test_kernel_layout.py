@@ -6,8 +6,8 @@
   (`dw_program_tile`, evaluated on the host through its Python function).
 * The scratch rows are padded (`scratch_row_stride`), so that at Qwen2.5's odd tokenizer
   vocabulary (V = 151,665) the compiled scratch accesses of the dH / dW GEMMs, the
-  distillation dlogits kernel and the actor-loss logits / rows kernels stay 16-byte
-  vector accesses. Checked on the sm_90a PTX that `tests/_aot.py` compiles offline (no GPU;
+  distillation dlogits and row kernels and the actor-loss logits / rows kernels stay
+  16-byte vector accesses. Checked on the sm_90a PTX that `tests/_aot.py` compiles offline (no GPU;
   skipped, with the reason, when Triton's CUDA backend is not installed), one launch
   configuration per kernel: the first candidate, the one used when autotuning is off.
 * The lm-head autotuners are per size class of the token rows (`tuning_bucket`), so the
@@ -92,12 +92,14 @@ def _first_job_per_kernel():
         if f"V={ODD_VOCAB}" not in job["shape"]:
             continue
         key = (job["kernel"], job["variant"])
-        if job["kernel"] in ("dh", "dw", "logits") or key in (("dlogits", "reverse_kl"), ("rows", "teacher")):
+        if job["kernel"] in ("dh", "dw", "logits", "distill_rows") or key in (("dlogits", "reverse_kl"), ("rows", "teacher")):
             jobs.setdefault(key, job)
     return jobs
 
 
-_CASES = [("dh", "gemm"), ("dw", "gemm"), ("dlogits", "reverse_kl"), ("logits", "plain"), ("rows", "teacher")]
+_CASES = [("dh", "gemm"), ("dw", "gemm"), ("dlogits", "reverse_kl"), ("logits", "plain"), ("rows", "teacher"),
+          ("distill_rows", "reverse_kl"), ("distill_rows", "forward_kl"), ("distill_rows", "jsd"),
+          ("distill_rows", "no-teacher")]
 # scalar: no .v2 / .v4 / .v8 qualifier (cache hints such as .L1::evict_last may appear)
 _SCALAR_B16_LOAD = re.compile(r"\bld\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
 _SCALAR_B16_STORE = re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
@@ -150,8 +152,9 @@ def test_scratch_accesses_are_16_byte_vectors_at_odd_vocab(kernel, variant):
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
         assert not _SCALAR_B32_STORE.search(ptx), f"{what}: scalar fp32 stores"
     else:
-        # the row sweeps read the fp32 student / teacher rows and write dlogits in place in
-        # 16-byte accesses (the per-token statistics are scalar stores, legitimately)
+        # the row sweeps (actor loss; distillation with gradients in the forward) read the
+        # fp32 student / teacher rows and write dlogits in place in 16-byte accesses (the
+        # per-token statistics are scalar stores, legitimately)
         assert _V4_LOAD.search(ptx), f"{what}: no 16-byte loads"
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
 
@@ -169,3 +172,17 @@ def test_cost_model_dw_order_reads_the_scratch_once():
     assert hbm["dw (actor, fp32 scratch)"] * 2 < hbm["dw (actor, before)"]
     for o in ops:
         assert 0 < o["useful_tflop"] <= o["tflop"] and 0 < o["peak"] < cm.MATMUL_SUSTAINED / cm.PEAK_BF16 + 1e-9
+
+
+def test_cost_model_forward_grads_runs_four_gemms_and_beats_recompute():
+    # the distillation op with its gradients in the forward: the same useful FLOPs as the
+    # recomputing op's, no recomputed ones, and a shorter predicted time than it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_cost_model as cm
+
+    _, ops = cm.report(4096, ODD_VOCAB)
+    by_op = {o["op"]: o for o in ops}
+    old = by_op["fused distill (reverse KL, teacher)"]
+    new = by_op["fused distill, gradients in the forward (reverse KL)"]
+    assert abs(new["tflop"] - new["useful_tflop"]) < 1e-9 and abs(new["useful_tflop"] - old["useful_tflop"]) < 1e-6
+    assert old["tflop"] > 1.4 * new["tflop"] and new["ms"] < old["ms"]
