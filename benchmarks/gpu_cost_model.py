@@ -217,23 +217,23 @@ def actor_rows(N, V):
     return _row("actor rows (teacher)", 0, cache, f"BLOCK_V={al._rows_block(V)}")
 
 
-# Programs of the distillation row kernel resident at once: its 8-warp programs need
-# 53-74 registers a thread on sm_90a (tests/_aot.py), so 4 fit an SM by registers and by
-# warps (64 a SM).
-ROWS_PROGRAMS_PER_SM = 4
+# Programs of the distillation row kernel resident at once: its 8-warp programs need up
+# to 80 registers a thread on sm_90a (tests/_aot.py), so 3 fit an SM's 64K registers.
+ROWS_PROGRAMS_PER_SM = 3
 
 
 def distill_rows(N, V, divergence, teacher=True):
     """`_distill_rows_kernel`, one program per token over the launcher's chunks
-    (`dr.chunk_rows`): the maxima sweep and the sums sweep read the student and teacher
-    rows, the JSD adds a sweep of both, and the gradient sweep reads both and writes the
-    student row in place. A later sweep of a program finds its rows in L2 only if the
-    rows of all resident programs fit there (at V=151,665 they are ~0.6 MB a head, ~300 MB
-    over 528 resident programs: they do not, so every sweep streams from HBM)."""
+    (`dr.chunk_rows`): the (online) sums sweep reads the student and teacher rows, the JSD
+    adds a sweep of both, and the gradient sweep reads both and writes the student row in
+    place. A later sweep of a program finds its rows in L2 only if the rows of all
+    resident programs fit there (at V=151,665 they are ~0.6 MB a head, ~480 MB over 396
+    resident programs: they do not, so every sweep streams from HBM). The exponentials
+    (a few per entry, on the SFUs) are taken to hide under the memory time."""
     stride = scratch_row_stride(V)
     row = stride * FP32
     heads = 2 if teacher else 1
-    sweeps = 2 + (divergence == Divergence.JSD and teacher)  # reads before the gradient sweep
+    sweeps = 1 + (divergence == Divergence.JSD and teacher)  # reads before the gradient sweep
     resident = CONCURRENT_PROGRAMS * ROWS_PROGRAMS_PER_SM
     fits = resident * row * heads <= L2_BYTES
     chunks, chunk = _chunks(N, V, FP32, dr.chunk_rows(N, V))

@@ -9,12 +9,13 @@ kept rows first, their count read by the kernels, no host sync):
 1. `scaled_logits_kernel` writes the student logits / T, and with a teacher the
    teacher's, as fp32 [chunk, V] scratch (rows padded to the 64-element stride, the
    padding zero): one lm-head-sized matmul per head.
-2. `_distill_rows_kernel`, one program per token, sweeps its row(s): the maxima; the
-   sums (normalisers, entropy sum, target logit, the expectation of s - t, and the
-   joint-max sum that gives lse_s - lse_t with relative precision where p ≈ q); for the
-   JSD a third sweep for KL(p‖M) and KL(q‖M); then, with the per-token outputs known,
-   it writes dL/dlogits over the student row in place (zeros past V and for masked
-   tokens) and the outputs and `DistillStat` rows at the token's own index.
+2. `_distill_rows_kernel`, one program per token, sweeps its row(s): the sums, folded
+   online with running maxima (normalisers, entropy sum, target logit, the expectation
+   of s - t, and the joint-max sum that gives lse_s - lse_t with relative precision
+   where p ≈ q); for the JSD a second sweep for KL(p‖M) and KL(q‖M); then, with the
+   per-token outputs known, it writes dL/dlogits over the student row in place (zeros
+   past V and for masked tokens) and the outputs and `DistillStat` rows at the token's
+   own index.
 3. dH = dlogits @ W and dW += dlogits^T @ H (`dh_kernel` / `dw_kernel`), db = Σ rows.
 
 So a training call is 4 lm-head-sized matmuls with a teacher (3 without) and the
@@ -78,21 +79,12 @@ def _distill_rows_kernel(
     # Loads are bounded by the padded row stride, so they stay 16-byte vectors for any V;
     # the padding holds zeros, so sums mask only what 0 would not leave out (exp), maxima
     # mask it to NEG.
-    # sweep 1: the row maxima
-    m_s = tl.full([BLOCK_V], NEG, tl.float32)
-    m_t = tl.full([BLOCK_V], NEG, tl.float32)
-    for v0 in range(0, v_end, BLOCK_V):
-        cols = v0 + offs
-        ok = cols < V
-        m_s = tl.maximum(m_s, tl.where(ok, tl.load(srow + cols, mask=cols < stride_s, other=NEG), NEG))
-        if HAS_TEACHER:
-            m_t = tl.maximum(m_t, tl.where(ok, tl.load(trow + cols, mask=cols < stride_t, other=NEG), NEG))
-    ms = tl.max(m_s, 0)
-    mt = tl.max(m_t, 0)
-    mj = tl.maximum(ms, mt)
-    c_s = tl.exp(ms - mj)
-    c_t = tl.exp(mt - mj)
-    # sweep 2: the sums, with the maxima known (no online rescaling)
+    # sweep 1: the sums, folded online (running maxima, as in the tile kernel's forward);
+    # the maxima are scalars of the row, so each rescaling is one scalar exp per piece
+    neg = tl.max(tl.full([BLOCK_V], NEG, tl.float32), 0)  # an fp32 scalar (loop-carried below)
+    ms = neg  # running max of s
+    mt = neg  # ... of t
+    mj = neg  # ... of both
     z_s = tl.zeros([BLOCK_V], tl.float32)   # Σ e^{s - ms}
     a_s = tl.zeros([BLOCK_V], tl.float32)   # Σ e^{s - ms} (s - ms)       (entropy)
     s_y = tl.zeros([BLOCK_V], tl.float32)   # target logit
@@ -103,22 +95,31 @@ def _distill_rows_kernel(
         cols = v0 + offs
         ok = cols < V
         s = tl.load(srow + cols, mask=cols < stride_s, other=0.0)
-        sc = s - ms
+        ms_new = tl.maximum(ms, tl.max(tl.where(ok, s, NEG), 0))
+        alpha_s = tl.exp(ms - ms_new)
+        sc = s - ms_new
         es = tl.where(ok, tl.exp(sc), 0.0)
-        z_s += es
-        a_s += es * sc
+        a_s = alpha_s * (a_s + (ms - ms_new) * z_s) + es * sc
+        z_s = alpha_s * z_s + es
         s_y += tl.where(cols == y, s, 0.0)  # an out-of-range target finds nothing, as in the tile kernel
         if HAS_TEACHER:
             t = tl.load(trow + cols, mask=cols < stride_t, other=0.0)
-            et = tl.where(ok, tl.exp(t - mt), 0.0)
-            z_t += et
+            mt_new = tl.maximum(mt, tl.max(tl.where(ok, t, NEG), 0))
+            alpha_t = tl.exp(mt - mt_new)
+            et = tl.where(ok, tl.exp(t - mt_new), 0.0)
+            z_t = alpha_t * z_t + et
             d = tl.where(ok, s - t, 0.0)  # straight from the two logits: exact where s ≈ t
             if DIV == _FORWARD_KL:
-                e_d += et * d
+                e_d = alpha_t * e_d + et * d
             elif DIV == _REVERSE_KL:
-                e_d += es * d
-            _eT, g = _dlse_terms(es, et, d, c_s, c_t)
-            dz_j += g
+                e_d = alpha_s * e_d + es * d
+            mj_new = tl.maximum(ms_new, mt_new)
+            _eT, g = _dlse_terms(es, et, d, tl.exp(ms_new - mj_new), tl.exp(mt_new - mj_new))
+            dz_j = tl.exp(mj - mj_new) * dz_j + g
+            mt = mt_new
+            mj = mj_new
+        ms = ms_new
+    c_t = tl.exp(mt - mj)  # Σ e^{t - mj} = c_t z_t
     # per-token outputs (a masked token's program stores zeros)
     zs = tl.where(active, tl.sum(z_s, 0), 1.0)
     log_zs = tl.log(zs)
@@ -144,7 +145,7 @@ def _distill_rows_kernel(
             aux = dlse - tl.sum(e_d, 0) / zt
             div = tl.maximum(aux, 0.0)
         else:
-            # sweep 3 (JSD): KL(p || M) and KL(q || M), normalised distributions needed
+            # sweep 2 (JSD): KL(p || M) and KL(q || M), normalised distributions needed
             kl_pm = tl.zeros([BLOCK_V], tl.float32)
             kl_qm = tl.zeros([BLOCK_V], tl.float32)
             for v0 in range(0, v_end, BLOCK_V):
@@ -195,10 +196,10 @@ def _distill_rows_kernel(
 def rows_block(V: int) -> int:
     """BLOCK_V of `_distill_rows_kernel`: one program streams one row (memory-bound
     sweeps, no tl.dot). 1024-wide pieces over 8 warps give each thread 4 fp32 values of
-    each live vector, one 16-byte access, and 53-64 registers on sm_90a, so several
+    each live vector, one 16-byte access, and at most 80 registers on sm_90a, so three
     programs share an SM; 2048-wide ones spilled in the JSD variant with Triton 3.6's
-    ptxas (36 bytes) and needed ~100-140 registers elsewhere. A multiple of 64, so the
-    sweeps cover the whole padded row."""
+    ptxas and needed ~100-140 registers elsewhere. A multiple of 64, so the sweeps cover
+    the whole padded row."""
     return 64 if INTERPRET else min(1024, max(64, triton.next_power_of_2(min(V, 1024))))
 
 
