@@ -98,23 +98,37 @@ def _row(name, flops, cache, note=""):
                 hbm_util=cache.hbm / (t * HBM_BYTES_PER_S), bound=bound, note=note)
 
 
-def distill_forward(N, V):
-    """The teacher-student forward: grid (token blocks, vocabulary splits), token blocks fastest."""
+def distill_forward(N, V, order="launcher"):
+    """The teacher-student forward over its 1-D grid (`fd.fwd_grid`) in the kernel's own
+    program order (`fd.fwd_program_block`: splits fastest), or order="token-fastest", the
+    order before it. Each program re-reads its token block's hidden rows with every
+    vocabulary tile it computes, so the model steps the programs of a wave through their
+    tiles together: per step every program reads its hidden rows and its split's weight
+    tile (shared by the wave's programs of that split), through the L2 model."""
     c = fd._configs("fwd", Divergence.REVERSE_KL, False, True)[0].kwargs
-    splits, per = fd._split_plan(N, V, "cpu")
-    cache, flops = L2(L2_BYTES), 0
-    bn = c["BLOCK_N"]
-    for s in range(splits):
-        cols = min(per, V - s * per)
-        for n in range(triton.cdiv(N, bn)):
-            rows = min(bn, N - n * bn)
-            cache.program()
-            cache.read(("hs", n), rows * STUDENT_H * BF16)
-            cache.read(("ht", n), rows * TEACHER_H * BF16)
-            cache.read(("ws", s), cols * STUDENT_H * BF16)
-            cache.read(("wt", s), cols * TEACHER_H * BF16)
-            flops += 2 * rows * cols * (STUDENT_H + TEACHER_H)
-    return _row("fwd (KL, teacher)", flops, cache, f"{splits} splits, BLOCK_N={bn}")
+    bn, bv = c["BLOCK_N"], c["BLOCK_V"]
+    row_bytes = (STUDENT_H + TEACHER_H) * BF16
+    splits, per = fd._split_plan(N, V, "cpu", row_bytes)
+    n_tb = triton.cdiv(N, bn)
+    (n_programs,) = fd.fwd_grid(N, splits, c)
+    blocks = [fd.fwd_program_block.fn(pid, splits) if order == "launcher" else (pid % n_tb, pid // n_tb)
+              for pid in range(n_programs)]
+    cache, flops = L2(L2_BYTES, concurrent=1), 0
+    for w0 in range(0, n_programs, CONCURRENT_PROGRAMS):
+        wave = blocks[w0:w0 + CONCURRENT_PROGRAMS]
+        for k in range(triton.cdiv(per, bv)):
+            cache.program()  # one step of the whole wave: a tile read twice in it is shared
+            for n, s in wave:
+                v0 = s * per + k * bv
+                cols = min(bv, V - v0, (s + 1) * per - v0)
+                if cols <= 0:
+                    continue
+                rows = min(bn, N - n * bn)
+                cache.read(("h", n), rows * row_bytes)
+                cache.read(("w", s, k), cols * row_bytes)
+                flops += 2 * rows * cols * (STUDENT_H + TEACHER_H)
+    label = "fwd (KL, teacher)" if order == "launcher" else "fwd (KL, teacher, token blocks fastest: before)"
+    return _row(label, flops, cache, f"{splits} splits, BLOCK_N={bn}, {order} order")
 
 
 def _chunks(N, V, elem, chunk=None):
@@ -265,7 +279,7 @@ def distill_forward_grads_rows(N, V):
 
 
 def report(N, V):
-    rows = [distill_forward(N, V), distill_dlogits(N, V),
+    rows = [distill_forward(N, V), distill_forward(N, V, order="token-fastest"), distill_dlogits(N, V),
             gemm_dh(N, V, BF16, label="dh (distill)"),
             gemm_dw(N, V, BF16, label="dw (distill)"),
             gemm_dw(N, V, BF16, label="dw (distill, vocab tiles fastest: before)", order="vocab-fastest"),
@@ -305,6 +319,9 @@ OPS = {
     "fused distill (reverse KL, teacher)": (
         ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill)"],
         ["fwd (KL, teacher)", "dh (distill)", "dw (distill)"]),
+    "fused distill, forward in the old order": (
+        ["fwd (KL, teacher, token blocks fastest: before)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill)"],
+        ["fwd (KL, teacher, token blocks fastest: before)", "dh (distill)", "dw (distill)"]),
     "fused distill, dW in the old order": (
         ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"],
         ["fwd (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"]),

@@ -12,7 +12,8 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   token block lies at or beyond `count` run their loops zero times (the loop bound is
   read from device memory), so nothing is synchronised with the host.
 * Forward (`_distill_fwd_kernel`): grid (token blocks of BLOCK_N kept tokens) x
-  (vocabulary splits). Each program loops over its split in BLOCK_V tiles, computes
+  (vocabulary splits), splits fastest, so that the hidden rows of the resident
+  programs stay in L2 (`fwd_program_block`). Each program loops over its split in BLOCK_V tiles, computes
   the student and the teacher logits tile with `tl.dot` (fp32 accumulation), and folds
   each tile into fp32 online statistics per token: running maxima and sum-exps of both
   distributions, the entropy sum, the target logit, the expectation of d = s - t
@@ -190,26 +191,42 @@ def _dlogits_terms(s, t, is_y, valid, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g
 # forward
 # ----------------------------------------------------------------------------------
 @triton.jit
+def fwd_program_block(pid, n_split):
+    """(token block, vocabulary split) of program `pid` of the forward's 1-D grid
+    (`fwd_grid`): vocabulary splits fastest.
+
+    Each program re-reads its token block's hidden rows (BLOCK_N x (Hs + Ht)) once per
+    vocabulary tile, so the rows of all resident programs must stay in L2. With token
+    blocks fastest the ~132 resident programs held ~132 different blocks (~95 MB at Hs
+    2048 + Ht 3584, BLOCK_N 64: more than the 50 MB L2) and those re-reads streamed from
+    HBM; with splits fastest they hold 132 / splits blocks (`_num_splits` keeps those
+    within FWD_L2_BYTES), and the resident programs of one split still share each weight
+    tile. Every program computes what it computed before, so the outputs are unchanged
+    bit for bit. Plain integer arithmetic, evaluable on the host through
+    `fwd_program_block.fn`."""
+    return pid // n_split, pid % n_split
+
+
+@triton.jit
 def _distill_fwd_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr, order_ptr, count_ptr, part_ptr,
-    N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp,
+    N, Hs, Ht, V, v_per_split, n_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, DIV: tl.constexpr, UPCAST: tl.constexpr,
     PREC_S: tl.constexpr, PREC_T: tl.constexpr, HAS_TEACHER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Online statistics of one token block over one vocabulary split.
 
-    Grid (token blocks, splits): splitting the vocabulary keeps every SM busy when N is
-    small (N = 4096 gives only 64 token blocks of 64); the per-split partial statistics
-    are merged afterwards (log-sum-exp style, on the device).
+    Grid: token blocks x splits in the order of `fwd_program_block`. Splitting
+    the vocabulary keeps every SM busy when N is small (N = 4096 gives only 64 token
+    blocks of 64); the per-split partial statistics are merged afterwards (log-sum-exp
+    style, on the device).
 
     HAS_TEACHER=False is the teacher-less op (log-prob + entropy only): the teacher
     tile, its statistics and the joint-max sums are compiled out, the teacher pointers
     are unused dummies, and only rows m_s, z_s, a_s, s_y of `part` are written.
     """
-    pid = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    n_split = tl.num_programs(1)
+    pid, pid_s = fwd_program_block(tl.program_id(0), n_split)
     count = tl.load(count_ptr)
     pos = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = pos < N
@@ -302,15 +319,14 @@ def _distill_fwd_kernel(
 @triton.jit
 def _jsd_pass_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, order_ptr, count_ptr, stats_ptr, part_ptr,
-    N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp, beta,
+    N, Hs, Ht, V, v_per_split, n_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp, beta,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, UPCAST: tl.constexpr,
     PREC_S: tl.constexpr, PREC_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Second JSD pass: partial KL(p || M) and KL(q || M) per split, once lse_s, lse_t are known."""
-    pid = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    n_split = tl.num_programs(1)
+    """Second JSD pass: partial KL(p || M) and KL(q || M) per split, once lse_s, lse_t are
+    known. Grid and program order: those of the forward (`fwd_program_block`)."""
+    pid, pid_s = fwd_program_block(tl.program_id(0), n_split)
     count = tl.load(count_ptr)
     pos = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = pos < N
@@ -511,8 +527,13 @@ def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True, 
     return _TUNERS[name], {}
 
 
-def _num_splits(N: int, V: int, device) -> int:
-    """Vocabulary splits of the forward grid: ~4 programs per SM, >= 1024 columns each."""
+def _num_splits(N: int, V: int, device, row_bytes: int = 0) -> int:
+    """Vocabulary splits of the forward grid: ~4 programs per SM, and at least enough that
+    the hidden rows of one wave of programs (one per SM, each BLOCK_N = 64 token rows of
+    `row_bytes`, the fixed tile's) fit FWD_L2_BYTES in the splits-fastest order of
+    `fwd_program_block`; >= 1024 columns each. Up to N = 16k at Qwen2.5-3B / 7B sizes the
+    first rule decides (3 splits at 16k); past it the second keeps the forward's
+    re-reads of the hidden rows in L2."""
     env = os.environ.get("MEMOPD_DISTILL_SPLITS")
     if env:
         return max(1, int(env))
@@ -523,14 +544,31 @@ def _num_splits(N: int, V: int, device) -> int:
     except Exception:  # noqa: BLE001 no queryable device (e.g. the interpreter): an H100/H200's count
         sms = 132
     want = triton.cdiv(4 * sms, triton.cdiv(N, 64))
-    return max(1, min(want, triton.cdiv(V, 1024)))
+    wave_fits = triton.cdiv(sms * 64 * row_bytes, FWD_L2_BYTES)
+    return max(1, min(max(want, wave_fits), triton.cdiv(V, 1024)))
 
 
-def _split_plan(N: int, V: int, device):
-    splits = _num_splits(N, V, device)
+def hidden_row_bytes(student: LinearHead, teacher: Optional[LinearHead]) -> int:
+    """Bytes of one token's hidden rows, both heads (what a forward program re-reads)."""
+    return sum(h.shape[1] * h.element_size() for h in (student.hidden, None if teacher is None else teacher.hidden)
+               if h is not None)
+
+
+def _split_plan(N: int, V: int, device, row_bytes: int = 0):
+    splits = _num_splits(N, V, device, row_bytes)
     # multiple of 128 so that no tile straddles two splits for any BLOCK_V <= 128
     per = triton.cdiv(triton.cdiv(V, splits), 128) * 128
     return triton.cdiv(V, per), per
+
+
+# Bytes of hidden rows the resident forward programs may keep in L2 (of an H100/H200's
+# 50 MB; the rest is left to the weight tiles in flight).
+FWD_L2_BYTES = 32 << 20
+
+
+def fwd_grid(N: int, splits: int, meta: dict) -> tuple:
+    """Launch grid of the forward and JSD-pass kernels: every (token block, split) once."""
+    return (triton.cdiv(N, meta["BLOCK_N"]) * splits,)
 
 
 def merge_partials(part: torch.Tensor, divergence: int, has_teacher: bool = True):
@@ -589,14 +627,13 @@ def distill_forward(student: LinearHead, teacher: Optional[LinearHead], targets:
     if N == 0:
         return torch.zeros((NUM_PART, 0), device=dev, dtype=torch.float32)
     order, count = compaction(keep)
-    splits, per = _split_plan(N, V, dev)
+    splits, per = _split_plan(N, V, dev, hidden_row_bytes(student, teacher))
     part = torch.empty((NUM_PART, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
     launch, meta = _launcher("fwd", params.divergence, fp32, has_teacher, rows=N)
-    grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
-    launch[grid](
+    launch[lambda m: fwd_grid(N, splits, m)](
         hs, ws, bs, ht, wt, bt, targets, order, count, part,
-        N, hs.shape[1], ht.shape[1], V, per,
+        N, hs.shape[1], ht.shape[1], V, per, splits,
         hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / params.temperature,
         HAS_BS=student.bias is not None, HAS_BT=has_teacher and teacher.bias is not None,
         DIV=int(params.divergence), HAS_TEACHER=has_teacher, **_precision_flags(hs, ht), **meta,
@@ -615,14 +652,13 @@ def jsd_second_pass(student: LinearHead, teacher: LinearHead, keep: torch.Tensor
     if N == 0:
         return torch.zeros((2, 0), device=dev, dtype=torch.float32)
     order, count = compaction(keep)
-    splits, per = _split_plan(N, V, dev)
+    splits, per = _split_plan(N, V, dev, hidden_row_bytes(student, teacher))
     part = torch.empty((2, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
     launch, meta = _launcher("jsd", Divergence.JSD, fp32, rows=N)
-    grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
-    launch[grid](
+    launch[lambda m: fwd_grid(N, splits, m)](
         hs, ws, bs, ht, wt, bt, order, count, stats, part,
-        N, hs.shape[1], ht.shape[1], V, per,
+        N, hs.shape[1], ht.shape[1], V, per, splits,
         hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / params.temperature, float(params.beta),
         HAS_BS=student.bias is not None, HAS_BT=teacher.bias is not None, **_precision_flags(hs, ht), **meta,
     )

@@ -130,7 +130,8 @@ _LOSS_TYPES = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16
                    bt_ptr="*bf16", tgt_ptr="*i64", order_ptr="*i32", count_ptr="*i32", div_ptr="*fp32",
                    lp_ptr="*fp32", ent_ptr="*fp32", stats_ptr="*fp32", gdiv_ptr="*fp32", glp_ptr="*fp32",
                    gent_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", N="i32", Hs="i32", Ht="i32",
-                   V="i32", c0="i32", n_rows="i32", v_per_split="i32", stride_hs="i32", stride_ws="i32",
+                   V="i32", c0="i32", n_rows="i32", v_per_split="i32", n_split="i32",
+                   stride_hs="i32", stride_ws="i32",
                    stride_ht="i32", stride_wt="i32", stride_out="i32", inv_temp="fp32", beta="fp32")
 _GEMM_TYPES = dict(g_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", order_ptr="*i32", count_ptr="*i32",
                    dh_ptr="*bf16", dw_ptr="*fp32", V="i32", H="i32", c0="i32", n_rows="i32",

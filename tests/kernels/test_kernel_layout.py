@@ -4,6 +4,9 @@
   vocabulary tile, every hidden tile) are adjacent, so the slab is read from HBM once.
   Checked on the launcher's own grid (`dw_grid`) and the index map the kernel calls
   (`dw_program_tile`, evaluated on the host through its Python function).
+* The distillation forward's program order (`fwd_grid`, `fwd_program_block`): the
+  programs resident together re-read the hidden rows of few enough token blocks that
+  they stay in L2.
 * The scratch rows are padded (`scratch_row_stride`), so that at Qwen2.5's odd tokenizer
   vocabulary (V = 151,665) the compiled scratch accesses of the dH / dW GEMMs, the
   distillation dlogits and row kernels and the actor-loss logits / rows kernels stay
@@ -48,6 +51,34 @@ def test_dw_programs_sharing_a_scratch_slab_are_adjacent(meta, V, H):
         by_slab.setdefault(v_tile, []).append(pid)
     for v_tile, pids in by_slab.items():
         assert pids == list(range(pids[0], pids[0] + n_h)), (v_tile, pids[:4])
+
+
+@pytest.mark.parametrize("N", [4096, 16384, 65536])
+@pytest.mark.parametrize("teacher", [True, False], ids=["teacher", "no-teacher"])
+def test_forward_programs_resident_together_keep_their_hidden_rows_in_l2(N, teacher):
+    # every (token block, split) exactly once, and a wave of 132 programs (one per SM)
+    # re-reads the hidden rows of few enough token blocks to stay within FWD_L2_BYTES;
+    # the order before (token blocks fastest) exceeded it with a teacher
+    row_bytes = (2048 + (3584 if teacher else 0)) * 2
+    bn = fd._configs("fwd", Divergence.REVERSE_KL, False, teacher)[0].kwargs["BLOCK_N"]
+    splits, _ = fd._split_plan(N, ODD_VOCAB, "cpu", row_bytes)
+    n_tb = triton.cdiv(N, bn)
+    (n_programs,) = fd.fwd_grid(N, splits, {"BLOCK_N": bn})
+    blocks = [fd.fwd_program_block.fn(pid, splits) for pid in range(n_programs)]
+    assert sorted(blocks) == [(b, s) for b in range(n_tb) for s in range(splits)]
+    wave = 132
+    widest = max(len({b for b, _ in blocks[w0:w0 + wave]}) for w0 in range(0, n_programs, wave))
+    assert (widest - 1) * bn * row_bytes <= fd.FWD_L2_BYTES, (splits, widest)
+    if teacher and N >= 16384:
+        assert min(wave, n_tb) * bn * row_bytes > fd.FWD_L2_BYTES  # token blocks fastest: too wide
+    if N == 16384:
+        assert splits == 3  # the split plan (and so every output bit) of the order before
+
+
+def test_forward_kernels_take_their_block_from_the_tested_map():
+    for kernel in (fd._distill_fwd_kernel, fd._jsd_pass_kernel):
+        src = inspect.getsource(getattr(kernel, "fn", kernel))
+        assert "fwd_program_block(tl.program_id(0), n_split)" in src
 
 
 def test_dw_kernel_takes_its_tile_from_the_tested_map():

@@ -112,16 +112,18 @@ def test_runs_in_interpreter_mode():
 
 
 @inproc
+@pytest.mark.parametrize("gradients", [None, "recompute"], ids=["auto", "recompute"])
 @pytest.mark.parametrize("divergence", DIVS)
-def test_values_and_grads_vs_float64(seed, divergence):
-    # padded teacher vocab, teacher bias, Hs != Ht, temperature, masked rows, and a
-    # backward split into several token chunks of the dlogits scratch
+def test_values_and_grads_vs_float64(seed, divergence, gradients):
+    # padded teacher vocab, teacher bias, Hs != Ht, temperature, masked rows, and token
+    # chunks of the scratch; "auto" takes the loss's gradients in the forward and
+    # recomputes the per-token outputs' ones, "recompute" recomputes all of them
     inp = make_inputs(seed, V=300, Vt=311, teacher_bias=True)
     with torch.no_grad():
         inp["wt"][300:] = 40.0  # padded rows must never enter the teacher softmax
     check(seed, inp, weights_for(seed, 48),
           dict(divergence=divergence, temperature=1.4, vocab_size=300, beta=0.35),
-          token_chunk_size=16)
+          token_chunk_size=16, gradients=gradients)
 
 
 @inproc
