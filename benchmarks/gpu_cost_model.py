@@ -8,8 +8,9 @@ programs request from memory, the HBM bytes left after an L2 model, and the pred
 time and fraction of peak. What it models, and what it does not:
 
 * Grids, tiles and token chunks are the launchers' (`_split_plan`, `_configs(...)[0]` (the
-  fixed choice when autotuning is off), `gemm_meta`, `dw_grid` / `dw_program_tile`,
-  `default_token_chunk`, `scratch_row_stride`), imported, not copied.
+  fixed choice when autotuning is off), `fwd_grid` / `fwd_program_block`, `gemm_meta`,
+  `dw_grid` / `dw_program_tile`, `default_token_chunk`, `distill_rows.chunk_rows` /
+  `rows_block`, `scratch_row_stride`), imported, not copied.
 * L2: programs run in program-id order, CONCURRENT_PROGRAMS at a time (one wave). Each
   program's operand slabs (a block of token rows, a block of W rows or columns, a scratch
   slab) are read from HBM once per wave (the programs of a wave stream a shared slab in
@@ -17,6 +18,11 @@ time and fraction of peak. What it models, and what it does not:
   waves. Real waves overlap and slabs stream tile by tile, so this is coarse: it separates
   an order that re-reads a slab ~V / 128 programs later (a miss) from one that re-reads it
   in the same wave (a hit), not a 20 % difference.
+* Two kernels are stepped finer: the distillation forward, whose programs re-read their
+  hidden rows with every vocabulary tile (a wave's programs step through their tiles
+  together, each step's reads through the same L2 model), and the distillation row
+  kernel (one program per token; its sweeps stream from HBM unless the rows of all
+  resident programs fit in L2, which at these vocabularies they do not).
 * Time = max(FLOPs / MATMUL_SUSTAINED, HBM bytes / HBM_BYTES_PER_S); the fraction of peak
   is FLOPs / (time x PEAK_BF16). No launch overheads, no tail effects, no occupancy.
 * The per-token reductions, the compaction and the bias sum are left out (O(N + V)).

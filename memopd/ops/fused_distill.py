@@ -5,7 +5,8 @@ entropy alone), from last hidden states and lm_head weights, never materialising
 This module holds the public functions, the `torch.library` custom ops
 (`memopd::fused_distill_fwd` / `memopd::fused_distill_bwd`) with their autograd glue,
 and the finalisation of the Triton kernels' statistics. The PyTorch implementation is
-`memopd.ops.distill_torch`, the kernels `memopd.kernels.fused_distill`, the argument
+`memopd.ops.distill_torch`, the kernels `memopd.kernels.fused_distill` (and, for the
+gradients taken in the forward, `memopd.kernels.distill_rows`), the argument
 checks `memopd.ops._validate`, the float64 references `memopd.ops.reference_distill`
 (re-exported here). Contract, algorithm and back ends: docs/design.md §6.2; ZeRO-3 /
 FSDP: docs/deepspeed.md §4.
