@@ -8,8 +8,9 @@ programs request from memory, the HBM bytes left after an L2 model, and the pred
 time and fraction of peak. What it models, and what it does not:
 
 * Grids, tiles and token chunks are the launchers' (`_split_plan`, `_configs(...)[0]` (the
-  fixed choice when autotuning is off), `gemm_meta`, `dw_grid` / `dw_program_tile`,
-  `default_token_chunk`, `scratch_row_stride`), imported, not copied.
+  fixed choice when autotuning is off), `fwd_grid` / `fwd_program_block`, `gemm_meta`,
+  `dw_grid` / `dw_program_tile`, `default_token_chunk`, `distill_rows.chunk_rows` /
+  `rows_block`, `scratch_row_stride`), imported, not copied.
 * L2: programs run in program-id order, CONCURRENT_PROGRAMS at a time (one wave). Each
   program's operand slabs (a block of token rows, a block of W rows or columns, a scratch
   slab) are read from HBM once per wave (the programs of a wave stream a shared slab in
@@ -17,6 +18,11 @@ time and fraction of peak. What it models, and what it does not:
   waves. Real waves overlap and slabs stream tile by tile, so this is coarse: it separates
   an order that re-reads a slab ~V / 128 programs later (a miss) from one that re-reads it
   in the same wave (a hit), not a 20 % difference.
+* Two kernels are stepped finer: the distillation forward, whose programs re-read their
+  hidden rows with every vocabulary tile (a wave's programs step through their tiles
+  together, each step's reads through the same L2 model), and the distillation row
+  kernel (one program per token; its sweeps stream from HBM unless the rows of all
+  resident programs fit in L2, which at these vocabularies they do not).
 * Time = max(FLOPs / MATMUL_SUSTAINED, HBM bytes / HBM_BYTES_PER_S); the fraction of peak
   is FLOPs / (time x PEAK_BF16). No launch overheads, no occupancy; of the tails only the
   dH GEMM's, whose few long programs per chunk leave SMs idle (its compute time divided
@@ -39,6 +45,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import memopd.kernels.actor_loss as al  # noqa: E402
+import memopd.kernels.distill_rows as dr  # noqa: E402
 import memopd.kernels.fused_distill as fd  # noqa: E402
 from memopd.kernels.contract import Divergence  # noqa: E402
 from memopd.kernels.lm_head_tiles import (  # noqa: E402
@@ -107,28 +114,43 @@ def _row(name, flops, cache, note="", compute_s=None):
                 hbm_util=cache.hbm / (t * HBM_BYTES_PER_S), bound=bound, note=note)
 
 
-def distill_forward(N, V):
-    """The teacher-student forward: grid (token blocks, vocabulary splits), token blocks fastest."""
+def distill_forward(N, V, order="launcher"):
+    """The teacher-student forward over its 1-D grid (`fd.fwd_grid`) in the kernel's own
+    program order (`fd.fwd_program_block`: splits fastest), or order="token-fastest", the
+    order before it. Each program re-reads its token block's hidden rows with every
+    vocabulary tile it computes, so the model steps the programs of a wave through their
+    tiles together: per step every program reads its hidden rows and its split's weight
+    tile (shared by the wave's programs of that split), through the L2 model."""
     c = fd._configs("fwd", Divergence.REVERSE_KL, False, True)[0].kwargs
-    splits, per = fd._split_plan(N, V, "cpu")
-    cache, flops = L2(L2_BYTES), 0
-    bn = c["BLOCK_N"]
-    for s in range(splits):
-        cols = min(per, V - s * per)
-        for n in range(triton.cdiv(N, bn)):
-            rows = min(bn, N - n * bn)
-            cache.program()
-            cache.read(("hs", n), rows * STUDENT_H * BF16)
-            cache.read(("ht", n), rows * TEACHER_H * BF16)
-            cache.read(("ws", s), cols * STUDENT_H * BF16)
-            cache.read(("wt", s), cols * TEACHER_H * BF16)
-            flops += 2 * rows * cols * (STUDENT_H + TEACHER_H)
-    return _row("fwd (KL, teacher)", flops, cache, f"{splits} splits, BLOCK_N={bn}")
+    bn, bv = c["BLOCK_N"], c["BLOCK_V"]
+    row_bytes = (STUDENT_H + TEACHER_H) * BF16
+    splits, per = fd._split_plan(N, V, "cpu", row_bytes)
+    n_tb = triton.cdiv(N, bn)
+    (n_programs,) = fd.fwd_grid(N, splits, c)
+    blocks = [fd.fwd_program_block.fn(pid, splits) if order == "launcher" else (pid % n_tb, pid // n_tb)
+              for pid in range(n_programs)]
+    cache, flops = L2(L2_BYTES, concurrent=1), 0
+    for w0 in range(0, n_programs, CONCURRENT_PROGRAMS):
+        wave = blocks[w0:w0 + CONCURRENT_PROGRAMS]
+        for k in range(triton.cdiv(per, bv)):
+            cache.program()  # one step of the whole wave: a tile read twice in it is shared
+            for n, s in wave:
+                v0 = s * per + k * bv
+                cols = min(bv, V - v0, (s + 1) * per - v0)
+                if cols <= 0:
+                    continue
+                rows = min(bn, N - n * bn)
+                cache.read(("h", n), rows * row_bytes)
+                cache.read(("w", s, k), cols * row_bytes)
+                flops += 2 * rows * cols * (STUDENT_H + TEACHER_H)
+    label = "fwd (KL, teacher)" if order == "launcher" else "fwd (KL, teacher, token blocks fastest: before)"
+    return _row(label, flops, cache, f"{splits} splits, BLOCK_N={bn}, {order} order")
 
 
-def _chunks(N, V, elem):
-    # elem: the bytes per scratch element the launcher sizes its chunks by
-    chunk = min(default_token_chunk(N, V, elem), N)
+def _chunks(N, V, elem, chunk=None):
+    # elem: the bytes per scratch element the launcher sizes its chunks by; chunk: a
+    # launcher's own chunk rows instead
+    chunk = min(default_token_chunk(N, V, elem), N) if chunk is None else chunk
     return [(c0, min(chunk, N - c0)) for c0 in range(0, N, chunk)], chunk
 
 
@@ -152,13 +174,14 @@ def distill_dlogits(N, V):
     return _row("dlogits (KL, teacher)", flops, cache, f"{len(chunks)} chunks of {chunk} rows")
 
 
-def gemm_dh(N, V, elem, H=STUDENT_H, label="dh", chunk_elem=None, split=False):
+def gemm_dh(N, V, elem, H=STUDENT_H, label="dh", chunk_elem=None, split=False, chunk=None):
     """elem: bytes per scratch element; chunk_elem: what the launcher sizes its chunks by
-    (default elem); split: the actor loss's vocabulary split (`dh_splits`, SMs =
-    CONCURRENT_PROGRAMS), else the launcher's default, one share. Every dH program runs
-    the whole K loop, so the compute time is divided by the grid's `wave_fill`."""
+    (default elem), or chunk: its chunk rows; split: the actor loss's vocabulary split
+    (`dh_splits`, SMs = CONCURRENT_PROGRAMS), else the launcher's default, one share.
+    Every dH program runs the whole K loop, so the compute time is divided by the grid's
+    `wave_fill`."""
     g = GEMM_GPU
-    chunks, chunk = _chunks(N, V, chunk_elem or elem)
+    chunks, chunk = _chunks(N, V, chunk_elem or elem, chunk)
     stride = scratch_row_stride(V)
     cache, flops, compute_s, fills, plans = L2(L2_BYTES), 0, 0.0, [], set()
     for c0, n_rows in chunks:
@@ -192,11 +215,11 @@ def gemm_dh(N, V, elem, H=STUDENT_H, label="dh", chunk_elem=None, split=False):
     return r
 
 
-def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher", chunk_elem=None):
+def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher", chunk_elem=None, chunk=None):
     """order="launcher": the kernel's own map (`dw_program_tile`); "vocab-fastest": the
-    order before it, for comparison. elem, chunk_elem: as in `gemm_dh`."""
+    order before it, for comparison. elem, chunk_elem, chunk: as in `gemm_dh`."""
     g = GEMM_GPU
-    chunks, chunk = _chunks(N, V, chunk_elem or elem)
+    chunks, chunk = _chunks(N, V, chunk_elem or elem, chunk)
     n_v, n_h = triton.cdiv(V, g["BLOCK_M"]), triton.cdiv(H, g["BLOCK_H"])
     (n_programs,) = dw_grid(V, H, g)
     cache, flops = L2(L2_BYTES), 0
@@ -216,9 +239,9 @@ def gemm_dw(N, V, elem, H=STUDENT_H, label="dw", order="launcher", chunk_elem=No
     return _row(label, flops, cache, f"{len(chunks)} chunks, {n_programs} programs/chunk, {order} order")
 
 
-def actor_logits(N, V, H, label):
+def actor_logits(N, V, H, label, chunk=None):
     m = logits_meta(False)
-    chunks, chunk = _chunks(N, V, FP32)
+    chunks, chunk = _chunks(N, V, FP32, chunk)
     stride = scratch_row_stride(V)
     cache, flops = L2(L2_BYTES), 0
     for c0, n_rows in chunks:
@@ -259,8 +282,55 @@ def actor_rows(N, V, sweeps=None, grad_elem=None, label="actor rows (teacher)"):
     return _row(label, 0, cache, f"BLOCK_V={al._rows_block(V)}, {sweeps} sweeps, dL/dlogits in {grad_elem} B")
 
 
+# Programs of the distillation row kernel resident at once: its 8-warp programs need up
+# to 80 registers a thread on sm_90a (tests/_aot.py), so 3 fit an SM's 64K registers.
+ROWS_PROGRAMS_PER_SM = 3
+
+
+def distill_rows(N, V, divergence, teacher=True):
+    """`_distill_rows_kernel`, one program per token over the launcher's chunks
+    (`dr.chunk_rows`): the (online) sums sweep reads the student and teacher rows, the JSD
+    adds a sweep of both, and the gradient sweep reads both and writes the student row in
+    place. A later sweep of a program finds its rows in L2 only if the rows of all
+    resident programs fit there (at V=151,665 they are ~0.6 MB a head, ~480 MB over 396
+    resident programs: they do not, so every sweep streams from HBM). The exponentials
+    (a few per entry, on the SFUs) are taken to hide under the memory time."""
+    stride = scratch_row_stride(V)
+    row = stride * FP32
+    heads = 2 if teacher else 1
+    sweeps = 1 + (divergence == Divergence.JSD and teacher)  # reads before the gradient sweep
+    resident = CONCURRENT_PROGRAMS * ROWS_PROGRAMS_PER_SM
+    fits = resident * row * heads <= L2_BYTES
+    chunks, chunk = _chunks(N, V, FP32, dr.chunk_rows(N, V))
+    cache = L2(L2_BYTES)
+    for _c0, n_rows in chunks:
+        for _r in range(n_rows):  # grid (n_rows,)
+            cache.program()
+            reads = (sweeps + 1) * heads  # + the gradient sweep's reads
+            first = heads
+            cache.requested += reads * row
+            cache.hbm += (first if fits else reads) * row
+            cache.write(row)
+    name = Divergence(divergence).name.lower() if teacher else "no teacher"
+    return _row(f"distill rows ({name})", 0, cache,
+                f"BLOCK_V={dr.rows_block(V)}, {sweeps + 1} sweeps, {len(chunks)} chunks of {chunk} rows, "
+                f"rows {'in' if fits else 'not in'} L2")
+
+
+def distill_forward_grads_rows(N, V):
+    """The kernel rows of the distillation op with its gradients in the forward: the
+    launchers' own chunk (`dr.chunk_rows`), tiles (`logits_meta`, `gemm_meta`) and grids."""
+    chunk = dr.chunk_rows(N, V)
+    return [actor_logits(N, V, STUDENT_H, "distill fwd-grads logits (student)", chunk),
+            actor_logits(N, V, TEACHER_H, "distill fwd-grads logits (teacher)", chunk),
+            distill_rows(N, V, Divergence.REVERSE_KL), distill_rows(N, V, Divergence.JSD),
+            distill_rows(N, V, Divergence.REVERSE_KL, teacher=False),
+            gemm_dh(N, V, FP32, label="dh (distill fwd-grads, fp32 scratch)", chunk=chunk),
+            gemm_dw(N, V, FP32, label="dw (distill fwd-grads, fp32 scratch)", chunk=chunk)]
+
+
 def report(N, V):
-    rows = [distill_forward(N, V), distill_dlogits(N, V),
+    rows = [distill_forward(N, V), distill_forward(N, V, order="token-fastest"), distill_dlogits(N, V),
             gemm_dh(N, V, BF16, label="dh (distill)"),
             gemm_dw(N, V, BF16, label="dw (distill)"),
             gemm_dw(N, V, BF16, label="dw (distill, vocab tiles fastest: before)", order="vocab-fastest"),
@@ -272,7 +342,8 @@ def report(N, V):
             gemm_dh(N, V, FP32, label="dh (actor, fp32 scratch, unsplit: before)"),
             gemm_dw(N, V, BF16, label="dw (actor)", chunk_elem=FP32),
             gemm_dw(N, V, FP32, label="dw (actor, fp32 scratch)"),
-            gemm_dw(N, V, FP32, label="dw (actor, fp32 scratch, vocab tiles fastest)", order="vocab-fastest")]
+            gemm_dw(N, V, FP32, label="dw (actor, fp32 scratch, vocab tiles fastest)", order="vocab-fastest")
+            ] + distill_forward_grads_rows(N, V)
     print(f"N={N} tokens, V={V} (scratch row stride {scratch_row_stride(V)}), student H={STUDENT_H}, "
           f"teacher H={TEACHER_H}; peak {PEAK_BF16 / 1e12:.0f} TFLOP/s bf16, {MATMUL_SUSTAINED / 1e12:.0f} "
           f"sustained, {HBM_BYTES_PER_S / 1e12:.1f} TB/s, L2 {L2_BYTES >> 20} MiB")
@@ -288,19 +359,36 @@ def report(N, V):
     for o in ops:
         print(f"| {o['op']} | {' + '.join(o['kernels'])} | {o['useful_tflop']:.1f} | {o['tflop']:.1f} | {o['ms']:.1f} | "
               f"{o['peak']:.0%} |")
+    by_op = {o["op"]: o for o in ops}
+    old, new = by_op["fused distill (reverse KL, teacher)"], by_op["fused distill, gradients in the forward (reverse KL)"]
+    print(f"\nfused distill, reverse KL: recompute {old['ms']:.1f} ms ({old['peak']:.0%} of peak, useful FLOPs) -> "
+          f"gradients in the forward {new['ms']:.1f} ms ({new['peak']:.0%}): {old['ms'] / new['ms']:.2f}x")
     return rows, ops
 
 
 # Per op: its kernels (by row name) and which of them do useful work. The distillation op's
-# backward recomputes both logit tiles (`dlogits`), so its useful FLOPs are the forward's
-# two logit GEMMs plus dH and dW; the actor loss computes each GEMM once.
+# recomputing backward recomputes both logit tiles (`dlogits`), so its useful FLOPs are the
+# forward's two logit GEMMs plus dH and dW; with the gradients in the forward (and in the
+# actor loss) each GEMM runs once.
 OPS = {
     "fused distill (reverse KL, teacher)": (
         ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill)"],
         ["fwd (KL, teacher)", "dh (distill)", "dw (distill)"]),
+    "fused distill, forward in the old order": (
+        ["fwd (KL, teacher, token blocks fastest: before)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill)"],
+        ["fwd (KL, teacher, token blocks fastest: before)", "dh (distill)", "dw (distill)"]),
     "fused distill, dW in the old order": (
         ["fwd (KL, teacher)", "dlogits (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"],
         ["fwd (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"]),
+    "fused distill, gradients in the forward (reverse KL)": (
+        ["distill fwd-grads logits (student)", "distill fwd-grads logits (teacher)", "distill rows (reverse_kl)",
+         "dh (distill fwd-grads, fp32 scratch)", "dw (distill fwd-grads, fp32 scratch)"], None),
+    "fused distill, gradients in the forward (JSD)": (
+        ["distill fwd-grads logits (student)", "distill fwd-grads logits (teacher)", "distill rows (jsd)",
+         "dh (distill fwd-grads, fp32 scratch)", "dw (distill fwd-grads, fp32 scratch)"], None),
+    "fused log-prob + entropy, gradients in the forward (no teacher)": (
+        ["distill fwd-grads logits (student)", "distill rows (no teacher)", "dh (distill fwd-grads, fp32 scratch)",
+         "dw (distill fwd-grads, fp32 scratch)"], None),
     "actor loss (teacher)": (
         ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor)", "dw (actor)"], None),
     "actor loss, before (3 row sweeps, fp32 scratch, unsplit dH)": (

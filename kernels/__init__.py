@@ -1,7 +1,8 @@
 """Triton kernels of memopd (installed as `memopd.kernels`).
 
 Each kernel module holds the kernels of one op (`packed_attention`, `fused_distill`,
-`actor_loss`); `lm_head_tiles` the tiles the two lm-head ops share, `runtime` the
+`actor_loss`; `distill_rows` the distillation op's path with its gradients taken in the
+forward); `lm_head_tiles` the tiles the two lm-head ops share, `runtime` the
 interpreter / autotuning / precision policy. The public, dispatching wrappers live in
 `memopd.ops`, one layer up: nothing here imports `memopd.ops`.
 

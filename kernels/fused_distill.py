@@ -12,7 +12,8 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   token block lies at or beyond `count` run their loops zero times (the loop bound is
   read from device memory), so nothing is synchronised with the host.
 * Forward (`_distill_fwd_kernel`): grid (token blocks of BLOCK_N kept tokens) x
-  (vocabulary splits). Each program loops over its split in BLOCK_V tiles, computes
+  (vocabulary splits), splits fastest, so that the hidden rows of the resident
+  programs stay in L2 (`fwd_program_block`). Each program loops over its split in BLOCK_V tiles, computes
   the student and the teacher logits tile with `tl.dot` (fp32 accumulation), and folds
   each tile into fp32 online statistics per token: running maxima and sum-exps of both
   distributions, the entropy sum, the target logit, the expectation of d = s - t
@@ -42,6 +43,12 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   hidden size is small (like flash-attention's head dim); with H = 2048..4096 the
   dH / dW accumulators do not fit, and re-reading them from global memory once per
   vocabulary tile costs far more than one bf16 scratch write, hence the scratch.
+* Gradients in the forward (the default for a reduced loss, `gradients="forward"`):
+  `memopd.kernels.distill_rows` writes both logits chunks to fp32 scratch, a row
+  kernel computes the statistics and dL/dlogits in place, then the same dH / dW GEMMs
+  run in the forward: 4 lm-head-sized matmuls against the 6 of `distill_forward` +
+  `distill_backward` here, which stay the path of `gradients="recompute"`. Both use the
+  divergence math of this module (`_dlse_terms`, `_jsd_kl_terms`, `_dlogits_terms`).
 * Teacher-less mode (`memopd.ops.fused_linear_logprob_entropy`: student log-prob and
   entropy only, like verl's fused linear-for-PPO): the launchers take `ht = wt = bt =
   None` and pass dummy pointers; the forward kernel's HAS_TEACHER=False constexpr
@@ -122,29 +129,104 @@ def _jsd_u(delta, beta):
 
 
 # ----------------------------------------------------------------------------------
+# divergence math shared by the tile kernels here and the row kernel of
+# `memopd.kernels.distill_rows`: elementwise over a [BLOCK_N, BLOCK_V] tile (per-token
+# values passed as [BLOCK_N, 1] columns) or over a [BLOCK_V] piece of one row (per-token
+# values passed as scalars). s, t are logits / T.
+# ----------------------------------------------------------------------------------
+@triton.jit
+def _dlse_terms(es, et, d, c_s, c_t):
+    """(e^{t - M}, e^{s - M} - e^{t - M}) at a joint max M, from es = e^{s - m_s},
+    et = e^{t - m_t}, d = s - t, c_s = e^{m_s - M}, c_t = e^{m_t - M}. The difference is
+    et·expm1(d) where |d| is small, so its sum gives lse_s - lse_t = log1p(ΣΔ / Σe^{t-M})
+    with relative precision when the teacher is the student up to noise."""
+    eS = es * c_s
+    eT = et * c_t
+    small = tl.abs(d) < 0.5
+    return eT, tl.where(small, eT * expm1_small(tl.where(small, d, 0.0)), eS - eT)
+
+
+@triton.jit
+def _jsd_kl_terms(s, t, lse_s, lse_t, dlse, beta, valid):
+    """Per entry, the terms of KL(p || M) and KL(q || M) (M = beta q + (1 - beta) p), from
+    the log-sum-exps and the precise dlse = lse_s - lse_t; 0 where not `valid`."""
+    p = tl.where(valid, tl.exp(s - lse_s), 0.0)
+    q = tl.where(valid, tl.exp(t - lse_t), 0.0)
+    delta = tl.where(valid, (s - t) - dlse, 0.0)
+    u = _jsd_u(delta, beta)
+    return p * (delta - u), q * (-u)
+
+
+@triton.jit
+def _dlogits_terms(s, t, is_y, valid, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g_d, beta,
+                   DIV: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_GDIV: tl.constexpr):
+    """dL/ds for L = Σ g_lp·logprob + g_h·entropy + g_d·divergence (each term present only
+    where its HAS_* is set; `t` is read only with HAS_GDIV), 0 where not `valid`."""
+    ls = s - lse_s
+    p = tl.where(valid, tl.exp(ls), 0.0)
+    acc = p * 0.0
+    if HAS_GLP:
+        acc += g_lp * (tl.where(is_y, 1.0, 0.0) - p)
+    if HAS_GENT:
+        acc -= g_h * p * tl.where(valid, ls + ent, 0.0)
+    if HAS_GDIV:
+        delta = tl.where(valid, (s - t) - dlse, 0.0)
+        if DIV == _REVERSE_KL:
+            # d KL(p||q) / ds_v = p_v * ((ls_v - lt_v) - KL)
+            acc += g_d * p * (delta - aux)
+        elif DIV == _FORWARD_KL:
+            # d KL(q||p) / ds_v = p_v - q_v = -p_v expm1(-δ_v): relative precision when
+            # q ~ p; the plain difference where |δ| is large (no cancellation, no overflow)
+            q = tl.where(valid, tl.exp(t - lse_t), 0.0)
+            small = tl.abs(delta) < 0.5
+            acc += g_d * tl.where(small, -p * expm1_small(-tl.where(small, delta, 0.0)), p - q)
+        else:
+            # d JSD / ds_v = (1 - beta) * p_v * ((ls_v - lm_v) - KL(p||M))
+            u = _jsd_u(delta, beta)
+            acc += ((1.0 - beta) * g_d) * p * ((delta - u) - aux)
+    return acc
+
+
+# ----------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------
 @triton.jit
+def fwd_program_block(pid, n_split):
+    """(token block, vocabulary split) of program `pid` of the forward's 1-D grid
+    (`fwd_grid`): vocabulary splits fastest.
+
+    Each program re-reads its token block's hidden rows (BLOCK_N x (Hs + Ht)) once per
+    vocabulary tile, so the rows of all resident programs must stay in L2. With token
+    blocks fastest the ~132 resident programs held ~132 different blocks (~95 MB at Hs
+    2048 + Ht 3584, BLOCK_N 64: more than the 50 MB L2) and those re-reads streamed from
+    HBM; with splits fastest they hold 132 / splits blocks (`_num_splits` keeps those
+    within FWD_L2_BYTES), and the resident programs of one split still share each weight
+    tile. Every program computes what it computed before, so the outputs are unchanged
+    bit for bit. Plain integer arithmetic, evaluable on the host through
+    `fwd_program_block.fn`."""
+    return pid // n_split, pid % n_split
+
+
+@triton.jit
 def _distill_fwd_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr, order_ptr, count_ptr, part_ptr,
-    N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp,
+    N, Hs, Ht, V, v_per_split, n_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, DIV: tl.constexpr, UPCAST: tl.constexpr,
     PREC_S: tl.constexpr, PREC_T: tl.constexpr, HAS_TEACHER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Online statistics of one token block over one vocabulary split.
 
-    Grid (token blocks, splits): splitting the vocabulary keeps every SM busy when N is
-    small (N = 4096 gives only 64 token blocks of 64); the per-split partial statistics
-    are merged afterwards (log-sum-exp style, on the device).
+    Grid: token blocks x splits in the order of `fwd_program_block`. Splitting
+    the vocabulary keeps every SM busy when N is small (N = 4096 gives only 64 token
+    blocks of 64); the per-split partial statistics are merged afterwards (log-sum-exp
+    style, on the device).
 
     HAS_TEACHER=False is the teacher-less op (log-prob + entropy only): the teacher
     tile, its statistics and the joint-max sums are compiled out, the teacher pointers
     are unused dummies, and only rows m_s, z_s, a_s, s_y of `part` are written.
     """
-    pid = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    n_split = tl.num_programs(1)
+    pid, pid_s = fwd_program_block(tl.program_id(0), n_split)
     count = tl.load(count_ptr)
     pos = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = pos < N
@@ -210,10 +292,7 @@ def _distill_fwd_kernel(
             # joint-max difference of the two normalisers, precise where d is small
             m_j_new = tl.maximum(m_s_new, m_t_new)
             r_j = tl.exp(m_j - m_j_new)
-            eS = es * tl.exp(m_s_new - m_j_new)[:, None]
-            eT = et * tl.exp(m_t_new - m_j_new)[:, None]
-            small = tl.abs(d) < 0.5
-            g = tl.where(small, eT * expm1_small(tl.where(small, d, 0.0)), eS - eT)
+            eT, g = _dlse_terms(es, et, d, tl.exp(m_s_new - m_j_new)[:, None], tl.exp(m_t_new - m_j_new)[:, None])
             zt_j = r_j * zt_j + tl.sum(eT, axis=1)
             dz_j = r_j * dz_j + tl.sum(g, axis=1)
             m_t = m_t_new
@@ -240,15 +319,14 @@ def _distill_fwd_kernel(
 @triton.jit
 def _jsd_pass_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, order_ptr, count_ptr, stats_ptr, part_ptr,
-    N, Hs, Ht, V, v_per_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp, beta,
+    N, Hs, Ht, V, v_per_split, n_split, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp, beta,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, UPCAST: tl.constexpr,
     PREC_S: tl.constexpr, PREC_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Second JSD pass: partial KL(p || M) and KL(q || M) per split, once lse_s, lse_t are known."""
-    pid = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    n_split = tl.num_programs(1)
+    """Second JSD pass: partial KL(p || M) and KL(q || M) per split, once lse_s, lse_t are
+    known. Grid and program order: those of the forward (`fwd_program_block`)."""
+    pid, pid_s = fwd_program_block(tl.program_id(0), n_split)
     count = tl.load(count_ptr)
     pos = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = pos < N
@@ -272,14 +350,9 @@ def _jsd_pass_kernel(
                          stride_ws, Hs, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
         t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
                          stride_wt, Ht, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
-        s = s * inv_temp
-        t = t * inv_temp
-        p = tl.where(valid, tl.exp(s - lse_s[:, None]), 0.0)
-        q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
-        delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-        u = _jsd_u(delta, beta)
-        kl_pm += tl.sum(p * (delta - u), axis=1)
-        kl_qm += tl.sum(q * (-u), axis=1)
+        pm, qm = _jsd_kl_terms(s * inv_temp, t * inv_temp, lse_s[:, None], lse_t[:, None], dlse[:, None], beta, valid)
+        kl_pm += tl.sum(pm, axis=1)
+        kl_qm += tl.sum(qm, axis=1)
     base = part_ptr + pid_s * N + rows64
     tl.store(base, kl_pm, mask=in_range)
     tl.store(base + n_split * N, kl_qm, mask=in_range)
@@ -319,18 +392,16 @@ def _distill_dlogits_kernel(
                      stride_ws, ks_end, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
     s = s * inv_temp
     lse_s = tl.load(stats_ptr + _LSE_S * N + rows64, mask=row_ok, other=0.0)
-    ls = s - lse_s[:, None]
-    p = tl.where(valid, tl.exp(ls), 0.0)
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    # per-token values a term does not use stay these zeros (compiled out with the term)
+    zero = tl.zeros([BLOCK_N], dtype=tl.float32)
+    g_lp, y, g_h, ent, g_d, dlse, aux, lse_t = zero, zero.to(tl.int32) - 1, zero, zero, zero, zero, zero, zero
+    t = s
     if HAS_GLP:
         g_lp = tl.load(glp_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         y = tl.load(tgt_ptr + rows64, mask=row_ok, other=-1).to(tl.int32)
-        onehot = tl.where(cols[None, :] == y[:, None], 1.0, 0.0)
-        acc += g_lp[:, None] * (onehot - p)
     if HAS_GENT:
         g_h = tl.load(gent_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         ent = tl.load(stats_ptr + _ENTROPY * N + rows64, mask=row_ok, other=0.0)
-        acc -= g_h[:, None] * p * tl.where(valid, ls + ent[:, None], 0.0)
     if HAS_GDIV:
         g_d = tl.load(gdiv_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
@@ -338,24 +409,11 @@ def _distill_dlogits_kernel(
         t = t * inv_temp
         dlse = tl.load(stats_ptr + _DLSE * N + rows64, mask=row_ok, other=0.0)
         aux = tl.load(stats_ptr + _AUX * N + rows64, mask=row_ok, other=0.0)
-        if DIV == _REVERSE_KL:
-            # d KL(p||q) / ds_v = p_v * ((ls_v - lt_v) - KL)
-            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-            acc += g_d[:, None] * p * (delta - aux[:, None])
-        elif DIV == _FORWARD_KL:
-            # d KL(q||p) / ds_v = p_v - q_v = -p_v expm1(-δ_v): relative precision when
-            # q ~ p; the plain difference where |δ| is large (no cancellation, no overflow)
+        if DIV == _FORWARD_KL:
             lse_t = tl.load(stats_ptr + _LSE_T * N + rows64, mask=row_ok, other=0.0)
-            q = tl.where(valid, tl.exp(t - lse_t[:, None]), 0.0)
-            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-            small = tl.abs(delta) < 0.5
-            pq = tl.where(small, -p * expm1_small(-tl.where(small, delta, 0.0)), p - q)
-            acc += g_d[:, None] * pq
-        else:
-            # d JSD / ds_v = (1 - beta) * p_v * ((ls_v - lm_v) - KL(p||M))
-            delta = tl.where(valid, (s - t) - dlse[:, None], 0.0)
-            u = _jsd_u(delta, beta)
-            acc += ((1.0 - beta) * g_d)[:, None] * p * ((delta - u) - aux[:, None])
+    acc = _dlogits_terms(s, t, cols[None, :] == y[:, None], valid, lse_s[:, None], lse_t[:, None], dlse[:, None],
+                         aux[:, None], ent[:, None], g_lp[:, None], g_h[:, None], g_d[:, None], beta,
+                         DIV, HAS_GLP, HAS_GENT, HAS_GDIV)
     ds = tl.where(valid & row_ok[:, None], acc * inv_temp, 0.0)
     out = out_ptr + local.to(tl.int64)[:, None] * stride_out + cols[None, :]
     # the whole padded scratch row: ds is 0 past V, and a stride-bounded mask keeps the
@@ -469,8 +527,13 @@ def _launcher(kind: str, divergence: int, fp32: bool, has_teacher: bool = True, 
     return _TUNERS[name], {}
 
 
-def _num_splits(N: int, V: int, device) -> int:
-    """Vocabulary splits of the forward grid: ~4 programs per SM, >= 1024 columns each."""
+def _num_splits(N: int, V: int, device, row_bytes: int = 0) -> int:
+    """Vocabulary splits of the forward grid: ~4 programs per SM, and at least enough that
+    the hidden rows of one wave of programs (one per SM, each BLOCK_N = 64 token rows of
+    `row_bytes`, the fixed tile's) fit FWD_L2_BYTES in the splits-fastest order of
+    `fwd_program_block`; >= 1024 columns each. Up to N = 16k at Qwen2.5-3B / 7B sizes the
+    first rule decides (3 splits at 16k); past it the second keeps the forward's
+    re-reads of the hidden rows in L2."""
     env = os.environ.get("MEMOPD_DISTILL_SPLITS")
     if env:
         return max(1, int(env))
@@ -481,14 +544,31 @@ def _num_splits(N: int, V: int, device) -> int:
     except Exception:  # noqa: BLE001 no queryable device (e.g. the interpreter): an H100/H200's count
         sms = 132
     want = triton.cdiv(4 * sms, triton.cdiv(N, 64))
-    return max(1, min(want, triton.cdiv(V, 1024)))
+    wave_fits = triton.cdiv(sms * 64 * row_bytes, FWD_L2_BYTES)
+    return max(1, min(max(want, wave_fits), triton.cdiv(V, 1024)))
 
 
-def _split_plan(N: int, V: int, device):
-    splits = _num_splits(N, V, device)
+def hidden_row_bytes(student: LinearHead, teacher: Optional[LinearHead]) -> int:
+    """Bytes of one token's hidden rows, both heads (what a forward program re-reads)."""
+    return sum(h.shape[1] * h.element_size() for h in (student.hidden, None if teacher is None else teacher.hidden)
+               if h is not None)
+
+
+def _split_plan(N: int, V: int, device, row_bytes: int = 0):
+    splits = _num_splits(N, V, device, row_bytes)
     # multiple of 128 so that no tile straddles two splits for any BLOCK_V <= 128
     per = triton.cdiv(triton.cdiv(V, splits), 128) * 128
     return triton.cdiv(V, per), per
+
+
+# Bytes of hidden rows the resident forward programs may keep in L2 (of an H100/H200's
+# 50 MB; the rest is left to the weight tiles in flight).
+FWD_L2_BYTES = 32 << 20
+
+
+def fwd_grid(N: int, splits: int, meta: dict) -> tuple:
+    """Launch grid of the forward and JSD-pass kernels: every (token block, split) once."""
+    return (triton.cdiv(N, meta["BLOCK_N"]) * splits,)
 
 
 def merge_partials(part: torch.Tensor, divergence: int, has_teacher: bool = True):
@@ -547,14 +627,13 @@ def distill_forward(student: LinearHead, teacher: Optional[LinearHead], targets:
     if N == 0:
         return torch.zeros((NUM_PART, 0), device=dev, dtype=torch.float32)
     order, count = compaction(keep)
-    splits, per = _split_plan(N, V, dev)
+    splits, per = _split_plan(N, V, dev, hidden_row_bytes(student, teacher))
     part = torch.empty((NUM_PART, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
     launch, meta = _launcher("fwd", params.divergence, fp32, has_teacher, rows=N)
-    grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
-    launch[grid](
+    launch[lambda m: fwd_grid(N, splits, m)](
         hs, ws, bs, ht, wt, bt, targets, order, count, part,
-        N, hs.shape[1], ht.shape[1], V, per,
+        N, hs.shape[1], ht.shape[1], V, per, splits,
         hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / params.temperature,
         HAS_BS=student.bias is not None, HAS_BT=has_teacher and teacher.bias is not None,
         DIV=int(params.divergence), HAS_TEACHER=has_teacher, **_precision_flags(hs, ht), **meta,
@@ -573,14 +652,13 @@ def jsd_second_pass(student: LinearHead, teacher: LinearHead, keep: torch.Tensor
     if N == 0:
         return torch.zeros((2, 0), device=dev, dtype=torch.float32)
     order, count = compaction(keep)
-    splits, per = _split_plan(N, V, dev)
+    splits, per = _split_plan(N, V, dev, hidden_row_bytes(student, teacher))
     part = torch.empty((2, splits, N), device=dev, dtype=torch.float32)
     fp32 = hs.dtype == torch.float32 or ht.dtype == torch.float32
     launch, meta = _launcher("jsd", Divergence.JSD, fp32, rows=N)
-    grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), splits)  # noqa: E731
-    launch[grid](
+    launch[lambda m: fwd_grid(N, splits, m)](
         hs, ws, bs, ht, wt, bt, order, count, stats, part,
-        N, hs.shape[1], ht.shape[1], V, per,
+        N, hs.shape[1], ht.shape[1], V, per, splits,
         hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), 1.0 / params.temperature, float(params.beta),
         HAS_BS=student.bias is not None, HAS_BT=teacher.bias is not None, **_precision_flags(hs, ht), **meta,
     )

@@ -13,8 +13,8 @@ Three layers:
   output is kept for a log).
 * `matrix_jobs`: the production matrix. Every autotune candidate that the kernel's pruner
   keeps (a pruned candidate is never launched), plain and SAFE, at bf16: attention
-  D=64/128 and GQA groups 1/4/8; the fused distillation, log-prob/entropy and actor-loss
-  kernels at the lm-head sizes V=151,936 (Qwen2.5's padded head) and 151,665 (its
+  D=64/128 and GQA groups 1/4/8; the fused distillation (both gradient paths),
+  log-prob/entropy and actor-loss kernels at the lm-head sizes V=151,936 (Qwen2.5's padded head) and 151,665 (its
   tokenizer), H=2048/3584. Shapes enter a compile only through constexprs and the
   launcher's divisibility-by-16 specialisation, so equal specialisations are one job.
 * `python tests/_aot.py --shard i/n`: run a share of the jobs in this process (the Triton
@@ -130,7 +130,8 @@ _LOSS_TYPES = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16
                    bt_ptr="*bf16", tgt_ptr="*i64", order_ptr="*i32", count_ptr="*i32", div_ptr="*fp32",
                    lp_ptr="*fp32", ent_ptr="*fp32", stats_ptr="*fp32", gdiv_ptr="*fp32", glp_ptr="*fp32",
                    gent_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", N="i32", Hs="i32", Ht="i32",
-                   V="i32", c0="i32", n_rows="i32", v_per_split="i32", stride_hs="i32", stride_ws="i32",
+                   V="i32", c0="i32", n_rows="i32", v_per_split="i32", n_split="i32",
+                   stride_hs="i32", stride_ws="i32",
                    stride_ht="i32", stride_wt="i32", stride_out="i32", inv_temp="fp32", beta="fp32")
 _GEMM_TYPES = dict(g_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", order_ptr="*i32", count_ptr="*i32",
                    dh_ptr="*bf16", dw_ptr="*fp32", part_ptr="*fp32", V="i32", H="i32", c0="i32", n_rows="i32",
@@ -145,6 +146,10 @@ _ROWS_TYPES = dict(s_ptr="*fp32", t_ptr="*fp32", g_ptr="*bf16", targets_ptr="*i6
                    clip_high="fp32",
                    dual_clip="fp32", g_h="fp32", kl_scale="fp32", inv_norm="fp32", inv_temp="fp32",
                    precise_limit="fp32")
+
+
+# the distillation row kernel (gradients in the forward): the loss's names, the rows' scratch
+_DISTILL_ROWS_TYPES = dict(_LOSS_TYPES, s_ptr="*fp32", t_ptr="*fp32", stride_s="i32", stride_t="i32")
 
 
 def _attn_types(fn):
@@ -219,6 +224,7 @@ def attention_jobs():
 
 def lm_head_jobs():
     import memopd.kernels.actor_loss as al
+    import memopd.kernels.distill_rows as dr
     import memopd.kernels.fused_distill as fd
     import memopd.kernels.lm_head_tiles as tiles
     from memopd.kernels.contract import Divergence
@@ -268,6 +274,15 @@ def lm_head_jobs():
         fn = tiles.scaled_logits_kernel
         jobs.append(_job("actor_loss", "logits", "plain", shape, fn, _LOGITS_TYPES, consts, nw, ns,
                          _lm_divisible(fn, consts, V, H)))
+        # every gradient term compiled in (the op's reduced loss needs the divergence's alone)
+        for div, teacher, variant in ((Divergence.REVERSE_KL, True, "reverse_kl"),
+                                      (Divergence.FORWARD_KL, True, "forward_kl"),
+                                      (Divergence.JSD, True, "jsd"), (Divergence.REVERSE_KL, False, "no-teacher")):
+            consts = dict(DIV=int(div), HAS_TEACHER=teacher, HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True,
+                          NEED_GRAD=True, BLOCK_V=dr.rows_block(V))
+            fn = dr._distill_rows_kernel
+            jobs.append(_job("fused_distill", "distill_rows", variant, shape, fn, _DISTILL_ROWS_TYPES, consts,
+                             dr.ROWS_LAUNCH["num_warps"], dr.ROWS_LAUNCH["num_stages"], _lm_divisible(fn, consts, V, H)))
         # dL/dlogits into a bf16 scratch (16-bit heads without a bias gradient) or in place
         # into the fp32 student scratch (fp32 heads, or a bias gradient)
         for teacher, grads in ((True, "bf16"), (False, "bf16"), (True, "fp32")):

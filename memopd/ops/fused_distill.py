@@ -5,7 +5,8 @@ entropy alone), from last hidden states and lm_head weights, never materialising
 This module holds the public functions, the `torch.library` custom ops
 (`memopd::fused_distill_fwd` / `memopd::fused_distill_bwd`) with their autograd glue,
 and the finalisation of the Triton kernels' statistics. The PyTorch implementation is
-`memopd.ops.distill_torch`, the kernels `memopd.kernels.fused_distill`, the argument
+`memopd.ops.distill_torch`, the kernels `memopd.kernels.fused_distill` (and, for the
+gradients taken in the forward, `memopd.kernels.distill_rows`), the argument
 checks `memopd.ops._validate`, the float64 references `memopd.ops.reference_distill`
 (re-exported here). Contract, algorithm and back ends: docs/design.md §6.2; ZeRO-3 /
 FSDP: docs/deepspeed.md §4.
@@ -56,6 +57,12 @@ __all__ = [
 
 def _kernels():
     from memopd.kernels import fused_distill as k  # lazy: importing memopd.ops never imports Triton
+
+    return k
+
+
+def _rows_kernels():
+    from memopd.kernels import distill_rows as k  # lazy, as `_kernels`
 
     return k
 
@@ -198,23 +205,36 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------
-# gradients in the forward (PyTorch path): the loss's gradients taken during the sweep
+# gradients in the forward (both back ends): the loss's gradients taken during the sweep
 # ----------------------------------------------------------------------------------
+def _loss_weights_on_device(keep: Tensor, mean: bool) -> Tensor:
+    """dL/d div per token of loss = Σ_kept div (/ n_kept when `mean`), as an [N] fp32
+    tensor made on the device (the count is never read back: no host sync)."""
+    g = torch.ones(keep.shape[0], device=keep.device, dtype=torch.float32)
+    return g.div_(keep.sum(dtype=torch.float32).clamp_min(1.0)) if mean else g
+
+
 @torch.library.custom_op("memopd::fused_distill_fwd_grad", mutates_args=())
 def _fwd_grad_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, need_dw: bool, need_db: bool,
                  ht: Tensor, wt: Tensor, bt: Optional[Tensor], targets: Tensor, keep: Tensor,
                  temperature: float, vocab_size: int, divergence: int, beta: float, chunk_size: int,
-                 token_chunk: int, mean: bool, check_targets: bool
+                 token_chunk: int, mean: bool, check_targets: bool, backend: str
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(divergence, logprobs, entropy, stats, dh, dw, db) of loss = Σ_kept div (/ n_kept
-    when `mean`); absent gradients are empty tensors."""
+    when `mean`); absent gradients are empty tensors. `backend` "triton" runs
+    `memopd.kernels.distill_rows.distill_forward_with_grads`, "torch" the PyTorch sweep."""
     if check_targets:
         check_target_range(targets, keep, vocab_size)
     student, teacher = _heads(hs, ws, bs, ht, wt, bt)
     params = DistillParams(temperature, vocab_size, Divergence(divergence), beta, chunk_size, token_chunk)
-    weight = 1.0 / max(1, int(keep.sum())) if mean else 1.0
-    div, lp, ent, stats, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, params,
-                                                               loss_weight_grads(weight), (need_dh, need_dw, need_db))
+    need = (need_dh, need_dw, need_db)
+    if backend == "triton":
+        div, lp, ent, stats, dh, dw, db = _rows_kernels().distill_forward_with_grads(
+            (_loss_weights_on_device(keep, mean), None, None), student, teacher, targets, keep, params, need)
+    else:
+        weight = 1.0 / max(1, int(keep.sum())) if mean else 1.0
+        div, lp, ent, stats, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, params,
+                                                                   loss_weight_grads(weight), need)
     empty = hs.new_empty((0,))
     return (div, lp, ent, stats, dh if dh is not None else empty, dw if dw is not None else empty,
             db if db is not None else empty)
@@ -222,7 +242,7 @@ def _fwd_grad_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, ne
 
 @_fwd_grad_op.register_fake
 def _fwd_grad_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, keep, temperature, vocab_size,
-                   divergence, beta, chunk_size, token_chunk, mean, check_targets):
+                   divergence, beta, chunk_size, token_chunk, mean, check_targets, backend):
     div, lp, ent, stats = _fwd_fake(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_size, divergence,
                                     beta, chunk_size, token_chunk, "torch", check_targets)
     empty = hs.new_empty((0,))
@@ -239,13 +259,13 @@ class _DistillGradsInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hs, ws, bs, need: tuple, ht, wt, bt, targets, keep, temperature, vocab_size, divergence,
-                beta, chunk_size, token_chunk, reduction, check_targets):
+                beta, chunk_size, token_chunk, reduction, check_targets, backend):
         div, lp, ent, stats, dh, dw, db = _fwd_grad_op(
             hs, ws, bs, *need, ht, wt, bt, targets, keep, temperature, vocab_size, divergence, beta, chunk_size,
-            token_chunk, reduction == "mean", check_targets)
+            token_chunk, reduction == "mean", check_targets, backend)
         ctx.set_materialize_grads(False)
         ctx.need = need
-        ctx.scalars = (temperature, vocab_size, divergence, beta, chunk_size, token_chunk)
+        ctx.scalars = (temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend)
         held_grads.hold(ctx, (dh, dw, db), saved=(hs, ws, bs, ht, wt, bt, targets, keep, stats))
         return reduce_loss(div, keep, reduction), div, lp, ent
 
@@ -256,10 +276,10 @@ class _DistillGradsInForward(torch.autograd.Function):
         del grads
         if g_div is not None or g_lp is not None or g_ent is not None:
             hs, ws, bs, ht, wt, bt, targets, keep, stats = saved
-            temperature, vocab_size, divergence, beta, chunk_size, token_chunk = ctx.scalars
+            temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend = ctx.scalars
             _check_heads_unchanged(hs, ws, ht, wt, vocab_size)
             more = _bwd_op(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, stats, temperature,
-                           vocab_size, divergence, beta, *ctx.need, chunk_size, token_chunk, "torch")
+                           vocab_size, divergence, beta, *ctx.need, chunk_size, token_chunk, backend)
             out = [None if not need else (m if o is None else o + m) for o, m, need in zip(out, more, ctx.need)]
         return tuple(out) + (None,) * (_GRADS_IN_FORWARD_INPUTS - len(out))
 
@@ -272,19 +292,17 @@ GRADIENT_MODES = ("auto", "forward", "recompute")
 
 
 def _gradient_mode(gradients: Optional[str], backend: str, reduction: str, need: tuple) -> str:
-    """'forward' or 'recompute' for one call (`fused_linear_distill`'s `gradients`)."""
+    """'forward' or 'recompute' for one call (`fused_linear_distill`'s `gradients`); the
+    same rule on both back ends. "recompute" is only ever chosen explicitly or when
+    there is no reduced loss / nothing to differentiate."""
     mode = "auto" if gradients is None else gradients
     if mode not in GRADIENT_MODES:
         raise ValueError(f"gradients must be one of {GRADIENT_MODES} (or None), got {gradients!r}")
     if mode == "auto":
-        return "forward" if backend == "torch" and reduction != "none" and any(need) else "recompute"
-    if mode == "forward":
-        if reduction == "none":
-            raise ValueError("gradients='forward' differentiates the reduced loss in the forward: it needs "
-                             "reduction='mean' or 'sum', not 'none' (use gradients='recompute')")
-        if backend != "torch":
-            raise ValueError("gradients='forward' runs on the PyTorch back end only for now; the Triton "
-                             "kernels recompute in the backward (use gradients='recompute' or backend='torch')")
+        return "forward" if reduction != "none" and any(need) else "recompute"
+    if mode == "forward" and reduction == "none":
+        raise ValueError("gradients='forward' differentiates the reduced loss in the forward: it needs "
+                         "reduction='mean' or 'sum', not 'none' (use gradients='recompute')")
     return mode
 
 
@@ -338,14 +356,18 @@ def fused_linear_distill(
         check_targets: check 0 <= target < vocab_size on kept tokens. Default: on for
             CPU tensors, on for CUDA only with MEMOPD_DEBUG_CHECKS=1 (it syncs).
         gradients: when the gradients are taken. "forward": during the forward sweep, for
-            `loss` (the backward only scales them; 4 lm-head-sized matmuls instead of 6;
-            PyTorch back end, reduction "mean"/"sum"; the weight gradient is held from
-            the forward on). "recompute": in the backward, which recomputes the logits
-            (the Triton path; and for callers who backpropagate through the per-token
-            outputs only, or cannot hold the weight gradient, e.g. a ZeRO-3 head gathered
-            for the forward alone). None / "auto": "forward" where it applies and an
-            input requires grad, else "recompute". Either way every output is
-            differentiable (per-token outputs' gradients are recomputed).
+            `loss` (the backward only scales them; 4 lm-head-sized matmuls instead of 6,
+            on both back ends; reduction "mean"/"sum"; the weight gradient is held from
+            the forward on). "recompute": in the backward, which recomputes the logits:
+            choose it for objectives built mostly from the per-token outputs (their
+            gradients are recomputed either way), or when the weight gradient cannot be
+            held from the forward to the backward: it is a whole [V, H] weight gradient per
+            call (several calls alive before one backward; under ZeRO-3 / FSDP a full
+            gradient of a head each rank otherwise keeps a shard of, held while the rest
+            of the forward runs). None / "auto":
+            "forward" where it applies and an input requires grad, else "recompute".
+            Either way every output is differentiable (per-token outputs' gradients are
+            recomputed).
 
     Returns:
         DistillOutput(loss, kl, logprobs, entropy); per-token tensors are fp32 [N].
@@ -370,7 +392,7 @@ def fused_linear_distill(
     if _gradient_mode(gradients, be, reduction, need) == "forward":
         loss, div, lp, ent = _DistillGradsInForward.apply(
             hs, ws, bs, need, ht, wt, bt, targets.contiguous(), keep.contiguous(), temperature, vocab_size,
-            int(div_code), beta, int(chunk_size or 0), int(token_chunk_size or 0), reduction, check_targets)
+            int(div_code), beta, int(chunk_size or 0), int(token_chunk_size or 0), reduction, check_targets, be)
         return DistillOutput(loss, div, lp, ent)
     div, lp, ent, _stats = _fwd_op(
         hs, ws, bs, ht, wt, bt, targets.contiguous(), keep.contiguous(), temperature, vocab_size,

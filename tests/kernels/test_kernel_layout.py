@@ -4,11 +4,14 @@
   vocabulary tile, every hidden tile) are adjacent, so the slab is read from HBM once.
   Checked on the launcher's own grid (`dw_grid`) and the index map the kernel calls
   (`dw_program_tile`, evaluated on the host through its Python function).
+* The distillation forward's program order (`fwd_grid`, `fwd_program_block`): the
+  programs resident together re-read the hidden rows of few enough token blocks that
+  they stay in L2.
 * The scratch rows are padded (`scratch_row_stride`), so that at Qwen2.5's odd tokenizer
   vocabulary (V = 151,665) the compiled scratch accesses of the dH / dW GEMMs (dH also
-  split over the vocabulary), the
-  distillation dlogits kernel and the actor-loss logits / rows kernels stay 16-byte
-  vector accesses. Checked on the sm_90a PTX that `tests/_aot.py` compiles offline (no GPU;
+  split over the vocabulary), the distillation dlogits and row kernels and the actor-loss
+  logits / rows kernels stay 16-byte vector accesses. Checked on the sm_90a PTX that
+  `tests/_aot.py` compiles offline (no GPU;
   skipped, with the reason, when Triton's CUDA backend is not installed), one launch
   configuration per kernel: the first candidate, the one used when autotuning is off.
 * The lm-head autotuners are per size class of the token rows (`tuning_bucket`), so the
@@ -61,6 +64,34 @@ def test_dw_programs_sharing_a_scratch_slab_are_adjacent(meta, V, H):
         assert pids == list(range(pids[0], pids[0] + n_h)), (v_tile, pids[:4])
 
 
+@pytest.mark.parametrize("N", [4096, 16384, 65536])
+@pytest.mark.parametrize("teacher", [True, False], ids=["teacher", "no-teacher"])
+def test_forward_programs_resident_together_keep_their_hidden_rows_in_l2(N, teacher):
+    # every (token block, split) exactly once, and a wave of 132 programs (one per SM)
+    # re-reads the hidden rows of few enough token blocks to stay within FWD_L2_BYTES;
+    # the order before (token blocks fastest) exceeded it with a teacher
+    row_bytes = (2048 + (3584 if teacher else 0)) * 2
+    bn = fd._configs("fwd", Divergence.REVERSE_KL, False, teacher)[0].kwargs["BLOCK_N"]
+    splits, _ = fd._split_plan(N, ODD_VOCAB, "cpu", row_bytes)
+    n_tb = triton.cdiv(N, bn)
+    (n_programs,) = fd.fwd_grid(N, splits, {"BLOCK_N": bn})
+    blocks = [fd.fwd_program_block.fn(pid, splits) for pid in range(n_programs)]
+    assert sorted(blocks) == [(b, s) for b in range(n_tb) for s in range(splits)]
+    wave = 132
+    widest = max(len({b for b, _ in blocks[w0:w0 + wave]}) for w0 in range(0, n_programs, wave))
+    assert (widest - 1) * bn * row_bytes <= fd.FWD_L2_BYTES, (splits, widest)
+    if teacher and N >= 16384:
+        assert min(wave, n_tb) * bn * row_bytes > fd.FWD_L2_BYTES  # token blocks fastest: too wide
+    if N == 16384:
+        assert splits == 3  # the split plan (and so every output bit) of the order before
+
+
+def test_forward_kernels_take_their_block_from_the_tested_map():
+    for kernel in (fd._distill_fwd_kernel, fd._jsd_pass_kernel):
+        src = inspect.getsource(getattr(kernel, "fn", kernel))
+        assert "fwd_program_block(tl.program_id(0), n_split)" in src
+
+
 def test_dw_kernel_takes_its_tile_from_the_tested_map():
     # the kernel must use the map the test above checks, with the grid's hidden-tile count
     src = inspect.getsource(getattr(dw_kernel, "fn", dw_kernel))  # JITFunction or InterpretedFunction
@@ -103,13 +134,15 @@ def _first_job_per_kernel():
         if f"V={ODD_VOCAB}" not in job["shape"]:
             continue
         key = (job["kernel"], job["variant"])
-        if job["kernel"] in ("dh", "dw", "dh_split", "logits") or key in (("dlogits", "reverse_kl"), ("rows", "teacher")):
+        if job["kernel"] in ("dh", "dw", "dh_split", "logits", "distill_rows") or key in (("dlogits", "reverse_kl"),
+                                                                                       ("rows", "teacher")):
             jobs.setdefault(key, job)
     return jobs
 
 
 _CASES = [("dh", "gemm"), ("dw", "gemm"), ("dh_split", "gemm"), ("dlogits", "reverse_kl"), ("logits", "plain"),
-          ("rows", "teacher")]
+          ("rows", "teacher"), ("distill_rows", "reverse_kl"), ("distill_rows", "forward_kl"),
+          ("distill_rows", "jsd"), ("distill_rows", "no-teacher")]
 # scalar: no .v2 / .v4 / .v8 qualifier (cache hints such as .L1::evict_last may appear)
 _SCALAR_B16_LOAD = re.compile(r"\bld\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
 _SCALAR_B16_STORE = re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*\.b16\s")
@@ -162,8 +195,10 @@ def test_scratch_accesses_are_16_byte_vectors_at_odd_vocab(kernel, variant):
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
         assert not _SCALAR_B32_STORE.search(ptx), f"{what}: scalar fp32 stores"
     else:
-        # the row sweeps read the fp32 student / teacher rows and write the bf16 dlogits in
-        # 16-byte accesses (the per-token statistics are scalar stores, legitimately)
+        # the row sweeps (actor loss; distillation with gradients in the forward) read the
+        # fp32 student / teacher rows and write dlogits (bf16 for the actor loss, in place
+        # for the distillation) in 16-byte accesses (the per-token statistics are scalar
+        # stores, legitimately)
         assert _V4_LOAD.search(ptx), f"{what}: no 16-byte loads"
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
         assert not _SCALAR_B16_STORE.search(ptx), f"{what}: scalar bf16 stores"
@@ -212,3 +247,17 @@ def test_dh_split_plan_fills_the_sms(n_rows, H, expect):
     k_per = dh_split_width(ODD_VOCAB, splits, GEMM_GPU)
     assert k_per % GEMM_GPU["BLOCK_K"] == 0 and triton.cdiv(ODD_VOCAB, k_per) == splits
     assert dh_splits(n_rows, H, ODD_VOCAB, GEMM_GPU, 1) == 1  # one SM (the interpreter): never
+
+
+def test_cost_model_forward_grads_runs_four_gemms_and_beats_recompute():
+    # the distillation op with its gradients in the forward: the same useful FLOPs as the
+    # recomputing op's, no recomputed ones, and a shorter predicted time than it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_cost_model as cm
+
+    _, ops = cm.report(4096, ODD_VOCAB)
+    by_op = {o["op"]: o for o in ops}
+    old = by_op["fused distill (reverse KL, teacher)"]
+    new = by_op["fused distill, gradients in the forward (reverse KL)"]
+    assert abs(new["tflop"] - new["useful_tflop"]) < 1e-9 and abs(new["useful_tflop"] - old["useful_tflop"]) < 1e-6
+    assert old["tflop"] > 1.4 * new["tflop"] and new["ms"] < old["ms"]

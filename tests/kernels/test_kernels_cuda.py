@@ -1,15 +1,17 @@
 """Compiled Triton kernels at production shapes on a GPU, against references: packed
 attention (forward, dq/dk/dv, deterministic and atomic backward) against the torch path,
-and the fused lm-head ops (reverse KL, forward KL, JSD, the teacher-less log-prob +
-entropy, the PPO actor loss) against their float64 references.
+and the fused lm-head ops (reverse KL, forward KL, JSD with the gradients taken in the
+forward and by the recomputing backward, the teacher-less log-prob + entropy, the PPO
+actor loss) against their float64 references.
 
 CUDA only: every test here is skipped without a GPU, except the harness check at the end,
 which runs the same comparison code on CPU with the torch path at small sizes (so a broken
 harness is found before a GPU is borrowed). Autotuning is off (the first candidate the
 pruner keeps is used, as with MEMOPD_TRITON_AUTOTUNE=0): the benchmarks tune, these check
 values. Shapes are the ones the benchmarks run: bf16, D=128, Hq/Hkv 16/2 (Qwen2.5-3B) and
-32/8, T=4096 with prefixes shared by several calls; N=1024 tokens, H=2048, V=151,936 (the
-padded Qwen2.5 lm-head) and 151,665 (its tokenizer), bf16 and fp32.
+32/8, T=4096 with prefixes shared by several calls; N=1024 tokens (2048 for the
+distillation's two gradient paths), H=2048, V=151,936 (the padded Qwen2.5 lm-head) and
+151,665 (its tokenizer), bf16 and fp32.
 """
 from __future__ import annotations
 
@@ -177,9 +179,11 @@ def _max_diff(a, b):
     return (a.detach().double() - b.detach().double()).abs().max().item()
 
 
-def check_distill(divergence, N, H, V_rows, vocab, dtype, device, backend):
+def check_distill(divergence, N, H, V_rows, vocab, dtype, device, backend, gradients=None, loss_only=False):
     """fused_linear_distill (or, divergence=None, fused_linear_logprob_entropy) on
-    `backend` against the float64 reference: values and the student's gradients."""
+    `backend` against the float64 reference: values and the student's gradients.
+    `gradients` is the op's argument; `loss_only`: only `loss` gets a gradient (with
+    gradients "forward" or None, nothing is then recomputed in the backward)."""
     from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy, reference_linear_distill, reference_linear_logprob_entropy
 
     inp = lm_inputs(N, H, V_rows, dtype, device)
@@ -188,6 +192,8 @@ def check_distill(divergence, N, H, V_rows, vocab, dtype, device, backend):
     weights = {k: torch.randn(N, generator=torch.Generator().manual_seed(5)).to(device)
                for k in ("kl", "logprobs", "entropy")}
     weights["loss"] = 0.8
+    if loss_only:
+        weights = {"loss": 0.8}
     if divergence is None:
         weights = {k: weights[k] for k in ("logprobs", "entropy")}
         names = ("logprobs", "entropy")
@@ -202,7 +208,7 @@ def check_distill(divergence, N, H, V_rows, vocab, dtype, device, backend):
                    teacher_bias=x["bt"], divergence=divergence, vocab_size=vocab, beta=0.4, **kw)
             return o, fused_cases.weighted_grads(o, x, weights)
 
-        out, g = run(fused_linear_distill, inp, backend=backend)
+        out, g = run(fused_linear_distill, inp, backend=backend, gradients=gradients)
         ref, gr = run(reference_linear_distill, fused_cases.as64(inp))
     (vt, vr), (gt, grt) = _tols(dtype)
     diffs = {}
@@ -273,6 +279,18 @@ def test_fused_distill_production_shape(divergence, dtype, V_rows, vocab, lm_fix
 @cuda_only
 @pytest.mark.parametrize("V_rows,vocab", LM_SHAPES)
 @pytest.mark.parametrize("dtype", LM_DTYPES)
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+@pytest.mark.parametrize("gradients", ["forward", "recompute"])
+def test_fused_distill_gradient_paths_production_shape(gradients, divergence, dtype, V_rows, vocab, lm_fixed_tiles):
+    """The loss's gradients taken in the forward (logits scratch, row kernel, dH / dW in
+    the forward: `memopd.kernels.distill_rows`) and by the recomputing backward, at
+    N=2048 (three token chunks of the forward's fp32 scratch), against float64."""
+    check_distill(divergence, 2048, 2048, V_rows, vocab, dtype, "cuda", "triton", gradients=gradients, loss_only=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("V_rows,vocab", LM_SHAPES)
+@pytest.mark.parametrize("dtype", LM_DTYPES)
 def test_actor_loss_production_shape(dtype, V_rows, vocab, lm_fixed_tiles):
     check_actor_loss(1024, 2048, V_rows, vocab, dtype, "cuda", "triton")
 
@@ -334,4 +352,6 @@ def test_harness_on_cpu_with_the_torch_path():
     assert set(d) == {"out", "dq", "dk", "dv"}
     for div in ("reverse_kl", "jsd", None):
         check_distill(div, 48, 32, 300, 290, torch.float32, "cpu", "torch")
+    for gradients in ("forward", "recompute"):
+        check_distill("forward_kl", 48, 32, 300, 290, torch.float32, "cpu", "torch", gradients=gradients, loss_only=True)
     check_actor_loss(48, 32, 300, 290, torch.float32, "cpu", "torch")

@@ -386,11 +386,13 @@ def test_gradient_mode_rules():
     need, none = (True, True, False), (False, False, False)
     assert _gradient_mode(None, "torch", "mean", need) == "forward"
     assert _gradient_mode("auto", "torch", "none", need) == "recompute"  # no scalar loss
-    assert _gradient_mode(None, "triton", "mean", need) == "recompute"
+    assert _gradient_mode(None, "triton", "mean", need) == "forward"  # the same rule on both back ends
+    assert _gradient_mode("forward", "triton", "sum", need) == "forward"
     assert _gradient_mode(None, "torch", "sum", none) == "recompute"  # nothing to differentiate
     assert _gradient_mode("recompute", "torch", "mean", need) == "recompute"
-    with pytest.raises(ValueError, match="PyTorch back end only"):
-        _gradient_mode("forward", "triton", "mean", need)
+    assert _gradient_mode("recompute", "triton", "mean", need) == "recompute"
+    with pytest.raises(ValueError, match="needs reduction='mean' or 'sum'"):
+        _gradient_mode("forward", "triton", "none", need)
 
 
 # ----------------------------------------------------------------------------------

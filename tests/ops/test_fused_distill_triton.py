@@ -112,16 +112,18 @@ def test_runs_in_interpreter_mode():
 
 
 @inproc
+@pytest.mark.parametrize("gradients", [None, "recompute"], ids=["auto", "recompute"])
 @pytest.mark.parametrize("divergence", DIVS)
-def test_values_and_grads_vs_float64(seed, divergence):
-    # padded teacher vocab, teacher bias, Hs != Ht, temperature, masked rows, and a
-    # backward split into several token chunks of the dlogits scratch
+def test_values_and_grads_vs_float64(seed, divergence, gradients):
+    # padded teacher vocab, teacher bias, Hs != Ht, temperature, masked rows, and token
+    # chunks of the scratch; "auto" takes the loss's gradients in the forward and
+    # recomputes the per-token outputs' ones, "recompute" recomputes all of them
     inp = make_inputs(seed, V=300, Vt=311, teacher_bias=True)
     with torch.no_grad():
         inp["wt"][300:] = 40.0  # padded rows must never enter the teacher softmax
     check(seed, inp, weights_for(seed, 48),
           dict(divergence=divergence, temperature=1.4, vocab_size=300, beta=0.35),
-          token_chunk_size=16)
+          token_chunk_size=16, gradients=gradients)
 
 
 @inproc
@@ -274,3 +276,189 @@ def test_lpe_float64_refused_on_triton():
     h, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
     with pytest.raises(BackendError, match="float64"):
         fused_linear_logprob_entropy(h, w, torch.zeros(4, dtype=torch.long), backend="triton")
+
+
+# ----------------------------------------------------------------------------------
+# gradients in the forward (memopd.kernels.distill_rows): logits scratch, row kernel,
+# dH / dW GEMMs in the forward; the backward only scales
+# ----------------------------------------------------------------------------------
+REDUCTIONS = ["mean", "sum"]
+
+
+@inproc
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("divergence", DIVS)
+def test_forward_grads_vs_float64_and_recompute(seed, divergence, reduction):
+    # vocab_size = 203 (not a multiple of 16 or 64: padded scratch rows), padded student and
+    # teacher lm_head rows with huge logits, teacher bias, Hs != Ht, temperature, masked
+    # rows, ragged N = 37 over token chunks of 16 (the last chunk 5 rows)
+    inp = make_inputs(seed, N=37, Hs=24, Ht=20, V=210, Vt=215, teacher_bias=True)
+    inp["y"] = inp["y"] % 203
+    with torch.no_grad():
+        inp["ws"][203:] = 30.0
+        inp["wt"][203:] = 40.0
+    kw = dict(divergence=divergence, temperature=1.3, vocab_size=203, beta=0.35, reduction=reduction)
+    loss_only = {"loss": 0.8}
+    fwd, gf = check(seed, inp, loss_only, kw, gradients="forward", token_chunk_size=16)
+    rec, gr = run(fused_linear_distill, inp, loss_only, backend="triton", gradients="recompute", **kw)
+    for name in ("loss", "kl", "logprobs", "entropy"):
+        assert_close(getattr(fwd, name), getattr(rec, name), 2e-6, 2e-5, name + " vs recompute", seed)
+    for name, a, b in zip(("d_hidden", "d_weight", "d_bias"), gf, gr):
+        assert_close(a, b, 2e-6 * b.abs().max().item(), 1e-4, name + " vs recompute", seed)
+    assert gf[1][203:].abs().max() == 0 and gf[2][203:].abs().max() == 0, f"padded rows got gradient (seed={seed})"
+    assert (gf[0][~inp["mask"]] == 0).all(), f"masked rows got gradient (seed={seed})"
+
+
+@inproc
+def test_forward_grads_with_per_token_gradients_too(seed):
+    # loss and per-token outputs both get gradients: the held loss gradient plus the
+    # recomputing backward for the rest (Triton on both sides), against float64
+    inp = make_inputs(seed, N=30, V=150, bias=False)
+    check(seed, inp, weights_for(seed, 30), dict(divergence="jsd", beta=0.6), gradients="forward")
+
+
+@inproc
+@pytest.mark.parametrize("divergence", DIVS)
+def test_forward_grads_close_distributions(seed, divergence):
+    # p ≈ q: the precise lse_s - lse_t keeps the divergence (and its gradient) accurate
+    inp = make_inputs(seed, N=40, Hs=32, V=250, bias=False, close=True, scale=0.6)
+    out, g = run(fused_linear_distill, inp, {"loss": 1.0}, backend="triton", divergence=divergence,
+                 gradients="forward")
+    ref, gr = run(reference_linear_distill, as64(inp), {"loss": 1.0}, divergence=divergence)
+    err = (out.kl.double() - ref.kl).abs()
+    kept = inp["mask"]
+    assert (out.kl >= 0).all(), f"negative divergence (seed={seed})"
+    assert err.max() <= 1e-6, f"abs err {err.max().item():.2e} (seed={seed})"
+    excess = (err - (1e-2 * ref.kl.abs() + 2e-9))[kept]
+    assert not kept.any() or excess.max() <= 0, f"excess {excess.max().item():.2e} (seed={seed})"
+    # the gradient of a tiny divergence: relative to its own size, not to a unit scale
+    for name, a, b in zip(("d_hidden", "d_weight"), g, gr):
+        assert_close(a, b, 1e-2 * b.abs().max().item(), 1e-2, name, seed)
+
+
+@inproc
+def test_forward_grads_all_masked(seed):
+    inp = make_inputs(seed, N=24, V=130)
+    inp["mask"] = torch.zeros(24, dtype=torch.bool)
+    for div in DIVS:
+        for reduction in REDUCTIONS:
+            out, g = run(fused_linear_distill, inp, {"loss": 1.0}, backend="triton", divergence=div,
+                         reduction=reduction, gradients="forward")
+            assert out.loss.item() == 0.0, f"{div} {reduction} (seed={seed})"
+            for t in (out.kl, out.logprobs, out.entropy, *g):
+                assert torch.isfinite(t).all() and t.abs().max() == 0, f"{div} {reduction} (seed={seed})"
+
+
+@inproc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_grads_dtypes(seed, dtype):
+    # kept rows behind masked ones, no student bias in fp32, a bias in bf16
+    inp = make_inputs(seed, N=32, Hs=32, Ht=32, V=170, dtype=dtype, bias=dtype != torch.float32)
+    inp["mask"][:9] = False
+    half = dtype != torch.float32
+    _, g = check(seed, inp, {"loss": 0.9}, dict(divergence="reverse_kl", temperature=0.9),
+                 grad_tol=(1.5e-2, 1.5e-2) if half else (3e-5, 2e-4), gradients="forward", token_chunk_size=8)
+    assert g[1].dtype == dtype
+
+
+def _direct_inputs(seed, teacher=True, dtype=torch.float32, N=29, V=133):
+    from memopd.kernels.contract import LinearHead
+
+    inp = make_inputs(seed, N=N, Hs=24, Ht=20, V=V, dtype=dtype, teacher_bias=True)
+    inp["mask"][3] = False
+    student = LinearHead(inp["hs"].detach(), inp["ws"].detach(), inp["bs"].detach())
+    tea = LinearHead(inp["ht"], inp["wt"], inp["bt"]) if teacher else None
+    g = torch.Generator().manual_seed(seed + 3)
+    grads = tuple(torch.randn(N, generator=g) for _ in range(3))
+    if not teacher:
+        grads = (None,) + grads[1:]
+    return inp, student, tea, grads
+
+
+@inproc
+@pytest.mark.parametrize("divergence", DIVS + [None], ids=DIVS + ["no-teacher"])
+def test_forward_with_grads_matches_the_torch_contract(seed, divergence):
+    """`distill_forward_with_grads` against `torch_forward_with_grads`, output by output
+    (divergence, log-probs, entropy, every DistillStat row, dh, dw, db), for a loss with
+    all three per-token terms; teacher-less: log-prob and entropy terms only."""
+    from memopd.kernels.contract import DistillParams, Divergence
+    from memopd.kernels.distill_rows import distill_forward_with_grads
+    from memopd.ops.distill_torch import torch_forward_with_grads
+
+    inp, student, teacher, grads = _direct_inputs(seed, teacher=divergence is not None)
+    div_code = Divergence.from_name(divergence or "reverse_kl", 0.3)
+    params = DistillParams(1.2, 133, div_code, 0.3, 0, 8)
+    need = (True, True, True)
+    got = distill_forward_with_grads(grads, student, teacher, inp["y"], inp["mask"], params, need)
+    want = torch_forward_with_grads(student, teacher, inp["y"], inp["mask"], DistillParams(1.2, 133, div_code, 0.3),
+                                    lambda rows, *_: tuple(None if x is None else x.index_select(0, rows) for x in grads),
+                                    need)
+    names = ("divergence", "logprobs", "entropy", "stats", "dh", "dw", "db")
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if name == "stats":
+            for r in range(b.shape[0]):
+                assert_close(a[r], b[r], 2e-6, 2e-5, f"stats row {r}", seed)
+        else:
+            scale = b.abs().max().item() if name in ("dh", "dw", "db") else 1.0
+            assert_close(a, b, 2e-6 * scale, 1e-4, name, seed)
+    m = inp["mask"]
+    assert all((t[..., ~m] == 0).all() for t in got[:4]), f"masked tokens not zero (seed={seed})"
+
+
+class _Launches:
+    """Names of the lm-head launches (logits, dH, dW) of the forward-grads path and the
+    recomputing path's entry points, in call order."""
+
+    def __init__(self, monkeypatch):
+        import memopd.kernels.distill_rows as dr
+        import memopd.kernels.fused_distill as kfd
+
+        self.calls = []
+        for mod, names in ((dr, ("launch_scaled_logits", "launch_dh", "launch_dw")),
+                           (kfd, ("distill_forward", "jsd_second_pass", "distill_backward", "launch_dh", "launch_dw"))):
+            for name in names:
+                monkeypatch.setattr(mod, name, self._spy(f"{mod.__name__.rsplit('.', 1)[1]}.{name}", getattr(mod, name)))
+
+    def _spy(self, label, fn):
+        def wrapped(*args, **kwargs):
+            self.calls.append(label)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def take(self):
+        out, self.calls = self.calls, []
+        return out
+
+
+@inproc
+@pytest.mark.parametrize("divergence", DIVS)
+def test_forward_grads_launch_four_matmuls_per_chunk_and_the_backward_none(seed, divergence, monkeypatch):
+    spy = _Launches(monkeypatch)
+    inp = make_inputs(seed, N=40, V=150)
+    out = fused_linear_distill(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], mask=inp["mask"],
+                               student_bias=inp["bs"], divergence=divergence, backend="triton", token_chunk_size=16)
+    per_chunk = ["distill_rows.launch_scaled_logits"] * 2 + ["distill_rows.launch_dh", "distill_rows.launch_dw"]
+    # gradients=None on Triton: the forward-grads path; ceil(40 / 16) = 3 chunks
+    assert spy.take() == per_chunk * 3
+    out.loss.backward()
+    assert spy.take() == [], "the backward launched kernels: it should only scale"
+    assert inp["hs"].grad is not None and inp["ws"].grad is not None and inp["bs"].grad is not None
+    # the recomputing path, for contrast: forward kernels, then a backward that recomputes
+    out = fused_linear_distill(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], mask=inp["mask"],
+                               divergence=divergence, backend="triton", gradients="recompute")
+    assert "fused_distill.distill_forward" in spy.take()
+    out.loss.backward()
+    assert spy.take() == ["fused_distill.distill_backward"] + ["fused_distill.launch_dh", "fused_distill.launch_dw"]
+
+
+@inproc
+def test_teacher_less_forward_grads_launch_three_matmuls_per_chunk(seed, monkeypatch):
+    from memopd.kernels.contract import DistillParams, Divergence
+    from memopd.kernels.distill_rows import distill_forward_with_grads
+
+    spy = _Launches(monkeypatch)
+    inp, student, _, grads = _direct_inputs(seed, teacher=False, N=20)
+    distill_forward_with_grads(grads, student, None, inp["y"], inp["mask"],
+                               DistillParams(1.0, 133, Divergence.REVERSE_KL, 0.5, 0, 8), (True, True, False))
+    assert spy.take() == ["distill_rows.launch_scaled_logits", "distill_rows.launch_dh", "distill_rows.launch_dw"] * 3
