@@ -55,6 +55,7 @@ from memopd.kernels.lm_head_tiles import (  # noqa: E402
     dh_splits,
     dw_grid,
     dw_program_tile,
+    grad_scratch_dtype,
     logits_meta,
     scratch_row_stride,
     wave_fill,
@@ -265,7 +266,7 @@ def actor_rows(N, V, sweeps=None, grad_elem=None, label="actor rows (teacher)"):
     are several times L2: every sweep reads them from HBM again."""
     src = inspect.getsource(getattr(al._actor_rows_kernel, "fn", al._actor_rows_kernel))
     sweeps = sweeps or src.count("for v0 in range(")
-    grad_elem = grad_elem or al.grad_scratch_dtype(torch.bfloat16, need_db=False).itemsize
+    grad_elem = grad_elem or grad_scratch_dtype(torch.bfloat16, need_db=False).itemsize
     stride = scratch_row_stride(V)
     cache = L2(L2_BYTES)
     row = stride * FP32
@@ -290,13 +291,14 @@ ROWS_PROGRAMS_PER_SM = 3
 def distill_rows(N, V, divergence, teacher=True):
     """`_distill_rows_kernel`, one program per token over the launcher's chunks
     (`dr.chunk_rows`): the (online) sums sweep reads the student and teacher rows, the JSD
-    adds a sweep of both, and the gradient sweep reads both and writes the student row in
-    place. A later sweep of a program finds its rows in L2 only if the rows of all
+    adds a sweep of both, and the gradient sweep reads both and writes dL/dlogits (in bf16
+    for a bf16 head: `ChunkGradients`). A later sweep of a program finds its rows in L2 only if the rows of all
     resident programs fit there (at V=151,665 they are ~0.6 MB a head, ~480 MB over 396
     resident programs: they do not, so every sweep streams from HBM). The exponentials
     (a few per entry, on the SFUs) are taken to hide under the memory time."""
     stride = scratch_row_stride(V)
     row = stride * FP32
+    grad_elem = grad_scratch_dtype(torch.bfloat16, need_db=False).itemsize  # `ChunkGradients` for a bf16 head
     heads = 2 if teacher else 1
     sweeps = 1 + (divergence == Divergence.JSD and teacher)  # reads before the gradient sweep
     resident = CONCURRENT_PROGRAMS * ROWS_PROGRAMS_PER_SM
@@ -310,7 +312,7 @@ def distill_rows(N, V, divergence, teacher=True):
             first = heads
             cache.requested += reads * row
             cache.hbm += (first if fits else reads) * row
-            cache.write(row)
+            cache.write(stride * grad_elem)
     name = Divergence(divergence).name.lower() if teacher else "no teacher"
     return _row(f"distill rows ({name})", 0, cache,
                 f"BLOCK_V={dr.rows_block(V)}, {sweeps + 1} sweeps, {len(chunks)} chunks of {chunk} rows, "
@@ -325,8 +327,8 @@ def distill_forward_grads_rows(N, V):
             actor_logits(N, V, TEACHER_H, "distill fwd-grads logits (teacher)", chunk),
             distill_rows(N, V, Divergence.REVERSE_KL), distill_rows(N, V, Divergence.JSD),
             distill_rows(N, V, Divergence.REVERSE_KL, teacher=False),
-            gemm_dh(N, V, FP32, label="dh (distill fwd-grads, fp32 scratch)", chunk=chunk),
-            gemm_dw(N, V, FP32, label="dw (distill fwd-grads, fp32 scratch)", chunk=chunk)]
+            gemm_dh(N, V, BF16, label="dh (distill fwd-grads)", chunk=chunk, split=True),
+            gemm_dw(N, V, BF16, label="dw (distill fwd-grads)", chunk=chunk)]
 
 
 def report(N, V):
@@ -382,13 +384,13 @@ OPS = {
         ["fwd (KL, teacher)", "dh (distill)", "dw (distill, vocab tiles fastest: before)"]),
     "fused distill, gradients in the forward (reverse KL)": (
         ["distill fwd-grads logits (student)", "distill fwd-grads logits (teacher)", "distill rows (reverse_kl)",
-         "dh (distill fwd-grads, fp32 scratch)", "dw (distill fwd-grads, fp32 scratch)"], None),
+         "dh (distill fwd-grads)", "dw (distill fwd-grads)"], None),
     "fused distill, gradients in the forward (JSD)": (
         ["distill fwd-grads logits (student)", "distill fwd-grads logits (teacher)", "distill rows (jsd)",
-         "dh (distill fwd-grads, fp32 scratch)", "dw (distill fwd-grads, fp32 scratch)"], None),
+         "dh (distill fwd-grads)", "dw (distill fwd-grads)"], None),
     "fused log-prob + entropy, gradients in the forward (no teacher)": (
-        ["distill fwd-grads logits (student)", "distill rows (no teacher)", "dh (distill fwd-grads, fp32 scratch)",
-         "dw (distill fwd-grads, fp32 scratch)"], None),
+        ["distill fwd-grads logits (student)", "distill rows (no teacher)", "dh (distill fwd-grads)",
+         "dw (distill fwd-grads)"], None),
     "actor loss (teacher)": (
         ["actor logits (student)", "actor logits (teacher)", "actor rows (teacher)", "dh (actor)", "dw (actor)"], None),
     "actor loss, before (3 row sweeps, fp32 scratch, unsplit dH)": (

@@ -4,20 +4,21 @@ The wrapper in `memopd.ops.actor_loss` validates and dispatches; this module ass
 validated, contiguous inputs. Work per chunk of TOKEN_CHUNK tokens (kept tokens first,
 by the same device-side compaction as the distillation kernels: no host sync):
 
-1. `scaled_logits_kernel` (`memopd.kernels.lm_head_tiles`) writes the chunk's student logits / T (and, with a teacher,
-   the teacher's) as fp32 [chunk, V] scratch: one lm_head-sized matmul each, `tl.dot`
+1. `scaled_logits_kernel` (`memopd.kernels.lm_head_tiles`) writes the chunk's student
+   logits / T (and, with a teacher, the teacher's) as fp32 [chunk, V] scratch: one lm_head-sized matmul each, `tl.dot`
    with fp32 accumulation, tiles as in the distillation forward.
 2. `_actor_rows_kernel`, one program per token, sweeps its row twice: once for every
    sum (normalisers, entropy sum, E_p[a'], the joint sum that gives the precise
    log-normaliser difference) against running maxima, rescaled exactly as they rise,
    after which it stores the per-token statistics and loss share at the token's own
-   index; then, with the loss known, once to write dL/dlogits: into the student scratch in place
-   (fp32 heads, or a bias gradient) or, for 16-bit heads, into a scratch of that dtype,
+   index; then, with the loss known, once to write dL/dlogits: into the student scratch
+   in place (fp32 heads, or a bias gradient) or, for 16-bit heads, into a scratch of that dtype,
    rounded as the GEMMs rounded it (`grad_scratch_dtype`).
 3. dH = dlogits @ W and dW += dlogits^T @ H run the deterministic GEMM kernels that
-   the distillation backward runs too (`dh_kernel`, `dw_kernel`); dH is split over the
-   vocabulary with a fixed-order sum where a chunk's grid would leave SMs idle
-   (`dh_splits`: at the default 768-row chunk, 6 x 16 programs on 132 SMs).
+   the distillation ops run too, through `ChunkGradients` (the gradient scratch, its
+   dtype and the launches, shared with the distillation's gradients in the forward); dH
+   is split over the vocabulary with a fixed-order sum where a chunk's grid would leave
+   SMs idle (`dh_splits`: at the default 768-row chunk, 6 x 16 programs on 132 SMs).
 
 So a training call is 4 lm_head-sized matmuls (3 without a teacher) and the backward
 only scales the stored gradients. The scratch is bounded by MEMOPD_DISTILL_SCRATCH_MB
@@ -36,19 +37,16 @@ import triton.language as tl
 
 from .contract import PRECISE_LIMIT, ActorLossParams, ActorStat, LinearHead
 from .lm_head_tiles import (
+    ChunkGradients,
     compaction,
     default_token_chunk,
-    dh_splits,
     expm1_small,
-    gemm_meta,
-    launch_dh,
-    launch_dw,
     launch_scaled_logits,
     log1p_small,
-    multiprocessor_count,
     new_scratch,
+    store_grad_piece,
 )
-from .runtime import INTERPRET, NEG, dot_precision, upcast
+from .runtime import INTERPRET, NEG
 
 # ActorStat rows as constexprs (compiled Triton reads only constexpr globals in kernels)
 _LOGPROB = tl.constexpr(int(ActorStat.LOGPROB))
@@ -190,12 +188,8 @@ def _actor_rows_kernel(
                 ds += g_kl * (s - t)
             ds = tl.exp(ls) * ds + tl.where(cols == y, g_pg, 0.0)
             # the padding past V is written as zeros: the GEMMs read whole padded rows
-            out = tl.where(active & ok, ds * inv_temp, 0.0)
-            if g_ptr.dtype.element_ty != tl.float32:
-                # round to nearest even, as the GEMMs' own conversion of an fp32 operand
-                # (spelled out: the interpreter's default conversion truncates)
-                out = out.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(g_ptr + r.to(tl.int64) * stride_g + cols, out, mask=cols < stride_g)
+            store_grad_piece(g_ptr + r.to(tl.int64) * stride_g, cols, tl.where(active & ok, ds * inv_temp, 0.0),
+                             stride_g)
 
 
 def _rows_block(V: int) -> int:
@@ -230,17 +224,8 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
     t_buf = new_scratch(chunk, V, torch.float32, dev) if teacher is not None else s_buf
     inv_t = 1.0 / params.temperature
     any_grad = need_dh or need_dw or need_db
-    gemm_prec = dot_precision(ws.dtype)
-    gm = gemm_meta(gemm_prec == "ieee")
-    gemm_upcast = upcast(hs.dtype, ws.dtype)
-    g_dtype = grad_scratch_dtype(ws.dtype if hs.dtype == ws.dtype else torch.float32, need_db) if any_grad else torch.float32
-    g_buf = s_buf if g_dtype == torch.float32 else new_scratch(chunk, V, g_dtype, dev)
-    # dH split over the vocabulary where a chunk's grid would leave SMs idle (`dh_splits`);
-    # one fp32 buffer of partial sums serves the full chunks and the shorter last one
-    last = N - (N - 1) // chunk * chunk
-    plan = {n: _dh_splits(n, Hs, V, gm, dev) if need_dh else 1 for n in {chunk, last}}
-    n_part = max(sp * n for n, sp in plan.items() if sp > 1) * Hs if max(plan.values()) > 1 else 0
-    partials = torch.empty(n_part, device=dev, dtype=torch.float32) if n_part else None
+    grads = ChunkGradients(student, V, chunk, s_buf, dh, dw32, db32)
+    g_buf = grads.scratch
     for c0 in range(0, N, chunk):
         n_rows = min(chunk, N - c0)
         launch_scaled_logits(student, order, count, s_buf, c0, n_rows, V, inv_t)
@@ -255,30 +240,6 @@ def actor_loss_forward(student: LinearHead, teacher: Optional[LinearHead], targe
             HAS_TEACHER=teacher is not None, DUAL=params.dual_clip is not None, NEED_GRAD=any_grad,
             BLOCK_V=_rows_block(V), **_ROWS_LAUNCH,
         )
-        if need_dh:
-            launch_dh(g_buf, ws, order, count, dh, V, c0, n_rows, gemm_upcast, gemm_prec, gm, splits=plan[n_rows],
-                      partials=partials)
-        if need_dw:
-            launch_dw(g_buf, hs, order, count, dw32, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
-        if need_db:
-            db32[:V] += g_buf[:n_rows, :V].sum(0)
+        if any_grad:
+            grads.run(order, count, c0, n_rows)
     return part.sum(), stats, dh, dw32, db32
-
-
-def grad_scratch_dtype(gemm_dtype: torch.dtype, need_db: bool) -> torch.dtype:
-    """dtype of the dL/dlogits scratch the dH / dW GEMMs read (gemm_dtype: that of the
-    hidden states and weight, one dtype per head). The compiled GEMMs round it to that
-    dtype before `tl.dot` anyway, so for 16-bit heads the rows kernel stores it rounded,
-    with the same round-to-nearest-even conversion: the same GEMM operands, half the
-    bytes written and read, and the GEMMs' plain 16-bit operand path. fp32 (the student
-    scratch itself, in place) for fp32 heads, and where a bias gradient is needed: it is
-    summed from the unrounded values. (The interpreter's GEMMs upcast to fp32; with a
-    16-bit scratch they then compute from the same rounded values as the GPU.)"""
-    if need_db or gemm_dtype not in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return gemm_dtype
-
-
-def _dh_splits(n_rows: int, H: int, V: int, meta: dict, device) -> int:
-    # one place for the plan, so that tests can force a split under the interpreter
-    return dh_splits(n_rows, H, V, meta, multiprocessor_count(device))

@@ -13,10 +13,13 @@ kept rows first, their count read by the kernels, no host sync):
    online with running maxima (normalisers, entropy sum, target logit, the expectation
    of s - t, and the joint-max sum that gives lse_s - lse_t with relative precision
    where p ≈ q); for the JSD a second sweep for KL(p‖M) and KL(q‖M); then, with the
-   per-token outputs known, it writes dL/dlogits over the student row in place (zeros
-   past V and for masked tokens) and the outputs and `DistillStat` rows at the token's
-   own index.
-3. dH = dlogits @ W and dW += dlogits^T @ H (`dh_kernel` / `dw_kernel`), db = Σ rows.
+   per-token outputs known, it writes dL/dlogits (zeros past V and for masked tokens)
+   and the outputs and `DistillStat` rows at the token's own index.
+3. dH = dlogits @ W and dW += dlogits^T @ H, db = Σ rows, through the actor loss's
+   `ChunkGradients` (`memopd.kernels.lm_head_tiles`): dL/dlogits goes to a scratch of
+   the head's 16-bit dtype, rounded as the GEMMs would round it (into the student's
+   fp32 scratch in place for fp32 heads or a bias gradient), and dH is split over the
+   vocabulary where a chunk's grid would leave SMs idle.
 
 So a training call is 4 lm-head-sized matmuls with a teacher (3 without) and the
 backward only scales the stored gradients; the recomputing path (`distill_forward` +
@@ -26,7 +29,7 @@ or None: L = Σ g_div·divergence + g_lp·logprob + g_ent·entropy (the distilla
 reduced loss is g_div = 1 / n_kept or 1). The divergence math is the tile kernels'
 (`_dlse_terms`, `_jsd_kl_terms`, `_dlogits_terms` of `memopd.kernels.fused_distill`).
 Scratch: two fp32 buffers of MEMOPD_DISTILL_SCRATCH_MB (default 512 MiB) each, or
-`token_chunk` rows, never [N, V].
+`token_chunk` rows, plus a half-size 16-bit gradient buffer; never [N, V].
 """
 from __future__ import annotations
 
@@ -39,16 +42,15 @@ import triton.language as tl
 from .contract import DistillParams, DistillStat, Divergence, LinearHead
 from .fused_distill import _dlogits_terms, _dlse_terms, _jsd_kl_terms
 from .lm_head_tiles import (
+    ChunkGradients,
     compaction,
     default_token_chunk,
-    gemm_meta,
-    launch_dh,
-    launch_dw,
     launch_scaled_logits,
     log1p_small,
     new_scratch,
+    store_grad_piece,
 )
-from .runtime import INTERPRET, NEG, dot_precision, or_dummy, upcast
+from .runtime import INTERPRET, NEG, or_dummy
 
 _REVERSE_KL = tl.constexpr(int(Divergence.REVERSE_KL))
 _FORWARD_KL = tl.constexpr(int(Divergence.FORWARD_KL))
@@ -61,8 +63,8 @@ _ENTROPY = tl.constexpr(int(DistillStat.ENTROPY))
 
 @triton.jit
 def _distill_rows_kernel(
-    s_ptr, t_ptr, tgt_ptr, order_ptr, count_ptr, gdiv_ptr, glp_ptr, gent_ptr, div_ptr, lp_ptr, stats_ptr,
-    N, V, c0, stride_s, stride_t, inv_temp, beta,
+    s_ptr, t_ptr, g_ptr, tgt_ptr, order_ptr, count_ptr, gdiv_ptr, glp_ptr, gent_ptr, div_ptr, lp_ptr, stats_ptr,
+    N, V, c0, stride_s, stride_t, stride_g, inv_temp, beta,
     DIV: tl.constexpr, HAS_TEACHER: tl.constexpr, HAS_GDIV: tl.constexpr, HAS_GLP: tl.constexpr,
     HAS_GENT: tl.constexpr, NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -167,9 +169,10 @@ def _distill_rows_kernel(
     tl.store(stats_ptr + _AUX * N + row, aux)
     tl.store(stats_ptr + _ENTROPY * N + row, ent)
     if NEED_GRAD:
-        # last sweep: dL/dlogits over the student row, in place. Every program writes its
-        # whole padded row (the GEMMs and the bias sum read it): a masked token's row, which
-        # the logits kernel filled with the bias, becomes zeros without being read.
+        # last sweep: dL/dlogits over the student row, into the gradient scratch (the
+        # student's own row in place, or a 16-bit one: `ChunkGradients`). Every program
+        # writes its whole padded row (the GEMMs and the bias sum read it): a masked
+        # token's row becomes zeros without its logits being read.
         g_d = 0.0
         g_lp = 0.0
         g_h = 0.0
@@ -179,6 +182,7 @@ def _distill_rows_kernel(
             g_lp = tl.load(glp_ptr + row).to(tl.float32)
         if HAS_GENT:
             g_h = tl.load(gent_ptr + row).to(tl.float32)
+        grow = g_ptr + r.to(tl.int64) * stride_g
         s_lim = tl.where(active, stride_s, 0)  # a masked token's row is not read
         t_lim = tl.where(active, stride_t, 0)
         for v0 in range(0, V, BLOCK_V):
@@ -190,7 +194,7 @@ def _distill_rows_kernel(
                 t = tl.load(trow + cols, mask=cols < t_lim, other=0.0)
             acc = _dlogits_terms(s, t, cols == y, ok, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g_d, beta,
                                  DIV, HAS_GLP, HAS_GENT, HAS_GDIV)
-            tl.store(srow + cols, tl.where(ok & active, acc * inv_temp, 0.0), mask=cols < stride_s)
+            store_grad_piece(grow, cols, tl.where(ok & active, acc * inv_temp, 0.0), stride_g)
 
 
 def rows_block(V: int) -> int:
@@ -244,30 +248,23 @@ def distill_forward_with_grads(grads: tuple, student: LinearHead, teacher: Optio
         s_buf = new_scratch(chunk, V, torch.float32, dev)
         t_buf = new_scratch(chunk, V, torch.float32, dev) if teacher is not None else s_buf
         inv_t = 1.0 / params.temperature
-        gemm_prec = dot_precision(ws.dtype)
-        gm = gemm_meta(gemm_prec == "ieee")
-        gemm_upcast = upcast(hs.dtype, ws.dtype)
+        gemms = ChunkGradients(student, V, chunk, s_buf, dh, dw32, db32) if want_grad else None
+        g_buf = s_buf if gemms is None else gemms.scratch
         for c0 in range(0, N, chunk):
             n_rows = min(chunk, N - c0)
             launch_scaled_logits(student, order, count, s_buf, c0, n_rows, V, inv_t)
             if teacher is not None:
                 launch_scaled_logits(teacher, order, count, t_buf, c0, n_rows, V, inv_t)
             _distill_rows_kernel[(n_rows,)](
-                s_buf, t_buf, targets, order, count, or_dummy(g_div, div), or_dummy(g_lp, div), or_dummy(g_ent, div),
-                div, lp, stats, N, V, c0, s_buf.stride(0), t_buf.stride(0), inv_t, float(params.beta),
+                s_buf, t_buf, g_buf, targets, order, count, or_dummy(g_div, div), or_dummy(g_lp, div),
+                or_dummy(g_ent, div), div, lp, stats, N, V, c0, s_buf.stride(0), t_buf.stride(0), g_buf.stride(0),
+                inv_t, float(params.beta),
                 DIV=int(params.divergence), HAS_TEACHER=teacher is not None, HAS_GDIV=g_div is not None,
                 HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, NEED_GRAD=want_grad,
                 BLOCK_V=rows_block(V), **ROWS_LAUNCH,
             )
-            if not want_grad:
-                continue
-            if need_dh:
-                launch_dh(s_buf, ws, order, count, dh, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
-            if need_dw:
-                launch_dw(s_buf, hs, order, count, dw32, V, c0, n_rows, gemm_upcast, gemm_prec, gm)
-            if need_db:
-                # rows of masked tokens are zero in the scratch; torch's sum is deterministic
-                db32[:V] += s_buf[:n_rows, :V].sum(0)
+            if gemms is not None:
+                gemms.run(order, count, c0, n_rows)
     if dh is not None and not want_grad:
         dh.zero_()
     dw = None if dw32 is None else (dw32 if ws.dtype == torch.float32 else dw32.to(ws.dtype))

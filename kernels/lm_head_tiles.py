@@ -31,7 +31,8 @@ from .runtime import INTERPRET, dot_precision, or_dummy, upcast
 __all__ = ["expm1_small", "log1p_small", "logits_tile", "scaled_logits_kernel", "logits_meta", "launch_scaled_logits",
            "dh_tile", "dh_kernel", "dh_split_kernel", "dh_reduce_kernel", "dh_splits", "dh_split_width",
            "wave_fill", "multiprocessor_count", "dw_kernel", "dw_program_tile", "dw_grid",
-           "launch_dh", "launch_dw", "GEMM_GPU", "GEMM_GPU_FP32", "GEMM_INTERP", "gemm_meta", "compaction",
+           "launch_dh", "launch_dw", "store_grad_piece", "grad_scratch_dtype", "dh_split_plan",
+           "ChunkGradients", "GEMM_GPU", "GEMM_GPU_FP32", "GEMM_INTERP", "gemm_meta", "compaction",
            "SCRATCH_ROW_ALIGN", "scratch_row_stride", "new_scratch", "default_token_chunk"]
 
 
@@ -125,6 +126,17 @@ def dh_tile(g_ptr, w_ptr, local, in_chunk, hh, h_ok, k_lo, k_hi, V, stride_g, st
             b = b.to(tl.float32)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
     return acc
+
+
+@triton.jit
+def store_grad_piece(g_row, cols, out, stride_g):
+    """Store a piece of a dL/dlogits row (fp32 values, zeros past V) into the gradient
+    scratch, whole padded row bounded by its stride (vectorised for any V). A 16-bit
+    scratch gets the values rounded to nearest even: the GEMMs' own conversion of an fp32
+    operand, spelled out because the interpreter's default conversion truncates."""
+    if g_row.dtype.element_ty != tl.float32:
+        out = out.to(g_row.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(g_row + cols, out, mask=cols < stride_g)
 
 
 @triton.jit
@@ -357,6 +369,69 @@ def multiprocessor_count(device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def grad_scratch_dtype(gemm_dtype: torch.dtype, need_db: bool) -> torch.dtype:
+    """dtype of the dL/dlogits scratch the dH / dW GEMMs read (gemm_dtype: that of the
+    hidden states and weight, one dtype per head). The compiled GEMMs round it to that
+    dtype before `tl.dot` anyway, so for 16-bit heads the row kernels store it rounded,
+    with the same round-to-nearest-even conversion (`store_grad_piece`): the same GEMM
+    operands, half the bytes written and read, and the GEMMs' plain 16-bit operand path.
+    fp32 (the student's logits scratch itself, in place) for fp32 heads, and where a bias
+    gradient is needed: it is summed from the unrounded values. (The interpreter's GEMMs
+    upcast to fp32; with a 16-bit scratch they then compute from the same rounded values
+    as the GPU.)"""
+    if need_db or gemm_dtype not in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return gemm_dtype
+
+
+def dh_split_plan(n_rows: int, H: int, V: int, meta: dict, device) -> int:
+    """`dh_splits` on `device`'s SMs: the one place the launchers ask, so that tests can
+    force a split under the interpreter."""
+    return dh_splits(n_rows, H, V, meta, multiprocessor_count(device))
+
+
+class ChunkGradients:
+    """dH, dW and db of an lm-head call whose row kernel writes dL/dlogits chunk by chunk
+    (the actor loss; the distillation ops with their gradients in the forward): the
+    gradient scratch (`grad_scratch_dtype`: a 16-bit buffer, or the student's fp32 logits
+    scratch itself, in place), the dH vocabulary-split plan of the full and the last chunk
+    with one fp32 buffer of partial sums for both, and the GEMM launches of a chunk.
+
+    dh / dw32 / db32 are the outputs (None where not needed); dw32 and db32 accumulate
+    over the chunks in fp32."""
+
+    def __init__(self, student: LinearHead, vocab_size: int, chunk: int, logits_scratch: torch.Tensor,
+                 dh: torch.Tensor | None, dw32: torch.Tensor | None, db32: torch.Tensor | None):
+        hs, ws = student.hidden, student.weight
+        N, H = hs.shape
+        self.hs, self.ws, self.V = hs, ws, vocab_size
+        self.dh, self.dw32, self.db32 = dh, dw32, db32
+        self.prec = dot_precision(ws.dtype)
+        self.meta = gemm_meta(self.prec == "ieee")
+        self.upcast = upcast(hs.dtype, ws.dtype)
+        dtype = torch.float32
+        if dh is not None or dw32 is not None or db32 is not None:
+            dtype = grad_scratch_dtype(ws.dtype if hs.dtype == ws.dtype else torch.float32, db32 is not None)
+        self.scratch = logits_scratch if dtype == torch.float32 else new_scratch(chunk, vocab_size, dtype, hs.device)
+        last = N - (N - 1) // chunk * chunk
+        self.plan = {n: dh_split_plan(n, H, vocab_size, self.meta, hs.device) if dh is not None else 1
+                     for n in {chunk, last}}
+        n_part = max((sp * n * H for n, sp in self.plan.items() if sp > 1), default=0)
+        self.partials = torch.empty(n_part, device=hs.device, dtype=torch.float32) if n_part else None
+
+    def run(self, order: torch.Tensor, count: torch.Tensor, c0: int, n_rows: int) -> None:
+        """The GEMMs of the chunk of n_rows token rows at c0 (its rows in `self.scratch`)."""
+        g, V = self.scratch, self.V
+        if self.dh is not None:
+            launch_dh(g, self.ws, order, count, self.dh, V, c0, n_rows, self.upcast, self.prec, self.meta,
+                      splits=self.plan[n_rows], partials=self.partials)
+        if self.dw32 is not None:
+            launch_dw(g, self.hs, order, count, self.dw32, V, c0, n_rows, self.upcast, self.prec, self.meta)
+        if self.db32 is not None:
+            # rows of masked tokens are zeros in the scratch; torch's sum is deterministic
+            self.db32[:V] += g[:n_rows, :V].sum(0)
 
 
 def launch_dw(g, h, order, count, dw32, V, c0, n_rows, upcast, prec, meta):

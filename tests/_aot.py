@@ -149,7 +149,8 @@ _ROWS_TYPES = dict(s_ptr="*fp32", t_ptr="*fp32", g_ptr="*bf16", targets_ptr="*i6
 
 
 # the distillation row kernel (gradients in the forward): the loss's names, the rows' scratch
-_DISTILL_ROWS_TYPES = dict(_LOSS_TYPES, s_ptr="*fp32", t_ptr="*fp32", stride_s="i32", stride_t="i32")
+_DISTILL_ROWS_TYPES = dict(_LOSS_TYPES, s_ptr="*fp32", t_ptr="*fp32", g_ptr="*bf16", stride_s="i32", stride_t="i32",
+                           stride_g="i32")
 
 
 def _attn_types(fn):
@@ -274,14 +275,19 @@ def lm_head_jobs():
         fn = tiles.scaled_logits_kernel
         jobs.append(_job("actor_loss", "logits", "plain", shape, fn, _LOGITS_TYPES, consts, nw, ns,
                          _lm_divisible(fn, consts, V, H)))
-        # every gradient term compiled in (the op's reduced loss needs the divergence's alone)
-        for div, teacher, variant in ((Divergence.REVERSE_KL, True, "reverse_kl"),
-                                      (Divergence.FORWARD_KL, True, "forward_kl"),
-                                      (Divergence.JSD, True, "jsd"), (Divergence.REVERSE_KL, False, "no-teacher")):
+        # every gradient term compiled in (the op's reduced loss needs the divergence's alone);
+        # dL/dlogits into a bf16 scratch (16-bit heads without a bias gradient), or in place
+        # into the fp32 student scratch
+        for div, teacher, variant, grads in ((Divergence.REVERSE_KL, True, "reverse_kl", "bf16"),
+                                             (Divergence.FORWARD_KL, True, "forward_kl", "bf16"),
+                                             (Divergence.JSD, True, "jsd", "bf16"),
+                                             (Divergence.REVERSE_KL, False, "no-teacher", "bf16"),
+                                             (Divergence.REVERSE_KL, True, "reverse_kl-fp32-grads", "fp32")):
             consts = dict(DIV=int(div), HAS_TEACHER=teacher, HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True,
                           NEED_GRAD=True, BLOCK_V=dr.rows_block(V))
             fn = dr._distill_rows_kernel
-            jobs.append(_job("fused_distill", "distill_rows", variant, shape, fn, _DISTILL_ROWS_TYPES, consts,
+            jobs.append(_job("fused_distill", "distill_rows", variant, shape, fn,
+                             dict(_DISTILL_ROWS_TYPES, g_ptr=f"*{grads}"), consts,
                              dr.ROWS_LAUNCH["num_warps"], dr.ROWS_LAUNCH["num_stages"], _lm_divisible(fn, consts, V, H)))
         # dL/dlogits into a bf16 scratch (16-bit heads without a bias gradient) or in place
         # into the fp32 student scratch (fp32 heads, or a bias gradient)

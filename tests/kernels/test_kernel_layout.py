@@ -10,7 +10,8 @@
 * The scratch rows are padded (`scratch_row_stride`), so that at Qwen2.5's odd tokenizer
   vocabulary (V = 151,665) the compiled scratch accesses of the dH / dW GEMMs (dH also
   split over the vocabulary), the distillation dlogits and row kernels and the actor-loss
-  logits / rows kernels stay 16-byte vector accesses. Checked on the sm_90a PTX that
+  logits / rows kernels stay vector accesses (16-byte; the distillation row kernel's bf16
+  gradient stores 8-byte). Checked on the sm_90a PTX that
   `tests/_aot.py` compiles offline (no GPU;
   skipped, with the reason, when Triton's CUDA backend is not installed), one launch
   configuration per kernel: the first candidate, the one used when autotuning is off.
@@ -150,6 +151,7 @@ _SCALAR_B32_STORE = re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*\.b32\s")
 _ASYNC_16B = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*(?:0x10|16)\b")
 _V4_LOAD = re.compile(r"\bld\.global(?:\.[\w:]+)*\.v4\.b32\s")
 _V4_STORE = re.compile(r"\bst\.global(?:\.[\w:]+)*\.v4\.b32\s")
+_V2_STORE = re.compile(r"\bst\.global(?:\.[\w:]+)*\.v2\.b32\s")
 
 
 _CHILD = "MEMOPD_PTX_CHILD"
@@ -194,13 +196,20 @@ def test_scratch_accesses_are_16_byte_vectors_at_odd_vocab(kernel, variant):
         # the fp32 logits tile: its only global stores, all 16-byte
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
         assert not _SCALAR_B32_STORE.search(ptx), f"{what}: scalar fp32 stores"
-    else:
-        # the row sweeps (actor loss; distillation with gradients in the forward) read the
-        # fp32 student / teacher rows and write dlogits (bf16 for the actor loss, in place
-        # for the distillation) in 16-byte accesses (the per-token statistics are scalar
-        # stores, legitimately)
+    elif kernel == "rows":
+        # the actor loss's row sweeps read the fp32 student / teacher rows and write the bf16
+        # dlogits in 16-byte accesses: 8 values a thread of a 2048-wide piece over 8 warps
+        # (the per-token statistics are scalar stores, legitimately)
         assert _V4_LOAD.search(ptx), f"{what}: no 16-byte loads"
         assert _V4_STORE.search(ptx), f"{what}: no 16-byte stores"
+        assert not _SCALAR_B16_STORE.search(ptx), f"{what}: scalar bf16 stores"
+    else:
+        # the distillation row kernel's sweeps read the fp32 rows in 16-byte loads; its
+        # 1024-wide pieces (register-bound, see `rows_block`) give a thread 4 bf16 values
+        # of dlogits, one 8-byte vector store (a warp's stores still cover 256 contiguous
+        # bytes), never a scalar one
+        assert _V4_LOAD.search(ptx), f"{what}: no 16-byte loads"
+        assert _V2_STORE.search(ptx) or _V4_STORE.search(ptx), f"{what}: no 8- or 16-byte stores"
         assert not _SCALAR_B16_STORE.search(ptx), f"{what}: scalar bf16 stores"
 
 

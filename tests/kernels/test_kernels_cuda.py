@@ -302,10 +302,10 @@ def test_actor_loss_bf16_grad_scratch_without_bias(lm_fixed_tiles, monkeypatch):
     # the vocabulary (1024 tokens: chunks of 768 and 256 rows, 6 x 16 and 2 x 16 programs).
     # Against float64, and against the fp32 scratch: the same GEMM operands, so dH / dW
     # agree far below bf16 resolution (a truncating conversion would not: ~1e-3)
-    import memopd.kernels.actor_loss as al
+    import memopd.kernels.lm_head_tiles as tiles
 
     bf16 = check_actor_loss(1024, 2048, 151936, 151665, torch.bfloat16, "cuda", "triton", bias=False)["grads"]
-    monkeypatch.setattr(al, "grad_scratch_dtype", lambda dtype, need_db: torch.float32)
+    monkeypatch.setattr(tiles, "grad_scratch_dtype", lambda dtype, need_db: torch.float32)
     fp32 = check_actor_loss(1024, 2048, 151936, 151665, torch.bfloat16, "cuda", "triton", bias=False)["grads"]
     for name, a, b in zip(("d_hidden", "d_weight"), bf16, fp32):
         err = (a.float() - b.float()).abs().max().item()

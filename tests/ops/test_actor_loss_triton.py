@@ -112,11 +112,11 @@ def test_matches_torch_path(seed):
 def test_bf16_without_bias_rounds_the_grad_scratch(seed, teacher):
     # the production case (16-bit head, no bias): dL/dlogits is stored in bf16, rounded as
     # the GEMMs rounded their fp32 operand; with a bias it stays fp32 (summed unrounded)
-    import memopd.kernels.actor_loss as al
+    import memopd.kernels.lm_head_tiles as tiles
 
-    assert al.grad_scratch_dtype(torch.bfloat16, need_db=False) == torch.bfloat16
-    assert al.grad_scratch_dtype(torch.bfloat16, need_db=True) == torch.float32
-    assert al.grad_scratch_dtype(torch.float32, need_db=False) == torch.float32
+    assert tiles.grad_scratch_dtype(torch.bfloat16, need_db=False) == torch.bfloat16
+    assert tiles.grad_scratch_dtype(torch.bfloat16, need_db=True) == torch.float32
+    assert tiles.grad_scratch_dtype(torch.float32, need_db=False) == torch.float32
     inp = make_inputs(seed, N=24, Hs=32, Ht=32, V=100, dtype=torch.bfloat16, bias=False)
     _check(seed, inp, teacher, tol=2e-2, gtol=3e-2, kl_coef=0.5 if teacher else 0.0, entropy_coef=0.01)
 
@@ -127,13 +127,13 @@ def test_dh_split_over_the_vocabulary(seed, bias, monkeypatch):
     # the dH GEMM in vocabulary shares with a fixed-order sum (what a GPU gets when a chunk's
     # grid would leave SMs idle; one SM here never splits): against float64, against the
     # unsplit GEMM up to fp32 summation order, and the same bits on a second call
-    import memopd.kernels.actor_loss as al
+    import memopd.kernels.lm_head_tiles as tiles
 
     inp = make_inputs(seed, N=40, Hs=24, Ht=20, V=150, bias=bias, teacher_bias=True)
     kw = dict(vocab_size=150, kl_coef=0.8, entropy_coef=0.05, token_chunk_size=16)
     _, unsplit = _check(seed, inp, **kw)
     plans = []
-    monkeypatch.setattr(al, "_dh_splits", lambda n, H, V, meta, dev: plans.append(n) or 3)
+    monkeypatch.setattr(tiles, "dh_split_plan", lambda n, H, V, meta, dev: plans.append(n) or 3)
     _, split = _check(seed, inp, **kw)
     _, again = _check(seed, inp, **kw)
     assert sorted(set(plans)) == [8, 16]  # full chunks of 16 rows and the last one of 8

@@ -413,9 +413,12 @@ class _Launches:
     def __init__(self, monkeypatch):
         import memopd.kernels.distill_rows as dr
         import memopd.kernels.fused_distill as kfd
+        import memopd.kernels.lm_head_tiles as tiles
 
         self.calls = []
-        for mod, names in ((dr, ("launch_scaled_logits", "launch_dh", "launch_dw")),
+        # the forward-grads path's GEMMs are launched by lm_head_tiles.ChunkGradients; the
+        # recomputing backward launches its own
+        for mod, names in ((dr, ("launch_scaled_logits",)), (tiles, ("launch_dh", "launch_dw")),
                            (kfd, ("distill_forward", "jsd_second_pass", "distill_backward", "launch_dh", "launch_dw"))):
             for name in names:
                 monkeypatch.setattr(mod, name, self._spy(f"{mod.__name__.rsplit('.', 1)[1]}.{name}", getattr(mod, name)))
@@ -438,7 +441,7 @@ def test_forward_grads_launch_four_matmuls_per_chunk_and_the_backward_none(seed,
     inp = make_inputs(seed, N=40, V=150)
     out = fused_linear_distill(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], mask=inp["mask"],
                                student_bias=inp["bs"], divergence=divergence, backend="triton", token_chunk_size=16)
-    per_chunk = ["distill_rows.launch_scaled_logits"] * 2 + ["distill_rows.launch_dh", "distill_rows.launch_dw"]
+    per_chunk = ["distill_rows.launch_scaled_logits"] * 2 + ["lm_head_tiles.launch_dh", "lm_head_tiles.launch_dw"]
     # gradients=None on Triton: the forward-grads path; ceil(40 / 16) = 3 chunks
     assert spy.take() == per_chunk * 3
     out.loss.backward()
@@ -461,4 +464,34 @@ def test_teacher_less_forward_grads_launch_three_matmuls_per_chunk(seed, monkeyp
     inp, student, _, grads = _direct_inputs(seed, teacher=False, N=20)
     distill_forward_with_grads(grads, student, None, inp["y"], inp["mask"],
                                DistillParams(1.0, 133, Divergence.REVERSE_KL, 0.5, 0, 8), (True, True, False))
-    assert spy.take() == ["distill_rows.launch_scaled_logits", "distill_rows.launch_dh", "distill_rows.launch_dw"] * 3
+    assert spy.take() == ["distill_rows.launch_scaled_logits", "lm_head_tiles.launch_dh", "lm_head_tiles.launch_dw"] * 3
+
+
+@inproc
+@pytest.mark.parametrize("divergence", DIVS)
+def test_forward_grads_bf16_scratch_and_dh_split(seed, divergence, monkeypatch):
+    # the production case (bf16 head, no bias): dL/dlogits goes to a bf16 scratch, and dH is
+    # split over the vocabulary with a fixed-order sum (what a GPU gets where a chunk's grid
+    # would leave SMs idle; one SM here never splits): against the recomputing path, the
+    # unsplit GEMM up to fp32 summation order, and the same bits on a second call
+    import memopd.kernels.lm_head_tiles as tiles
+
+    inp = make_inputs(seed, N=40, Hs=32, Ht=32, V=150, dtype=torch.bfloat16, bias=False)
+    kw = dict(divergence=divergence, backend="triton", token_chunk_size=16)
+    dtypes = []
+    real_dh = tiles.launch_dh
+    monkeypatch.setattr(tiles, "launch_dh", lambda g, *a, **k: dtypes.append(g.dtype) or real_dh(g, *a, **k))
+    _, unsplit = run(fused_linear_distill, inp, {"loss": 1.0}, gradients="forward", **kw)
+    assert dtypes and set(dtypes) == {torch.bfloat16}, f"gradient scratch dtypes {set(dtypes)}"
+    _, rec = run(fused_linear_distill, inp, {"loss": 1.0}, gradients="recompute", **kw)
+    for name, a, b in zip(("d_hidden", "d_weight"), unsplit, rec):
+        assert_close(a, b, 1.5e-2 * b.float().abs().max().item(), 1.5e-2, name + " vs recompute", seed)
+    plans = []
+    monkeypatch.setattr(tiles, "dh_split_plan", lambda n, H, V, meta, dev: plans.append(n) or 3)
+    _, split = run(fused_linear_distill, inp, {"loss": 1.0}, gradients="forward", **kw)
+    _, again = run(fused_linear_distill, inp, {"loss": 1.0}, gradients="forward", **kw)
+    assert sorted(set(plans)) == [8, 16]  # full chunks of 16 rows and the last one of 8
+    assert torch.equal(split[0], again[0])
+    err = (split[0].float() - unsplit[0].float()).abs().max().item()
+    assert err <= 1e-2 * unsplit[0].float().abs().max().item(), f"split dH vs unsplit: {err:.2e} (seed={seed})"
+    assert torch.equal(split[1], unsplit[1])  # dW does not depend on the dH plan
