@@ -374,7 +374,7 @@ def attention_dkdv(T, Hq, Hkv, D, layout, split=True, deterministic=False):
     bm, bn = _first_config(pa._BWD_KV_CONFIGS, pa._BWD_KV_PRUNE, D, group_p2)
     rows = bm // group_p2
     kqr = pa.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end)
-    plan_n, align_m, _ = pa.dkdv_plan_spec()
+    plan_n, align_m, _ = pa.dkdv_plan_spec(interpreted=False)
     plan = pa.dkdv_split_plan(kqr, plan_n, align_m, None if split else 0)
     ranges = pa.dkdv_program_ranges(kqr, plan, bn, rows)
     trips = (ranges[:, 2] - ranges[:, 1]).clamp(min=0) + (ranges[:, 4] - ranges[:, 3]).clamp(min=0) + \
@@ -423,7 +423,8 @@ def attention_report(shapes=None):
     print(f"packed attention, {ATTN_SMS} SMs, one program per SM, {MATMUL_SUSTAINED / 1e12:.0f} TFLOP/s sustained "
           f"shared evenly; program overhead {PROGRAM_OVERHEAD_TILES:g} tile, idle plan entry "
           f"{IDLE_PROGRAM_S * 1e6:g} us")
-    print("| shape | kernel | programs (launched) | TFLOP | total ms | mean / max us per program | critical path ms "
+    print("| shape | kernel | programs (launched) | TFLOP | program time summed, SM-ms | mean / max us per program "
+          "| critical path ms "
           "| total / SMs ms | critical / bound | scheduling efficiency | notes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in shapes or ATTN_SHAPES:

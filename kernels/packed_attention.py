@@ -24,6 +24,19 @@ Backward (`packed_attention_bwd`), FA2 style:
     For prefix keys the range covers every call segment linked to the prefix, so the
     prefix's dK/dV are summed over all its readers without copying prefix K/V per segment.
     Being per token, it needs none of the kernel's block sizes (autotuned on GPU).
+  * The split: a key block read by many rows (a prefix read by 16 calls walks ~8x the
+    query tiles of an average block) would set the kernel's critical path alone, so the
+    walk is cut into pieces of about the average work per key block (`dkdv_split_plan`,
+    O(T) torch on the device, no host sync; the op caches it on the metadata beside
+    `key_ranges`). One program per (piece, key block of BLOCK_N, kv head); a piece is a
+    window of query rows, so the pieces of a block partition its query tiles and every
+    (query tile, key block) pair is still walked once. Programs of a split block write
+    fp32 partial dK/dV into slots of their own, which `_bwd_kv_reduce_kernel` sums in slot
+    order (fixed: bitwise reproducible); unsplit blocks write dK/dV directly as before.
+    The longest pieces launch first. The plan's key blocks are the largest candidate
+    BLOCK_N (its query cuts: multiples of the largest BLOCK_M), so one plan serves every
+    autotune candidate. MEMOPD_ATTENTION_SPLIT=off turns the split off; a number caps the
+    query rows per piece (tests force the split on small shapes with it).
   * dQ: by default accumulated with fp32 atomics from the dK/dV programs (fewest FLOPs);
     with `deterministic=True` a separate query-major kernel recomputes P and writes dQ once
     per row (no atomics, bitwise reproducible). The atomics are `sem="relaxed"`: the dQ sum
@@ -529,9 +542,9 @@ def _bwd_kv_block(
     BLOCK_N: tl.constexpr, PLAN_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, SAFE: tl.constexpr,
 ):
-    """Key block [n0, n0 + BLOCK_N) of kv head kvh over the query rows [q_lo, q_hi) (a
-    piece of the split plan; [0, 2^30) when the block is not split): writes dK/dV, or, when
-    part_row >= 0, the fp32 partial sums at row part_row of PART (summed by
+    """This program's plan entry (`_plan_entry`: key block [n0, n0 + BLOCK_N), query rows
+    [q_lo, q_hi), [0, 2^30) when the block is not split) for kv head kvh: writes dK/dV, or,
+    when the entry has a slot, its fp32 partial sums into that slot of PART (summed by
     `_bwd_kv_reduce_kernel`), and adds to dQ. Returns, per key row, the flag for the SAFE
     launch (which takes the block's maximum): 0 clean; 1 redo dK/dV (a non-finite dK/dV
     row: a NaN/inf q, dO or O row may have spread through masked products; the block's dQ
@@ -1171,13 +1184,14 @@ class DkdvPlan:
         return self.spec[0]
 
 
-def dkdv_plan_spec():
+def dkdv_plan_spec(interpreted: bool | None = None):
     """(block_n, align_m, max_rows) of the plan the dK/dV launch needs now: the plan's key
     blocks must be a multiple of the launched BLOCK_N and its query cuts a multiple of the
     tile height (BLOCK_M / GROUP_P2, a power of two dividing BLOCK_M). Autotuned or not, a GPU
     launch uses the largest candidate tile, so one plan serves every candidate; the
-    interpreter uses its own (forced) blocks."""
-    if INTERPRET:
+    interpreter uses its own (forced) blocks. `interpreted`: which of the two (default: the
+    mode this module was imported in; the cost model asks for the GPU's)."""
+    if INTERPRET if interpreted is None else interpreted:
         bn, bm = _FIXED.get("BLOCK_N", _INTERP_BLOCK), _FIXED.get("BLOCK_M", _INTERP_BLOCK)
     else:
         bn = max([c.kwargs["BLOCK_N"] for c in _BWD_KV_CONFIGS] + [_FIXED.get("BLOCK_N", 0)])
