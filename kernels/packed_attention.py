@@ -24,7 +24,7 @@ Backward (`packed_attention_bwd`), FA2 style:
     For prefix keys the range covers every call segment linked to the prefix, so the
     prefix's dK/dV are summed over all its readers without copying prefix K/V per segment.
     Being per token, it needs none of the kernel's block sizes (autotuned on GPU).
-  * The split: a key block read by many rows (a prefix read by 16 calls walks ~8x the
+  * The split: a key block read by many rows (a prefix read by 16 calls walks 7-11x the
     query tiles of an average block) would set the kernel's critical path alone, so the
     walk is cut into pieces of about the average work per key block (`dkdv_split_plan`,
     O(T) torch on the device, no host sync; the op caches it on the metadata beside
