@@ -16,9 +16,9 @@ skipped, a block every row sees fully runs without an element mask, and only edg
 element-masked. Rows that see nothing give zeros and LSE = -inf, never NaN.
 
 Backward (`packed_attention_bwd`), FA2 style:
-  * dK/dV: one program per (key block, kv head). Its query tiles stack the GQA group's
-    query heads (tile rows = query rows x heads), so one pass sums dK/dV over the group in
-    registers, deterministically. It walks only the query blocks that can see the key block:
+  * dK/dV: one program per (key block, kv head), or per piece of one (the split below).
+    Its query tiles stack the GQA group's query heads (tile rows = query rows x heads), so
+    one pass sums dK/dV over the group in registers, deterministically. It walks only the query blocks that can see the key block:
     those ranges come from an O(T) per-key precomputation (`key_query_ranges`: vectorised
     torch ops on the device, no host sync; the op keeps one per metadata, `key_ranges`).
     For prefix keys the range covers every call segment linked to the prefix, so the
@@ -32,7 +32,11 @@ Backward (`packed_attention_bwd`), FA2 style:
     window of query rows, so the pieces of a block partition its query tiles and every
     (query tile, key block) pair is still walked once. Programs of a split block write
     fp32 partial dK/dV into slots of their own, which `_bwd_kv_reduce_kernel` sums in slot
-    order (fixed: bitwise reproducible); unsplit blocks write dK/dV directly as before.
+    order (fixed: bitwise reproducible; against the unsplit kernel only the order of that
+    fp32 sum differs); unsplit blocks write dK/dV directly as before. Only blocks above
+    1.5x the average are split. The plan's buffers are sized by host bounds, so it needs
+    no sync: up to 2x the key blocks in plan entries (unused ones do nothing) and 5/3x
+    the key blocks in partial slots (about 5/3 x T x Hkv x D x 8 bytes).
     The longest pieces launch first. The plan's key blocks are the largest candidate
     BLOCK_N (its query cuts: multiples of the largest BLOCK_M), so one plan serves every
     autotune candidate. MEMOPD_ATTENTION_SPLIT=off turns the split off; a number caps the
