@@ -374,8 +374,8 @@ def attention_dkdv(T, Hq, Hkv, D, layout, split=True, deterministic=False):
     bm, bn = _first_config(pa._BWD_KV_CONFIGS, pa._BWD_KV_PRUNE, D, group_p2)
     rows = bm // group_p2
     kqr = pa.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end)
-    plan_n, align_m, _ = pa.dkdv_plan_spec(interpreted=False)
-    plan = pa.dkdv_split_plan(kqr, plan_n, align_m, None if split else 0)
+    plan_n, align_m, _, spread = pa.dkdv_plan_spec(Hkv, ATTN_SMS, interpreted=False)
+    plan = pa.dkdv_split_plan(kqr, plan_n, align_m, None if split else 0, spread)
     ranges = pa.dkdv_program_ranges(kqr, plan, bn, rows)
     trips = (ranges[:, 2] - ranges[:, 1]).clamp(min=0) + (ranges[:, 4] - ranges[:, 3]).clamp(min=0) + \
         (ranges[:, 6] - ranges[:, 5]).clamp(min=0)

@@ -34,9 +34,10 @@ Backward (`packed_attention_bwd`), FA2 style:
     fp32 partial dK/dV into slots of their own, which `_bwd_kv_reduce_kernel` sums in slot
     order (fixed: bitwise reproducible; against the unsplit kernel only the order of that
     fp32 sum differs); unsplit blocks write dK/dV directly as before. Only blocks above
-    1.5x the average are split. The plan's buffers are sized by host bounds, so it needs
-    no sync: up to 2x the key blocks in plan entries (unused ones do nothing) and 5/3x
-    the key blocks in partial slots (about 5/3 x T x Hkv x D x 8 bytes).
+    1.5x the average are split, and no piece is made smaller than a quarter of one SM's
+    share of the total work. The plan's buffers are sized by host bounds, so it needs no
+    sync: up to 2x the key blocks in plan entries (unused ones do nothing) and 5/3x the
+    key blocks, or of 4 x SMs / Hkv, in partial slots (Hkv x PLAN_N x D x 8 bytes each).
     The longest pieces launch first. The plan's key blocks are the largest candidate
     BLOCK_N (its query cuts: multiples of the largest BLOCK_M), so one plan serves every
     autotune candidate. MEMOPD_ATTENTION_SPLIT=off turns the split off; a number caps the
@@ -107,6 +108,7 @@ __all__ = [
     "key_query_ranges",
     "dkdv_split_plan",
     "dkdv_plan_spec",
+    "sm_count",
     "check_triton_inputs",
 ]
 
@@ -1173,7 +1175,7 @@ class DkdvPlan:
     reduce   int32 [2, n_blocks]: first slot and piece count of each split key block (count
              0 where it is not split)
     n_slots  host bound on the slots used (the fp32 partial buffer is allocated at this size)
-    spec     (block_n, align_m, max_rows) it was built for
+    spec     (block_n, align_m, max_rows, spread) it was built for
     """
 
     def __init__(self, table, reduce, n_slots, spec, T):
@@ -1188,44 +1190,65 @@ class DkdvPlan:
         return self.spec[0]
 
 
-def dkdv_plan_spec(interpreted: bool | None = None):
-    """(block_n, align_m, max_rows) of the plan the dK/dV launch needs now: the plan's key
+# SMs assumed where the device has none to ask (the interpreter; the cost model): H100/H200
+DEFAULT_SMS = 132
+# The split never makes pieces smaller than 1 / (this x SMs) of the total work: then the
+# longest program is at most a quarter of an SM's fair share, and list scheduling ends
+# within 1.25x of the ideal; smaller pieces would only cost partial-sum memory.
+_PIECES_PER_SM = 4
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (DEFAULT_SMS for other devices)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return DEFAULT_SMS
+
+
+def dkdv_plan_spec(hkv: int = 1, sms: int = DEFAULT_SMS, interpreted: bool | None = None):
+    """(block_n, align_m, max_rows, spread) of the plan the dK/dV launch over `hkv` kv heads
+    on `sms` SMs needs now: the plan's key
     blocks must be a multiple of the launched BLOCK_N and its query cuts a multiple of the
     tile height (BLOCK_M / GROUP_P2, a power of two dividing BLOCK_M). Autotuned or not, a GPU
     launch uses the largest candidate tile, so one plan serves every candidate; the
     interpreter uses its own (forced) blocks. `interpreted`: which of the two (default: the
-    mode this module was imported in; the cost model asks for the GPU's)."""
+    mode this module was imported in; the cost model asks for the GPU's). spread: the
+    pieces per kv head over which the work may spread at most (`dkdv_split_plan`)."""
     if INTERPRET if interpreted is None else interpreted:
         bn, bm = _FIXED.get("BLOCK_N", _INTERP_BLOCK), _FIXED.get("BLOCK_M", _INTERP_BLOCK)
     else:
         bn = max([c.kwargs["BLOCK_N"] for c in _BWD_KV_CONFIGS] + [_FIXED.get("BLOCK_N", 0)])
         bm = max([c.kwargs["BLOCK_M"] for c in _BWD_KV_CONFIGS] + [_FIXED.get("BLOCK_M", 0)])
-    return int(bn), int(bm), SPLIT_ROWS
+    return int(bn), int(bm), SPLIT_ROWS, max(1, _PIECES_PER_SM * int(sms) // max(1, int(hkv)))
 
 
-def _plan_bounds(n_blocks: int, T: int, align_m: int, max_rows) -> tuple[int, int]:
+def _plan_bounds(n_blocks: int, T: int, align_m: int, max_rows, spread: int) -> tuple[int, int]:
     """Host bounds on the number of pieces and of partial-sum slots (known before the device
-    has the plan: no sync). With t >= the average work per key block, sum(ceil(w / t)) <=
-    sum(w / t + 1) <= 2 n_blocks. Auto mode splits only blocks with w > 1.5 t: fewer than
-    n_blocks / 1.5 of them, so their pieces (the slots) number < n_blocks + n_blocks / 1.5.
+    has the plan: no sync). Auto mode: t >= W / m with m = min(n_blocks, spread), W the total
+    work, so sum(ceil(w / t)) <= sum(w / t + 1) <= n_blocks + m; it splits only blocks with
+    w > 1.5 t, fewer than m / 1.5 of them, so their pieces (the slots) number < m + m / 1.5.
     With a row cap N, a block's work (an aligned union of query ranges, < T + align_m rows)
     gives at most ceil((T + align_m) / N) pieces."""
     if max_rows == 0:
         return n_blocks, 0
     if max_rows is None:
-        return 2 * n_blocks, n_blocks + -(-2 * n_blocks // 3)
+        m = min(n_blocks, spread)
+        return n_blocks + m, m + -(-2 * m // 3)
     bound = max(2 * n_blocks, n_blocks * -(-(T + align_m) // max_rows))
     return bound, bound
 
 
-def dkdv_split_plan(key_ranges: torch.Tensor, block_n: int, align_m: int, max_rows=None) -> DkdvPlan:
+def dkdv_split_plan(key_ranges: torch.Tensor, block_n: int, align_m: int, max_rows=None,
+                    spread: int = _PIECES_PER_SM * DEFAULT_SMS) -> DkdvPlan:
     """The split of the dK/dV backward for one metadata, from its `key_query_ranges`:
     vectorised torch on the ranges' device, no host synchronisation.
 
     Per plan key block of block_n keys: its readers are two query ranges (prefix readers,
     own-segment readers: the unions the kernel derives per block) aligned to align_m rows;
-    its work w is the length of their union. The target t is the average work per key block
-    (rounded up; with max_rows, at most max_rows; max_rows=0: no split). A block with w >
+    its work w is the length of their union. The target t is the average work per key block,
+    or 1 / spread of the total if that is more (rounded up; with max_rows, at most max_rows;
+    max_rows=0: no split). A block with w >
     1.5 t (with max_rows: w > t) is cut into ceil(w / t) pieces of about equal work, the
     cuts on align_m boundaries; a split block's
     programs write fp32 partial sums into slots of their own, summed afterwards in slot
@@ -1234,12 +1257,12 @@ def dkdv_split_plan(key_ranges: torch.Tensor, block_n: int, align_m: int, max_ro
     device knows the count) point past the last key block and do nothing."""
     device = key_ranges.device
     T = int(key_ranges.shape[1])
-    spec = (int(block_n), int(align_m), max_rows)
+    spec = (int(block_n), int(align_m), max_rows, int(spread))
     n_blocks = -(-T // block_n)
     if n_blocks == 0:
         empty = torch.zeros((4, 0), dtype=torch.int32, device=device)
         return DkdvPlan(empty, torch.zeros((2, 0), dtype=torch.int32, device=device), 0, spec, T)
-    n_pieces, n_slots = _plan_bounds(n_blocks, T, align_m, max_rows)
+    n_pieces, n_slots = _plan_bounds(n_blocks, T, align_m, max_rows, int(spread))
     big = 1 << 40
     r = key_ranges.long()
     pad = n_blocks * block_n - T
@@ -1274,7 +1297,8 @@ def dkdv_split_plan(key_ranges: torch.Tensor, block_n: int, align_m: int, max_ro
     if max_rows == 0:
         pieces = torch.ones_like(work)
     else:
-        target = (work.sum() + n_blocks - 1) // n_blocks
+        total = work.sum()
+        target = torch.maximum((total + n_blocks - 1) // n_blocks, (total + spread - 1) // spread)
         if max_rows:
             target = torch.clamp(target, max=max_rows)
         target = torch.clamp(target, min=1)
@@ -1452,7 +1476,8 @@ def packed_attention_bwd(
     dq/dk/dv, if given, are output buffers (every element is written; used by tests).
     key_ranges: `key_query_ranges` of this metadata, if the caller keeps it (it depends on
     the metadata only, so every layer's backward can share one); computed here if None.
-    split_plan: `dkdv_split_plan(key_ranges, *dkdv_plan_spec())` of this metadata, likewise
+    split_plan: `dkdv_split_plan(key_ranges, *dkdv_plan_spec(Hkv, sm_count(device)))` of
+    this metadata, likewise
     (the op caches it on the metadata); computed here if None.
     """
     check_triton_inputs(q, k, v)
@@ -1483,7 +1508,7 @@ def packed_attention_bwd(
     if kqr.shape != (5, T) or kqr.dtype != torch.int32 or kqr.device != q.device or not kqr.is_contiguous():
         raise ValueError(f"key_ranges must be the contiguous int32 [5, {T}] key_query_ranges of this metadata "
                          f"on {q.device}; got {kqr.dtype} {tuple(kqr.shape)} on {kqr.device}")
-    spec = dkdv_plan_spec()
+    spec = dkdv_plan_spec(Hkv, sm_count(q.device))
     plan = dkdv_split_plan(kqr, *spec) if split_plan is None else split_plan
     if not isinstance(plan, DkdvPlan) or plan.spec != spec or plan.T != T or plan.table.device != q.device:
         raise ValueError(f"split_plan must be the dkdv_split_plan of this metadata for {spec} on {q.device}")

@@ -123,7 +123,7 @@ def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         kern = _kernels()
         # depend on the metadata only: computed by the first layer's backward, reused by the others
         ranges = cached_on_metadata(seg_start, prefix_start, prefix_end, "key_query_ranges", kern.key_query_ranges)
-        spec = kern.dkdv_plan_spec()
+        spec = kern.dkdv_plan_spec(k.shape[1], kern.sm_count(k.device))
         plan = cached_on_metadata(seg_start, prefix_start, prefix_end, "dkdv_plan_" + "_".join(map(str, spec)),
                                   lambda *_: kern.dkdv_split_plan(ranges, *spec))
         return kern.packed_attention_bwd(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end,

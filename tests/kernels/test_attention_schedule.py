@@ -64,11 +64,11 @@ def test_split_walks_every_pair_exactly_once(shape):
     group_p2 = triton.next_power_of_2(Hq // Hkv)
     bm, bn = cm._first_config(pa._BWD_KV_CONFIGS, pa._BWD_KV_PRUNE, D, group_p2)
     rows = bm // group_p2
-    plan_n, align_m, _ = pa.dkdv_plan_spec(interpreted=False)
+    plan_n, align_m, _, spread = pa.dkdv_plan_spec(Hkv, cm.ATTN_SMS, interpreted=False)
     n_tiles = -(-T // rows) + 1
     pairs = {}
     for max_rows in (0, None, 512):
-        plan = pa.dkdv_split_plan(kqr, plan_n, align_m, max_rows)
+        plan = pa.dkdv_split_plan(kqr, plan_n, align_m, max_rows, spread)
         table = plan.table.long()
         n_blocks = -(-T // plan_n)
         used = table[0] < n_blocks

@@ -147,7 +147,8 @@ def test_attention_split_backward_at_production_shape(Hq, Hkv, fixed_tiles, monk
         return [x.grad for x in leaves]
 
     plan = kern.dkdv_split_plan(kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end),
-                                *kern.dkdv_plan_spec()[:2], None)
+                                *kern.dkdv_plan_spec(Hkv, kern.sm_count("cuda"))[:2], None,
+                                kern.dkdv_plan_spec(Hkv, kern.sm_count("cuda"))[3])
     assert int((plan.reduce[1] > 1).sum()) >= 8
     base, split, again = run(0, True), run(None, True), run(None, True)
     atomic = run(None, False)

@@ -231,7 +231,7 @@ def test_only_needed_blocks_are_computed(shuffle, split, monkeypatch):
     monkeypatch.setattr(kern, "_bwd_kv_step", kv)
     got = run_triton(q, k, v, do, meta, (bm, bn), True, monkeypatch=monkeypatch, split=split)
     if split:  # the split pieces still walk each needed tile once, whichever piece it is
-        plan = kern.dkdv_split_plan(_cached_ranges(meta), *kern.dkdv_plan_spec())
+        plan = kern.dkdv_split_plan(_cached_ranges(meta), *kern.dkdv_plan_spec(1))
         assert (plan.reduce[1] > 1).any()
     want = oracle(q, k, v, do, meta)
     assert_close("dk", got[2], want[2], torch.float32)
@@ -371,7 +371,7 @@ def test_split_backward_matches_unsplit(dtype, Hq, Hkv, D, blocks, shuffle, toke
     split = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch, split=rows)
     again = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch, split=rows)
     atomic = run_triton(q, k, v, do, meta, blocks, False, monkeypatch=monkeypatch, split=rows)
-    plan = kern.dkdv_split_plan(_cached_ranges(meta.to(DEVICE)), *kern.dkdv_plan_spec())
+    plan = kern.dkdv_split_plan(_cached_ranges(meta.to(DEVICE)), *kern.dkdv_plan_spec(Hkv, kern.sm_count(DEVICE)))
     assert int((plan.reduce[1] > 1).sum()) >= 3, "the case does not split"
     want = oracle(q, k, v, do, meta)
     tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # fp32: reassociated sums; bf16: one rounding
