@@ -22,9 +22,10 @@ fake implementation and an autograd formula whose backward is the custom op
 and the "checked" mark of the metadata, so `torch.compile(fullgraph=True)` traces it without
 a graph break. The torch path (its planning, cached on the metadata, and its two
 backwards) is `memopd.ops.attention_torch`; the Triton backward's per-key query ranges
-and its dK/dV split plan are cached on the metadata the same way (`memopd.layout.cached_on_metadata`); the
-argument checks are `memopd.ops._validate.check_attention_inputs`. Second derivatives are
-not supported on these two backends.
+and its dK/dV split plan are cached on the metadata the same way
+(`memopd.layout.cached_on_metadata`); the argument checks are
+`memopd.ops._validate.check_attention_inputs`. Second derivatives are not supported on
+these two backends.
 """
 from __future__ import annotations
 
