@@ -18,9 +18,10 @@ element-masked. Rows that see nothing give zeros and LSE = -inf, never NaN.
 Backward (`packed_attention_bwd`), FA2 style:
   * dK/dV: one program per (key block, kv head), or per piece of one (the split below).
     Its query tiles stack the GQA group's query heads (tile rows = query rows x heads), so
-    one pass sums dK/dV over the group in registers, deterministically. It walks only the query blocks that can see the key block:
-    those ranges come from an O(T) per-key precomputation (`key_query_ranges`: vectorised
-    torch ops on the device, no host sync; the op keeps one per metadata, `key_ranges`).
+    one pass sums dK/dV over the group in registers, deterministically. It walks only the
+    query blocks that can see the key block: those ranges come from an O(T) per-key
+    precomputation (`key_query_ranges`: vectorised torch ops on the device, no host sync;
+    the op keeps one per metadata, `key_ranges`).
     For prefix keys the range covers every call segment linked to the prefix, so the
     prefix's dK/dV are summed over all its readers without copying prefix K/V per segment.
     Being per token, it needs none of the kernel's block sizes (autotuned on GPU).
