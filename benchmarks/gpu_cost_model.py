@@ -413,6 +413,170 @@ def op_totals(rows):
     return out
 
 
+# --------------------------------------------------------------------------------------
+# packed attention: the programs' work and their schedule on the SMs
+# --------------------------------------------------------------------------------------
+# What this part models. Each kernel's programs are replayed from the kernels' own range
+# logic (`fwd_program_ranges`, `dkdv_program_ranges`) on the launchers' grids, tiles (the
+# first pruned candidate: the fixed choice when autotuning is off) and, for dK/dV, the
+# split plan (`dkdv_split_plan`, at the spec `dkdv_plan_spec` gives a GPU launch). A
+# program's time is (tiles walked + PROGRAM_OVERHEAD_TILES) x a tile's FLOPs / one SM's
+# share of MATMUL_SUSTAINED; an unused plan entry costs IDLE_PROGRAM_S. Programs start in
+# launch order on ATTN_SMS SMs, one resident program per SM (the dK/dV and forward tiles
+# at D=128 hold ~255 registers per thread), each on the SM that frees first (greedy list
+# scheduling). The critical path is the last finish; the scheduling efficiency is the
+# summed program time / (SMs x critical path). Walked tiles a program finds fully masked
+# (it tests and skips them) count as work: an upper bound on the work, exact for the
+# layouts below, which have no interleaved segments.
+ATTN_SMS = 132
+PROGRAM_OVERHEAD_TILES = 1.0  # k/v (or q) tile loads and the final stores of a program
+IDLE_PROGRAM_S = 0.5e-6
+ATTN_SHAPES = {  # name: (tokens, Hq, Hkv, D, layout)
+    "16 calls, one 2k prefix": (16384, 16, 2, 128, ("prefix", 2048, 16)),
+    "16 calls, one 1k prefix": (16384, 16, 2, 128, ("prefix", 1024, 16)),
+    "16 calls, one 2k prefix, Hkv 8": (16384, 32, 8, 128, ("prefix", 2048, 16)),
+    "4 prefixes x 4 calls": (16384, 16, 2, 128, ("many", 1024, 4)),
+    "16 calls, no prefix": (16384, 16, 2, 128, ("prefix", 0, 16)),
+}
+
+
+def attention_meta(T, layout):
+    """One row of T tokens: ("prefix", P, n) one prefix of P tokens read by n calls that
+    share the rest equally (P=0: n independent calls); ("many", P, n) T / (P (1 + n))
+    prefixes of P tokens, each read by n calls of P tokens."""
+    from memopd.layout import AttentionMeta, SegmentKind
+
+    kind, P, n = layout
+    cu, links, kinds = [0], [], []
+
+    def add(k, length, link=-1):
+        cu.append(cu[-1] + length)
+        kinds.append(k)
+        links.append(link)
+
+    if kind == "prefix":
+        if P:
+            add(SegmentKind.PREFIX, P)
+        call = (T - P) // n
+        for i in range(n):
+            add(SegmentKind.CALL, call if i < n - 1 else T - cu[-1], 0 if P else -1)
+    else:
+        while cu[-1] + P * (1 + n) <= T:
+            p = len(kinds)
+            add(SegmentKind.PREFIX, P)
+            for _ in range(n):
+                add(SegmentKind.CALL, P, p)
+        if cu[-1] < T:
+            add(SegmentKind.PAD, T - cu[-1])
+    return AttentionMeta.from_segments(cu, links, kinds)
+
+
+def _first_config(configs, prune, D, group_p2=1):
+    import torch
+
+    c = prune(configs, {"HEAD_DIM": D, "Q": torch.empty(1, 1, D, dtype=torch.bfloat16), "GROUP_P2": group_p2})[0]
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+
+
+def schedule(costs, sms=ATTN_SMS):
+    """Greedy list scheduling of program times (launch order) on `sms` SMs: the critical path."""
+    import heapq
+
+    free = [0.0] * sms
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free)
+
+
+def _sched_row(kernel, costs, live, tile_flops, note=""):
+    total = sum(costs)
+    crit = schedule(costs)
+    live_costs = [c for c, ok in zip(costs, live) if ok]
+    return dict(kernel=kernel, programs=len(live_costs), launched=len(costs), total_ms=total * 1e3,
+                mean_us=total / max(1, len(live_costs)) * 1e6, max_us=max(live_costs, default=0.0) * 1e6,
+                critical_ms=crit * 1e3, bound_ms=total / ATTN_SMS * 1e3,
+                efficiency=total / (ATTN_SMS * crit) if crit else 1.0, tflop=tile_flops / 1e12, note=note)
+
+
+def attention_dkdv(T, Hq, Hkv, D, layout, split=True, deterministic=False):
+    """The dK/dV kernel's programs (all kv heads, launch order) and their schedule."""
+    import torch
+
+    import memopd.kernels.packed_attention as pa
+
+    meta = attention_meta(T, layout)
+    group_p2 = triton.next_power_of_2(Hq // Hkv)
+    bm, bn = _first_config(pa._BWD_KV_CONFIGS, pa._BWD_KV_PRUNE, D, group_p2)
+    rows = bm // group_p2
+    kqr = pa.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end)
+    plan_n, align_m, _, spread = pa.dkdv_plan_spec(Hkv, ATTN_SMS, interpreted=False)
+    plan = pa.dkdv_split_plan(kqr, plan_n, align_m, None if split else 0, spread)
+    ranges = pa.dkdv_program_ranges(kqr, plan, bn, rows)
+    trips = (ranges[:, 2] - ranges[:, 1]).clamp(min=0) + (ranges[:, 4] - ranges[:, 3]).clamp(min=0) + \
+        (ranges[:, 6] - ranges[:, 5]).clamp(min=0)
+    live = (ranges[:, 0] >= 0).repeat_interleave(Hkv)
+    trips = trips.repeat_interleave(Hkv)  # kv heads fastest in the launch
+    mm = 4 if deterministic else 5  # S^T, dP^T, dV, dK (+ dQ with atomics)
+    tile_flops = mm * 2 * bn * bm * D
+    per_sm = MATMUL_SUSTAINED / ATTN_SMS
+    costs = torch.where(live, (trips.double() + PROGRAM_OVERHEAD_TILES) * tile_flops / per_sm,
+                        torch.full_like(trips, IDLE_PROGRAM_S, dtype=torch.float64)).tolist()
+    used = int((plan.reduce[1] > 0).sum()) if split else 0
+    slots = int(plan.reduce[1].sum()) if split else 0
+    note = f"BLOCK_M={bm} ({rows} rows x {group_p2} heads), BLOCK_N={bn}, plan {plan_n} keys"
+    row = _sched_row("dK/dV" + (" (split)" if split else " (one program per key block: before)"), costs,
+                     live.tolist(), float(trips.sum()) * tile_flops, note + (f", {used} split blocks" if split else ""))
+    if split and slots:
+        # the reduction: read every partial once, write dK and dV (memory bound)
+        nbytes = slots * 2 * Hkv * plan_n * D * FP32 + used * 2 * Hkv * plan_n * D * BF16
+        row["reduce_ms"] = nbytes / HBM_BYTES_PER_S * 1e3
+        row["partials_mb"] = plan.n_slots * 2 * Hkv * plan_n * D * FP32 / 2**20
+    return row
+
+
+def attention_fwd(T, Hq, Hkv, D, layout, kernel="fwd"):
+    """The forward (or deterministic dQ) kernel's programs: (query block, query head),
+    query blocks fastest, so the heads follow one another."""
+
+    import memopd.kernels.packed_attention as pa
+
+    meta = attention_meta(T, layout)
+    configs, prune = (pa._FWD_CONFIGS, pa._FWD_PRUNE) if kernel == "fwd" else (pa._BWD_DQ_CONFIGS, pa._BWD_DQ_PRUNE)
+    bm, bn = _first_config(configs, prune, D)
+    r = pa.fwd_program_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end, bm, bn)
+    trips = (r[:, 1] - r[:, 0]).clamp(min=0) + (r[:, 3] - r[:, 2]).clamp(min=0) + (r[:, 5] - r[:, 4]).clamp(min=0)
+    trips = trips.repeat(Hq)
+    tile_flops = (2 if kernel == "fwd" else 3) * 2 * bm * bn * D
+    costs = ((trips.double() + PROGRAM_OVERHEAD_TILES) * tile_flops / (MATMUL_SUSTAINED / ATTN_SMS)).tolist()
+    name = "forward" if kernel == "fwd" else "dQ (deterministic)"
+    return _sched_row(name, costs, [True] * len(costs), float(trips.sum()) * tile_flops, f"BLOCK_M={bm}, BLOCK_N={bn}")
+
+
+def attention_report(shapes=None):
+    """Per shape: forward, dK/dV before and after the split, the deterministic dQ."""
+    out = {}
+    print(f"packed attention, {ATTN_SMS} SMs, one program per SM, {MATMUL_SUSTAINED / 1e12:.0f} TFLOP/s sustained "
+          f"shared evenly; program overhead {PROGRAM_OVERHEAD_TILES:g} tile, idle plan entry "
+          f"{IDLE_PROGRAM_S * 1e6:g} us")
+    print("| shape | kernel | programs (launched) | TFLOP | program time summed, SM-ms | mean / max us per program "
+          "| critical path ms "
+          "| total / SMs ms | critical / bound | scheduling efficiency | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in shapes or ATTN_SHAPES:
+        T, Hq, Hkv, D, layout = ATTN_SHAPES[name]
+        rows = [attention_fwd(T, Hq, Hkv, D, layout), attention_dkdv(T, Hq, Hkv, D, layout, split=False),
+                attention_dkdv(T, Hq, Hkv, D, layout, split=True), attention_fwd(T, Hq, Hkv, D, layout, "dq")]
+        out[name] = rows
+        for r in rows:
+            extra = f", reduce {r['reduce_ms'] * 1e3:.0f} us, partials <= {r['partials_mb']:.0f} MiB" \
+                if "reduce_ms" in r else ""
+            print(f"| {name} (T={T}, Hq/Hkv {Hq}/{Hkv}, D={D}) | {r['kernel']} | {r['programs']} ({r['launched']}) | "
+                  f"{r['tflop']:.2f} | {r['total_ms']:.2f} | {r['mean_us']:.1f} / {r['max_us']:.1f} | "
+                  f"{r['critical_ms']:.3f} | {r['bound_ms']:.3f} | {r['critical_ms'] / r['bound_ms']:.2f} | "
+                  f"{r['efficiency']:.2f} | {r['note']}{extra} |")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
@@ -428,6 +592,7 @@ def main(argv=None):
                 for o in ops:
                     f.write(json.dumps(dict(op=o["op"], N=a.tokens, V=V, Hs=STUDENT_H, Ht=TEACHER_H, ms=round(o["ms"], 2),
                                             peak=round(o["peak"], 4), useful_tflop=round(o["useful_tflop"], 2))) + "\n")
+    attention_report()
     return 0
 
 

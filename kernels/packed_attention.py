@@ -16,14 +16,33 @@ skipped, a block every row sees fully runs without an element mask, and only edg
 element-masked. Rows that see nothing give zeros and LSE = -inf, never NaN.
 
 Backward (`packed_attention_bwd`), FA2 style:
-  * dK/dV: one program per (key block, kv head). Its query tiles stack the GQA group's
-    query heads (tile rows = query rows x heads), so one pass sums dK/dV over the group in
-    registers, deterministically. It walks only the query blocks that can see the key block:
-    those ranges come from an O(T) per-key precomputation (`key_query_ranges`: vectorised
-    torch ops on the device, no host sync; the op keeps one per metadata, `key_ranges`).
+  * dK/dV: one program per (key block, kv head), or per piece of one (the split below).
+    Its query tiles stack the GQA group's query heads (tile rows = query rows x heads), so
+    one pass sums dK/dV over the group in registers, deterministically. It walks only the
+    query blocks that can see the key block: those ranges come from an O(T) per-key
+    precomputation (`key_query_ranges`: vectorised torch ops on the device, no host sync;
+    the op keeps one per metadata, `key_ranges`).
     For prefix keys the range covers every call segment linked to the prefix, so the
     prefix's dK/dV are summed over all its readers without copying prefix K/V per segment.
     Being per token, it needs none of the kernel's block sizes (autotuned on GPU).
+  * The split: a key block read by many rows (a prefix read by 16 calls walks 7-11x the
+    query tiles of an average block) would set the kernel's critical path alone, so the
+    walk is cut into pieces of about the average work per key block (`dkdv_split_plan`,
+    O(T) torch on the device, no host sync; the op caches it on the metadata beside
+    `key_ranges`). One program per (piece, key block of BLOCK_N, kv head); a piece is a
+    window of query rows, so the pieces of a block partition its query tiles and every
+    (query tile, key block) pair is still walked once. Programs of a split block write
+    fp32 partial dK/dV into slots of their own, which `_bwd_kv_reduce_kernel` sums in slot
+    order (fixed: bitwise reproducible; against the unsplit kernel only the order of that
+    fp32 sum differs); unsplit blocks write dK/dV directly as before. Only blocks above
+    1.5x the average are split, and no piece is made smaller than a quarter of one SM's
+    share of the total work. The plan's buffers are sized by host bounds, so it needs no
+    sync: up to 2x the key blocks in plan entries (unused ones do nothing) and 5/3x the
+    key blocks, or of 4 x SMs / Hkv, in partial slots (Hkv x PLAN_N x D x 8 bytes each).
+    The longest pieces launch first. The plan's key blocks are the largest candidate
+    BLOCK_N (its query cuts: multiples of the largest BLOCK_M), so one plan serves every
+    autotune candidate. MEMOPD_ATTENTION_SPLIT=off turns the split off; a number caps the
+    query rows per piece (tests force the split on small shapes with it).
   * dQ: by default accumulated with fp32 atomics from the dK/dV programs (fewest FLOPs);
     with `deterministic=True` a separate query-major kernel recomputes P and writes dQ once
     per row (no atomics, bitwise reproducible). The atomics are `sem="relaxed"`: the dQ sum
@@ -72,6 +91,7 @@ Triton compatibility and what has been checked on which hardware: docs/design.md
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -87,6 +107,9 @@ __all__ = [
     "packed_attention_fwd",
     "packed_attention_bwd",
     "key_query_ranges",
+    "dkdv_split_plan",
+    "dkdv_plan_spec",
+    "sm_count",
     "check_triton_inputs",
 ]
 
@@ -451,14 +474,15 @@ def _bwd_kv_inner(
 def _bwd_kv_pass(
     k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, KQR, kvh,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-    T, n0, sm_scale, qk_scale, dq_on,
+    T, n0, w0, w1, sm_scale, qk_scale, dq_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SAFE: tl.constexpr,
 ):
-    """All query blocks that read a key block. Returns (dK / sm_scale, dV). The tile rows
-    and query ranges are derived here rather than passed in, so that nothing but k/v stays
-    live from the plain pass into a SAFE rerun (the plain pass keeps its registers)."""
+    """The query blocks in [w0, w1) (this program's piece of the split plan) that read a
+    key block. Returns (dK / sm_scale, dV). The tile rows and query ranges are derived here
+    rather than passed in, so that nothing but k/v stays live from the plain pass into a
+    SAFE rerun (the plain pass keeps its registers)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     key_ok = offs_n < T
     offs_r = tl.arange(0, BLOCK_M)
@@ -482,6 +506,12 @@ def _bwd_kv_pass(
     oq_hi = tl.max(tl.load(KQR + 3 * T + offs_n, mask=key_ok, other=0), 0)
     a0, a1 = _ranges_to_blocks(pq_lo, pq_hi, ROWS)
     b0, b1 = _ranges_to_blocks(oq_lo, oq_hi, ROWS)
+    # clamped into the window: the pieces of a split key block partition the query axis,
+    # so every (query tile, key block) pair is still walked exactly once
+    a0 = tl.minimum(tl.maximum(a0, w0), w1)
+    a1 = tl.minimum(tl.maximum(a1, w0), w1)
+    b0 = tl.minimum(tl.maximum(b0, w0), w1)
+    b1 = tl.minimum(tl.maximum(b1, w0), w1)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -511,28 +541,28 @@ def _bwd_kv_pass(
 
 @triton.jit
 def _bwd_kv_block(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
+    Q, K, V, DO, DQ, DK, DV, PART, LSE, DELTA, SEG, PST, PEND, KQR, T,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    sm_scale, qk_scale, dq_on,
+    sm_scale, qk_scale, dq_on, PLAN, n_pieces, kvh, HKV,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SAFE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PLAN_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, SAFE: tl.constexpr,
 ):
-    """One (key block, kv head): writes dK/dV (and adds to dQ). Returns, per key row, the
-    flag for the SAFE launch (which takes the block's maximum): 0 clean; 1 redo dK/dV (a
-    non-finite dK/dV row: a NaN/inf q, dO or O row may have spread through masked
-    products; the block's dQ contributions were exact); 3 redo dQ too (a NaN/inf in this
-    block's k or v would reach the atomic dQ of rows that cannot see it, so the plain pass
-    adds none)."""
+    """This program's plan entry (`_plan_entry`: key block [n0, n0 + BLOCK_N), query rows
+    [q_lo, q_hi), [0, 2^30) when the block is not split) for kv head kvh: writes dK/dV, or,
+    when the entry has a slot, its fp32 partial sums into that slot of PART (summed by
+    `_bwd_kv_reduce_kernel`), and adds to dQ. Returns, per key row, the flag for the SAFE
+    launch (which takes the block's maximum): 0 clean; 1 redo dK/dV (a non-finite dK/dV
+    row: a NaN/inf q, dO or O row may have spread through masked products; the block's dQ
+    contributions were exact); 3 redo dQ too (a NaN/inf in this block's k or v would reach
+    the atomic dQ of rows that cannot see it, so the plain pass adds none)."""
     # GQA: the query tile stacks the GROUP query heads that read this kv head — BLOCK_M tile
     # rows = ROWS query rows x GROUP_P2 heads (GROUP rounded up to a power of two, the
     # padding heads masked). One pass then sums dK/dV over the group deterministically,
     # with no loop over heads around the query loop (which cost registers and spills).
     ROWS: tl.constexpr = BLOCK_M // GROUP_P2
-    pid_n = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n0 = pid_n * BLOCK_N
+    n0, q_lo, q_hi, _ = _plan_entry(PLAN, n_pieces, BLOCK_N, PLAN_N)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < T
@@ -542,10 +572,13 @@ def _bwd_kv_block(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    # the piece's query rows as query tiles (the plan aligns them to a multiple of ROWS)
+    w0 = q_lo // ROWS
+    w1 = q_hi // ROWS
     if SAFE:
         dk, dv = _bwd_kv_pass(k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, KQR, kvh,
                               stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                              T, n0, sm_scale, qk_scale, dq_on,
+                              T, n0, w0, w1, sm_scale, qk_scale, dq_on,
                               GROUP, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, True)
         flag = 0
     else:
@@ -554,48 +587,120 @@ def _bwd_kv_block(
         kv_bad = (tl.sum(tl.sum(k - k, 1), 0) + tl.sum(tl.sum(v - v, 1), 0)) != 0
         dk, dv = _bwd_kv_pass(k, v, Q, DO, DQ, LSE, DELTA, SEG, PST, PEND, KQR, kvh,
                               stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                              T, n0, sm_scale, qk_scale, not kv_bad,
+                              T, n0, w0, w1, sm_scale, qk_scale, not kv_bad,
                               GROUP, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, UPCAST, PREC, ATOMIC_DQ, False)
         redo = (tl.sum(dk - dk, 1) + tl.sum(dv - dv, 1)) != 0
         flag = tl.where(kv_bad, 3, redo.to(tl.int32))
 
-    # every key block is written, including keys nobody sees (their gradient is 0)
+    # every key block is written, including keys nobody sees (their gradient is 0): in
+    # place when it is not split, else as this piece's fp32 partial sums (unscaled dK, dV).
+    # The plan entry is read again here rather than kept in registers through the loop
+    # (the atomic dQ adds keep the compiler from merging the two reads): at D=128 the plain
+    # launch has no register to spare.
+    n0, _, _, slot = _plan_entry(PLAN, n_pieces, BLOCK_N, PLAN_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < T
+    rows_n = offs_n.to(tl.int64)
+    part_row = tl.where(slot >= 0, slot * 2 * HKV * PLAN_N + n0 % PLAN_N, -1)
+    direct = tl.where(part_row < 0, key_ok, False)  # (`&` breaks the interpreter)
     tl.store(DK + kvh * stride_dkh + rows_n[:, None] * stride_dkt + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=direct[:, None])
     tl.store(DV + kvh * stride_dvh + rows_n[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+             dv.to(DV.dtype.element_ty), mask=direct[:, None])
+    # PART [slots, 2, HKV, PLAN_N, HEAD_DIM]: part_row = slot * 2 * HKV * PLAN_N + key offset
+    # in the plan's key block; + HKV * PLAN_N for dV
+    split = tl.where(part_row >= 0, key_ok, False)
+    prow = (tl.maximum(part_row, 0).to(tl.int64) + kvh * PLAN_N + tl.arange(0, BLOCK_N)) * HEAD_DIM
+    tl.store(PART + prow[:, None] + offs_d[None, :], dk, mask=split[:, None])
+    tl.store(PART + HKV * PLAN_N * HEAD_DIM + prow[:, None] + offs_d[None, :], dv, mask=split[:, None])
     return flag
+
+
+@helper
+def _plan_entry(PLAN, n_pieces, BLOCK_N: tl.constexpr, PLAN_N: tl.constexpr):
+    """This program's entry of the split plan: (first key, first and end query row, slot).
+    Program id 1 enumerates (piece, key block of BLOCK_N inside the plan's PLAN_N keys)."""
+    N_SUB: tl.constexpr = PLAN_N // BLOCK_N
+    rest = tl.program_id(1)
+    piece = rest // N_SUB
+    n0 = tl.load(PLAN + piece) * PLAN_N + (rest % N_SUB) * BLOCK_N
+    q_lo = tl.load(PLAN + n_pieces + piece)
+    q_hi = tl.load(PLAN + 2 * n_pieces + piece)
+    slot = tl.load(PLAN + 3 * n_pieces + piece)
+    return tl.multiple_of(n0, BLOCK_N), q_lo, q_hi, slot
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, FLAGS, T,
+    Q, K, V, DO, DQ, DK, DV, PART, LSE, DELTA, SEG, PST, PEND, KQR, PLAN, FLAGS, T, HKV, n_pieces,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     sm_scale, qk_scale,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SAFE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PLAN_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, SAFE: tl.constexpr,
 ):
-    # FLAGS [Hkv, T] int8, per key row: set by the plain launch, read by the SAFE launch
-    # (see _bwd_kv_block)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    flags = FLAGS + tl.program_id(1) * T + offs_n
+    # One program per (kv head, piece of the split plan x key block of BLOCK_N inside the
+    # plan's key block of PLAN_N keys): kv heads fastest in the launch order. PLAN int32
+    # [4, n_pieces], in launch order: plan key block (past the end for an unused entry),
+    # query rows [lo, hi), slot of the fp32 partial sums (-1: not split, write dK/dV
+    # directly). See `dkdv_split_plan`. (The kv head is a program id of its own, not derived
+    # from a flat one, and the entry is re-read where needed: registers, see _bwd_kv_block.)
+    kvh = tl.program_id(0)
+    # FLAGS int8, BLOCK_N per program: set by the plain launch, read by the SAFE launch
+    # (see _bwd_kv_block). Unused plan entries have no key in range: no flag, no store.
     if SAFE:
+        n0, _, _, _ = _plan_entry(PLAN, n_pieces, BLOCK_N, PLAN_N)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        flags = FLAGS + (tl.program_id(1).to(tl.int64) * HKV + kvh) * BLOCK_N + tl.arange(0, BLOCK_N)
         f = tl.max(tl.load(flags, mask=offs_n < T, other=0), 0)
         if f != 0:
-            _bwd_kv_block(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
+            _bwd_kv_block(Q, K, V, DO, DQ, DK, DV, PART, LSE, DELTA, SEG, PST, PEND, KQR, T,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                          sm_scale, qk_scale, f > 1,
-                          GROUP, GROUP_P2, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, ATOMIC_DQ, True)
+                          sm_scale, qk_scale, f > 1, PLAN, n_pieces, kvh, HKV,
+                          GROUP, GROUP_P2, HEAD_DIM, BLOCK_M, BLOCK_N, PLAN_N, UPCAST, PREC, ATOMIC_DQ, True)
     else:
-        f = _bwd_kv_block(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, SEG, PST, PEND, KQR, T,
+        f = _bwd_kv_block(Q, K, V, DO, DQ, DK, DV, PART, LSE, DELTA, SEG, PST, PEND, KQR, T,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                          sm_scale, qk_scale, True,
-                          GROUP, GROUP_P2, HEAD_DIM, BLOCK_M, BLOCK_N, UPCAST, PREC, ATOMIC_DQ, False)
-        tl.store(flags, f.to(tl.int8), mask=offs_n < T)
+                          sm_scale, qk_scale, True, PLAN, n_pieces, kvh, HKV,
+                          GROUP, GROUP_P2, HEAD_DIM, BLOCK_M, BLOCK_N, PLAN_N, UPCAST, PREC, ATOMIC_DQ, False)
+        # (addressed after the pass: nothing of it stays live through the loop)
+        n0, _, _, _ = _plan_entry(PLAN, n_pieces, BLOCK_N, PLAN_N)
+        flags = FLAGS + (tl.program_id(1).to(tl.int64) * HKV + kvh) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(flags, f.to(tl.int8), mask=n0 + tl.arange(0, BLOCK_N) < T)
+
+
+@triton.jit
+def _bwd_kv_reduce_kernel(
+    PART, DK, DV, RED, T, HKV, n_blocks, plan_n, stride_dkt, stride_dkh, stride_dvt, stride_dvh, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """dK (axis 2 = 0) or dV (= 1) of BLOCK_R keys of kv head axis 1, for a split plan key
+    block: the sum of its pieces' fp32 partials, in slot order (fixed: bitwise reproducible).
+    RED int32 [2, n_blocks]: first slot and number of pieces (0: not split, nothing to do)."""
+    r0 = tl.program_id(0) * BLOCK_R
+    kvh = tl.program_id(1)
+    which = tl.program_id(2)
+    g = r0 // plan_n
+    first = tl.load(RED + g)
+    count = tl.load(RED + n_blocks + g)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = tl.where(count > 0, offs_r < T, False)
+    local = (r0 - g * plan_n + tl.arange(0, BLOCK_R)).to(tl.int64)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    for i in range(0, count):
+        row = (((first + i).to(tl.int64) * 2 + which) * HKV + kvh) * plan_n + local
+        acc += tl.load(PART + row[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+    rows = offs_r.to(tl.int64)
+    if which == 0:
+        tl.store(DK + kvh * stride_dkh + rows[:, None] * stride_dkt + offs_d[None, :],
+                 (acc * sm_scale).to(DK.dtype.element_ty), mask=ok[:, None])
+    else:
+        tl.store(DV + kvh * stride_dvh + rows[:, None] * stride_dvt + offs_d[None, :],
+                 acc.to(DV.dtype.element_ty), mask=ok[:, None])
 
 
 # --------------------------------------------------------------------------------------
@@ -924,14 +1029,16 @@ def _grid(T, heads, block_key):
     return lambda meta: (triton.cdiv(T, meta[block_key]), heads)
 
 
-def _launch_with_rerun(raw, kernel, params, T, heads, block_key, args, consts):
+def _launch_with_rerun(raw, kernel, params, T, heads, block_key, args, consts, grid=None, n_flags=None):
     """The plain launch, then the SAFE launch of the same kernel over the same programs
     (same configuration, autotuned or not), which redoes exactly the blocks the plain launch
     flagged as having met a NaN/inf ("Non-finite inputs" in the module docstring). `args`:
-    the kernel's arguments before FLAGS, then those after it."""
+    the kernel's arguments before FLAGS, then those after it. grid / n_flags: for a kernel
+    whose programs are not (blocks of T, heads), its grid and the size of its flag buffer."""
     before, after = args
-    flags = torch.empty((heads, T), dtype=torch.int8, device=before[0].device)  # every element written
-    grid = _grid(T, heads, block_key)
+    # every element the SAFE launch reads is written by the plain launch
+    flags = torch.empty(n_flags if n_flags is not None else (heads, T), dtype=torch.int8, device=before[0].device)
+    grid = grid if grid is not None else _grid(T, heads, block_key)
     kernel[grid](*before, flags, *after, **consts, SAFE=False, **params)
     if kernel is not raw:  # autotuned: rerun with the configuration it just used
         params = kernel.best_config.all_kwargs()
@@ -1033,6 +1140,277 @@ def key_query_ranges(seg_start: torch.Tensor, prefix_start: torch.Tensor, prefix
     return torch.stack([pre_lo, pre_hi, own_lo, own_hi, dense.long()]).to(torch.int32).contiguous()
 
 
+# --------------------------------------------------------------------------------------
+# the dK/dV split plan
+# --------------------------------------------------------------------------------------
+# Query rows of the last window of a key block: a multiple of every tile height, far past
+# any token index (the kernels clamp the walk to the key block's reader ranges anyway).
+_WINDOW_END = 1 << 30
+
+
+def _split_setting(text: str | None):
+    """MEMOPD_ATTENTION_SPLIT: "auto" (default) pieces of about the average work; "off" / "0"
+    no split; an integer N > 0: also at most N query rows per piece (tests force the split
+    on small shapes with it)."""
+    text = (text or "auto").strip().lower()
+    if text == "auto":
+        return None
+    if text in ("off", "0"):
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"MEMOPD_ATTENTION_SPLIT must be 'auto', 'off' or a positive number of query rows; got {text!r}")
+    return int(text)
+
+
+# The split of the dK/dV backward: None (auto), 0 (off) or a row cap; read at every launch,
+# so tests may set it (the plan's cache key names it).
+SPLIT_ROWS = _split_setting(os.environ.get("MEMOPD_ATTENTION_SPLIT"))
+
+
+class DkdvPlan:
+    """The dK/dV kernel's work list for one metadata (`dkdv_split_plan`); device tensors.
+
+    table    int32 [4, n_pieces], in launch order: plan key block (n_blocks for an unused
+             entry), first and end query row of the piece, partial-sum slot (-1: the key
+             block is not split and its programs write dK/dV directly)
+    reduce   int32 [2, n_blocks]: first slot and piece count of each split key block (count
+             0 where it is not split)
+    n_slots  host bound on the slots used (the fp32 partial buffer is allocated at this size)
+    spec     (block_n, align_m, max_rows, spread) it was built for
+    """
+
+    def __init__(self, table, reduce, n_slots, spec, T):
+        self.table, self.reduce, self.n_slots, self.spec, self.T = table, reduce, n_slots, spec, T
+
+    @property
+    def n_pieces(self) -> int:
+        return int(self.table.shape[1])
+
+    @property
+    def block_n(self) -> int:
+        return self.spec[0]
+
+
+# SMs assumed where the device has none to ask (the interpreter; the cost model): H100/H200
+DEFAULT_SMS = 132
+# The split never makes pieces smaller than 1 / (this x SMs) of the total work: then the
+# longest program is at most a quarter of an SM's fair share, and list scheduling ends
+# within 1.25x of the ideal; smaller pieces would only cost partial-sum memory.
+_PIECES_PER_SM = 4
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (DEFAULT_SMS for other devices)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return DEFAULT_SMS
+
+
+def dkdv_plan_spec(hkv: int = 1, sms: int = DEFAULT_SMS, interpreted: bool | None = None):
+    """(block_n, align_m, max_rows, spread) of the plan the dK/dV launch over `hkv` kv heads
+    on `sms` SMs needs now: the plan's key
+    blocks must be a multiple of the launched BLOCK_N and its query cuts a multiple of the
+    tile height (BLOCK_M / GROUP_P2, a power of two dividing BLOCK_M). Autotuned or not, a GPU
+    launch uses the largest candidate tile, so one plan serves every candidate; the
+    interpreter uses its own (forced) blocks. `interpreted`: which of the two (default: the
+    mode this module was imported in; the cost model asks for the GPU's). spread: the
+    pieces per kv head over which the work may spread at most (`dkdv_split_plan`)."""
+    if INTERPRET if interpreted is None else interpreted:
+        bn, bm = _FIXED.get("BLOCK_N", _INTERP_BLOCK), _FIXED.get("BLOCK_M", _INTERP_BLOCK)
+    else:
+        bn = max([c.kwargs["BLOCK_N"] for c in _BWD_KV_CONFIGS] + [_FIXED.get("BLOCK_N", 0)])
+        bm = max([c.kwargs["BLOCK_M"] for c in _BWD_KV_CONFIGS] + [_FIXED.get("BLOCK_M", 0)])
+    return int(bn), int(bm), SPLIT_ROWS, max(1, _PIECES_PER_SM * int(sms) // max(1, int(hkv)))
+
+
+def _plan_bounds(n_blocks: int, T: int, align_m: int, max_rows, spread: int) -> tuple[int, int]:
+    """Host bounds on the number of pieces and of partial-sum slots (known before the device
+    has the plan: no sync). Auto mode: t >= W / m with m = min(n_blocks, spread), W the total
+    work, so sum(ceil(w / t)) <= sum(w / t + 1) <= n_blocks + m; it splits only blocks with
+    w > 1.5 t, fewer than m / 1.5 of them, so their pieces (the slots) number < m + m / 1.5.
+    With a row cap N, a block's work (an aligned union of query ranges, < T + align_m rows)
+    gives at most ceil((T + align_m) / N) pieces."""
+    if max_rows == 0:
+        return n_blocks, 0
+    if max_rows is None:
+        m = min(n_blocks, spread)
+        return n_blocks + m, m + -(-2 * m // 3)
+    bound = max(2 * n_blocks, n_blocks * -(-(T + align_m) // max_rows))
+    return bound, bound
+
+
+def dkdv_split_plan(key_ranges: torch.Tensor, block_n: int, align_m: int, max_rows=None,
+                    spread: int = _PIECES_PER_SM * DEFAULT_SMS) -> DkdvPlan:
+    """The split of the dK/dV backward for one metadata, from its `key_query_ranges`:
+    vectorised torch on the ranges' device, no host synchronisation.
+
+    Per plan key block of block_n keys: its readers are two query ranges (prefix readers,
+    own-segment readers: the unions the kernel derives per block) aligned to align_m rows;
+    its work w is the length of their union. The target t is the average work per key block,
+    or 1 / spread of the total if that is more (rounded up; with max_rows, at most max_rows;
+    max_rows=0: no split). A block with w >
+    1.5 t (with max_rows: w > t) is cut into ceil(w / t) pieces of about equal work, the
+    cuts on align_m boundaries; a split block's
+    programs write fp32 partial sums into slots of their own, summed afterwards in slot
+    order. The pieces are launched longest first (list scheduling then finishes within one
+    piece of the ideal). Unused entries (the host bound on the pieces is fixed before the
+    device knows the count) point past the last key block and do nothing."""
+    device = key_ranges.device
+    T = int(key_ranges.shape[1])
+    spec = (int(block_n), int(align_m), max_rows, int(spread))
+    n_blocks = -(-T // block_n)
+    if n_blocks == 0:
+        empty = torch.zeros((4, 0), dtype=torch.int32, device=device)
+        return DkdvPlan(empty, torch.zeros((2, 0), dtype=torch.int32, device=device), 0, spec, T)
+    n_pieces, n_slots = _plan_bounds(n_blocks, T, align_m, max_rows, int(spread))
+    big = 1 << 40
+    r = key_ranges.long()
+    pad = n_blocks * block_n - T
+    if pad:
+        fill = torch.tensor([big, 0, big, 0, 1], dtype=torch.long, device=device)
+        r = torch.cat([r, fill[:, None].expand(5, pad)], 1)
+    r = r.view(5, n_blocks, block_n)
+
+    def block_range(lo, hi):  # union over the block's keys, aligned; empty -> (big, big)
+        has = hi > lo
+        lo = torch.where(has, lo, big).amin(1)
+        hi = torch.where(has, hi, 0).amax(1)
+        empty = hi <= lo
+        lo = torch.where(empty, big, lo // align_m * align_m)
+        hi = torch.where(empty, big, (hi + align_m - 1) // align_m * align_m)
+        return lo, hi
+
+    a_lo, a_hi = block_range(r[0], r[1])
+    b_lo, b_hi = block_range(r[2], r[3])
+    # the union as two disjoint ranges [s1_lo, s1_hi) < [s2_lo, s2_hi) (the second may be empty)
+    a_first = a_lo <= b_lo
+    f_lo, f_hi = torch.where(a_first, a_lo, b_lo), torch.where(a_first, a_hi, b_hi)
+    g_lo, g_hi = torch.where(a_first, b_lo, a_lo), torch.where(a_first, b_hi, a_hi)
+    merged = g_lo <= f_hi
+    s1_lo = f_lo
+    s1_hi = torch.where(merged, torch.maximum(f_hi, g_hi), f_hi)
+    s2_lo = torch.where(merged, s1_hi, g_lo)
+    s2_hi = torch.where(merged, s1_hi, g_hi)
+    len1 = s1_hi - s1_lo
+    work = len1 + (s2_hi - s2_lo)
+
+    if max_rows == 0:
+        pieces = torch.ones_like(work)
+    else:
+        total = work.sum()
+        target = torch.maximum((total + n_blocks - 1) // n_blocks, (total + spread - 1) // spread)
+        if max_rows:
+            target = torch.clamp(target, max=max_rows)
+        target = torch.clamp(target, min=1)
+        pieces = torch.clamp((work + target - 1) // target, min=1)
+        if max_rows is None:  # a block up to 1.5x the average stays whole (halving it gains little)
+            pieces = torch.where(2 * work > 3 * target, pieces, 1)
+    cum = torch.cumsum(pieces, 0)
+    p = torch.arange(n_pieces, device=device)
+    g = torch.searchsorted(cum, p, right=True)
+    used = g < n_blocks
+    gc = g.clamp(max=n_blocks - 1)
+    n_g, w_g = pieces[gc], work[gc]
+    i = p - (cum[gc] - n_g)
+
+    def cut(u):  # work coordinate -> query row, aligned down
+        pos = torch.where(u < len1[gc], s1_lo[gc] + u, s2_lo[gc] + (u - len1[gc]))
+        return pos // align_m * align_m
+
+    lo = torch.where(i == 0, 0, cut(i * w_g // n_g))
+    hi = torch.where(i + 1 >= n_g, _WINDOW_END, cut((i + 1) * w_g // n_g))
+    split = used & (n_g > 1)
+    slot = torch.where(split, torch.cumsum(split.long(), 0) - 1, -1)
+    table = torch.stack([torch.where(used, gc, n_blocks), torch.where(used, lo, 0), torch.where(used, hi, 0), slot])
+    # longest first; unused entries last
+    est = torch.where(used, w_g // n_g, -1)
+    order = torch.sort(est, descending=True, stable=True).indices
+    table = table[:, order].to(torch.int32).contiguous()
+    counts = torch.where(pieces > 1, pieces, 0)
+    first = torch.cumsum(counts, 0) - counts
+    reduce = torch.stack([first, counts]).to(torch.int32).contiguous()
+    return DkdvPlan(table, reduce, n_slots, spec, T)
+
+
+def dkdv_program_ranges(key_ranges: torch.Tensor, plan: DkdvPlan, block_n: int, rows: int) -> torch.Tensor:
+    """Host replay of the dK/dV kernel's walk, one row per program of one kv head in launch
+    order (every kv head's programs are the same; the launch interleaves the heads):
+    int64 [n_programs, 7] = key block of block_n keys (-1: nothing to do), then the three
+    query-tile ranges [lo, hi) it walks (prefix readers; own readers below and above them),
+    clamped to the piece's window, as `_bwd_kv_pass` computes them. For the cost model and
+    the schedule tests; `rows` is the tile height BLOCK_M // GROUP_P2."""
+    T = int(key_ranges.shape[1])
+    r = key_ranges.long().cpu()
+    table = plan.table.long().cpu()
+    n_sub = plan.block_n // block_n
+    n_blocks = -(-T // block_n)
+    pad = n_blocks * block_n - T
+    if pad:
+        r = torch.cat([r, torch.tensor([1 << 30, 0, 1 << 30, 0, 1])[:, None].expand(5, pad)], 1)
+    r = r.view(5, n_blocks, block_n)
+    pq_lo, pq_hi = r[0].amin(1), r[1].amax(1)
+    oq_lo, oq_hi = r[2].amin(1), r[3].amax(1)
+
+    def blocks(lo, hi):
+        ne = hi > lo
+        return torch.where(ne, lo // rows, 0), torch.where(ne, (hi + rows - 1) // rows, 0)
+
+    a0, a1 = blocks(pq_lo, pq_hi)
+    b0, b1 = blocks(oq_lo, oq_hi)
+    kb = (table[0][:, None] * n_sub + torch.arange(n_sub)).reshape(-1)
+    w0 = (table[1] // rows).repeat_interleave(n_sub)
+    w1 = (table[2] // rows).repeat_interleave(n_sub)
+    live = kb < n_blocks
+    kc = kb.clamp(max=n_blocks - 1)
+
+    def clamp(x):
+        return torch.minimum(torch.maximum(x[kc], w0), w1)
+
+    A0, A1, B0, B1 = clamp(a0), clamp(a1), clamp(b0), clamp(b1)
+    out = torch.stack([torch.where(live, kb, -1), A0, A1, B0, torch.minimum(B1, A0), torch.maximum(B0, A1), B1], 1)
+    out[~live, 1:] = 0
+    return out
+
+
+def fwd_program_ranges(seg_start, prefix_start, prefix_end, block_m: int, block_n: int) -> torch.Tensor:
+    """Host replay of the forward (and deterministic dQ) kernel's walk, one row per query
+    block of one query head: int64 [n_blocks, 6] = key-block ranges [a0, a1), [b0, min(b1,
+    a0)), [max(b0, a1), b1) as `_query_block_ranges` computes them. For the cost model."""
+    T = int(seg_start.shape[0])
+    idx = torch.arange(T)
+    ss, ps, pe = (x.long().cpu() for x in (seg_start, prefix_start, prefix_end))
+    big = 1 << 30
+    own_ok = ss <= idx
+    pre_ok = ps < pe
+    own_lo, own_hi = torch.where(own_ok, ss, big), torch.where(own_ok, idx, -1)
+    pre_lo, pre_hi = torch.where(pre_ok, ps, big), torch.where(pre_ok, pe, 0)
+    n = -(-T // block_m)
+    pad = n * block_m - T
+
+    def padded(x, value):
+        return torch.cat([x, x.new_full((pad,), value)]).view(n, block_m)
+
+    own_lo, own_hi, pre_lo, pre_hi = padded(own_lo, big), padded(own_hi, -1), padded(pre_lo, big), padded(pre_hi, 0)
+
+    def blocks(lo, hi):
+        ne = hi > lo
+        return torch.where(ne, lo // block_n, 0), torch.where(ne, (hi + block_n - 1) // block_n, 0)
+
+    a0, a1 = blocks(pre_lo.amin(1), pre_hi.amax(1))
+    b0, b1 = blocks(own_lo.amin(1), own_hi.amax(1) + 1)
+    return torch.stack([a0, a1, b0, torch.minimum(b1, a0), torch.maximum(b0, a1), b1], 1)
+
+
+def _reduce_partials(part, dk, dv, plan, T, Hkv, D, sm_scale):
+    """Sum the split key blocks' fp32 partials into dK/dV (`_bwd_kv_reduce_kernel`)."""
+    block_r = min(32, plan.block_n)
+    grid = (triton.cdiv(T, block_r), Hkv, 2)
+    _bwd_kv_reduce_kernel[grid](part, dk, dv, plan.reduce, T, Hkv, plan.reduce.shape[1], plan.block_n,
+                                dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sm_scale,
+                                HEAD_DIM=D, BLOCK_R=block_r, num_warps=4, num_stages=3)
+
+
 def _contig(x):
     return x if x.is_contiguous() else x.contiguous()
 
@@ -1090,6 +1468,7 @@ def packed_attention_bwd(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     key_ranges: torch.Tensor | None = None,
+    split_plan: DkdvPlan | None = None,
 ):
     """Backward kernels. Returns (dq, dk, dv) in the inputs' dtype.
 
@@ -1098,6 +1477,9 @@ def packed_attention_bwd(
     dq/dk/dv, if given, are output buffers (every element is written; used by tests).
     key_ranges: `key_query_ranges` of this metadata, if the caller keeps it (it depends on
     the metadata only, so every layer's backward can share one); computed here if None.
+    split_plan: `dkdv_split_plan(key_ranges, *dkdv_plan_spec(Hkv, sm_count(device)))` of
+    this metadata, likewise
+    (the op caches it on the metadata); computed here if None.
     """
     check_triton_inputs(q, k, v)
     q, k, v, o, do = _contig(q), _contig(k), _contig(v), _contig(o), _contig(do)
@@ -1127,18 +1509,40 @@ def packed_attention_bwd(
     if kqr.shape != (5, T) or kqr.dtype != torch.int32 or kqr.device != q.device or not kqr.is_contiguous():
         raise ValueError(f"key_ranges must be the contiguous int32 [5, {T}] key_query_ranges of this metadata "
                          f"on {q.device}; got {kqr.dtype} {tuple(kqr.shape)} on {kqr.device}")
+    spec = dkdv_plan_spec(Hkv, sm_count(q.device))
+    plan = dkdv_split_plan(kqr, *spec) if split_plan is None else split_plan
+    if not isinstance(plan, DkdvPlan) or plan.spec != spec or plan.T != T or plan.table.device != q.device:
+        raise ValueError(f"split_plan must be the dkdv_split_plan of this metadata for {spec} on {q.device}")
     upcast, prec = _flags(q.dtype)
     group = Hq // Hkv
     group_p2 = triton.next_power_of_2(group)
     kernel, params = _pick(_bwd_dkdv_kernel, _tuner("dkdv", T), _BWD_KV_CONFIGS, _BWD_KV_PRUNE, q, group_p2)
+    plan_n, align_m = spec[0], spec[1]
+
+    def grid(meta):
+        rows = meta["BLOCK_M"] // group_p2
+        if plan_n % meta["BLOCK_N"] or rows < 1 or align_m % rows:
+            raise ValueError(f"dK/dV tiles BLOCK_N={meta['BLOCK_N']}, BLOCK_M={meta['BLOCK_M']} do not divide the "
+                             f"split plan's {plan_n} keys / {align_m} query rows")
+        programs = plan.n_pieces * (plan_n // meta["BLOCK_N"])
+        if programs > 65535:
+            raise ValueError(f"{T} tokens need {programs} dK/dV programs per kv head, past the grid's limit of 65535")
+        return (Hkv, programs)
+
+    # fp32 partial sums of the split key blocks: [slots, dK / dV, Hkv, plan_n, D]
+    part = torch.empty((max(plan.n_slots, 1), 2, Hkv, plan_n, D), dtype=torch.float32, device=q.device)
     _launch_with_rerun(
         _bwd_dkdv_kernel, kernel, params, T, Hkv, "BLOCK_N",
-        ((q, k, v, do, dq_acc, dk, dv, lse, delta, ss, ps, pe, kqr),
-         (T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        ((q, k, v, do, dq_acc, dk, dv, part, lse, delta, ss, ps, pe, kqr, plan.table),
+         (T, Hkv, plan.n_pieces, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
           do.stride(0), do.stride(1), dq_acc.stride(0), dq_acc.stride(1),
           dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * LOG2E)),
-        dict(GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, UPCAST=upcast, PREC=prec, ATOMIC_DQ=not deterministic),
+        dict(GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, PLAN_N=plan_n, UPCAST=upcast, PREC=prec,
+             ATOMIC_DQ=not deterministic),
+        grid=grid, n_flags=plan.n_pieces * plan_n * Hkv,
     )
+    if plan.n_slots:
+        _reduce_partials(part, dk, dv, plan, T, Hkv, D, scale)
     if deterministic:
         kernel, params = _pick(_bwd_dq_kernel, _tuner("dq", T), _BWD_DQ_CONFIGS, _BWD_DQ_PRUNE, q)
         _launch_with_rerun(

@@ -124,6 +124,7 @@ def _one_line(exc, fd_text):
 # --------------------------------------------------------------------------------------
 _ATTN_TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV": "*bf16",
                "LSE": "*fp32", "DELTA": "*fp32", "SEG": "*i32", "PST": "*i32", "PEND": "*i32", "KQR": "*i32",
+               "PART": "*fp32", "PLAN": "*i32", "RED": "*i32",
                "FLAGS": "*i8", "T": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "GROUP": "i32"}
 
 _LOSS_TYPES = dict(hs_ptr="*bf16", ws_ptr="*bf16", bs_ptr="*bf16", ht_ptr="*bf16", wt_ptr="*bf16",
@@ -216,10 +217,15 @@ def attention_jobs():
                         consts = dict(HEAD_DIM=D, BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"],
                                       UPCAST=False, PREC="tf32", SAFE=safe)
                         if name == "dkdv":
-                            consts.update(GROUP=group, GROUP_P2=gp2, ATOMIC_DQ=True)
+                            consts.update(GROUP=group, GROUP_P2=gp2, ATOMIC_DQ=True, PLAN_N=kern.dkdv_plan_spec()[0])
                         shape = f"bf16 D={D}" + ("" if group is None else f" group={group}")
                         jobs.append(_job("attention", name, "safe" if safe else "plain", shape, fn,
                                          _attn_types(fn), consts, c.num_warps, c.num_stages))
+    # the sum of the split dK/dV blocks' partials (`_reduce_partials`: one launch setting)
+    for D in HEAD_DIMS:
+        fn = kern._bwd_kv_reduce_kernel
+        jobs.append(_job("attention", "dkdv-reduce", "plain", f"bf16 D={D}", fn, _attn_types(fn),
+                         dict(HEAD_DIM=D, BLOCK_R=32), 4, 3))
     return jobs
 
 

@@ -22,9 +22,10 @@ fake implementation and an autograd formula whose backward is the custom op
 and the "checked" mark of the metadata, so `torch.compile(fullgraph=True)` traces it without
 a graph break. The torch path (its planning, cached on the metadata, and its two
 backwards) is `memopd.ops.attention_torch`; the Triton backward's per-key query ranges
-are cached on the metadata the same way (`memopd.layout.cached_on_metadata`); the
-argument checks are `memopd.ops._validate.check_attention_inputs`. Second derivatives are
-not supported on these two backends.
+and its dK/dV split plan are cached on the metadata the same way
+(`memopd.layout.cached_on_metadata`); the argument checks are
+`memopd.ops._validate.check_attention_inputs`. Second derivatives are not supported on
+these two backends.
 """
 from __future__ import annotations
 
@@ -121,10 +122,13 @@ def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             backend: str) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
         kern = _kernels()
-        # depends on the metadata only: computed by the first layer's backward, reused by the others
+        # depend on the metadata only: computed by the first layer's backward, reused by the others
         ranges = cached_on_metadata(seg_start, prefix_start, prefix_end, "key_query_ranges", kern.key_query_ranges)
+        spec = kern.dkdv_plan_spec(k.shape[1], kern.sm_count(k.device))
+        plan = cached_on_metadata(seg_start, prefix_start, prefix_end, "dkdv_plan_" + "_".join(map(str, spec)),
+                                  lambda *_: kern.dkdv_split_plan(ranges, *spec))
         return kern.packed_attention_bwd(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end,
-                                         scale, deterministic, key_ranges=ranges)
+                                         scale, deterministic, key_ranges=ranges, split_plan=plan)
     return torch_backward(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end, scale)
 
 

@@ -70,5 +70,5 @@ def test_every_kernel_compiles_for_sm90a_with_every_triton():
         # step; the SAFE relaunch (only for blocks that met a NaN/inf) may spill
         if r["variant"] != "safe":
             assert r["spills"] == 0, f"{what}: {r['spills']} bytes of spills ({r['regs']} registers)"
-        if r["family"] == "attention":
+        if r["family"] == "attention" and r["kernel"] != "dkdv-reduce":  # (the partials' sum has no matmul)
             assert r["wgmma"], f"{what}: no Hopper warp-group MMA"

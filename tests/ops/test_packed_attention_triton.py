@@ -66,9 +66,12 @@ def make_inputs(T, Hq, Hkv, D, dtype, seed):
     return _cases.make_inputs(T, Hq, Hkv, D, dtype, seed, device=DEVICE)
 
 
-def run_triton(q, k, v, do, meta, blocks, deterministic, scale=None, monkeypatch=None):
+def run_triton(q, k, v, do, meta, blocks, deterministic, scale=None, monkeypatch=None, split="auto"):
+    """Forward + backward through the op. split: the dK/dV split setting (`SPLIT_ROWS`:
+    "auto" leaves the default, 0 turns it off, N caps the query rows per program)."""
     monkeypatch.setitem(kern._FIXED, "BLOCK_M", blocks[0])
     monkeypatch.setitem(kern._FIXED, "BLOCK_N", blocks[1])
+    monkeypatch.setattr(kern, "SPLIT_ROWS", None if split == "auto" else split)
     if DEVICE == "cuda":  # warps and stages that suit such small tiles
         monkeypatch.setitem(kern._FIXED, "num_warps", 4)
         monkeypatch.setitem(kern._FIXED, "num_stages", 2)
@@ -199,8 +202,8 @@ def _needed_block_pairs(meta, bm, bn):
 
 
 @interpreter_only
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_only_needed_blocks_are_computed(shuffle, monkeypatch):
+@pytest.mark.parametrize("shuffle,split", [(False, 0), (True, 0), (False, 32), (True, 32)])
+def test_only_needed_blocks_are_computed(shuffle, split, monkeypatch):
     """Count the (query block, key block) tiles the kernels actually compute: every tile
     holding a visible pair, and no fully masked tile (the interpreter runs the per-tile
     step helpers as plain Python, so they can be wrapped)."""
@@ -226,7 +229,10 @@ def test_only_needed_blocks_are_computed(shuffle, monkeypatch):
         return orig_kv(*args)
 
     monkeypatch.setattr(kern, "_bwd_kv_step", kv)
-    got = run_triton(q, k, v, do, meta, (bm, bn), True, monkeypatch=monkeypatch)
+    got = run_triton(q, k, v, do, meta, (bm, bn), True, monkeypatch=monkeypatch, split=split)
+    if split:  # the split pieces still walk each needed tile once, whichever piece it is
+        plan = kern.dkdv_split_plan(_cached_ranges(meta), *kern.dkdv_plan_spec(1))
+        assert (plan.reduce[1] > 1).any()
     want = oracle(q, k, v, do, meta)
     assert_close("dk", got[2], want[2], torch.float32)
     # key-major backward: exactly the needed tiles, each once
@@ -274,8 +280,16 @@ ISOLATION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("which,bad,tok,head,all_dims,dtype,blocks,det", ISOLATION_CASES)
-def test_nonfinite_input_stays_with_its_readers(which, bad, tok, head, all_dims, dtype, blocks, det, monkeypatch):
+# some of them again with every key block's readers split over programs of at most 16 query
+# rows: the plain launch flags the piece, the SAFE launch redoes that piece's partial sums
+# (and its dQ adds), and the reduction sums clean and redone pieces
+ISOLATION_PARAMS = [pytest.param(*c.values, "auto", id=c.id) for c in ISOLATION_CASES] + [
+    pytest.param(*ISOLATION_CASES[i].values, 16, id=ISOLATION_CASES[i].id + "-split16") for i in (0, 2, 5, 7)]
+
+
+@pytest.mark.parametrize("which,bad,tok,head,all_dims,dtype,blocks,det,split", ISOLATION_PARAMS)
+def test_nonfinite_input_stays_with_its_readers(which, bad, tok, head, all_dims, dtype, blocks, det, split,
+                                                monkeypatch):
     """A NaN/inf in one k/v row (of one kv head) or one q/dO row (of one query head): every
     output element, and every dq/dk/dv element, that cannot depend on it is finite and
     bitwise the clean run's (masked weights are exact zeros, and 0 * NaN must not reach
@@ -286,11 +300,12 @@ def test_nonfinite_input_stays_with_its_readers(which, bad, tok, head, all_dims,
     T, Hq, Hkv, D = meta.num_tokens, 4, 2, 16
     group = Hq // Hkv
     q, k, v, do = make_inputs(T, Hq, Hkv, D, dtype, 7)
-    clean = run_triton(q, k, v, do, meta, blocks, det, monkeypatch=monkeypatch)
+    clean = run_triton(q, k, v, do, meta, blocks, det, monkeypatch=monkeypatch, split=split)
     x = {"q": q, "k": k, "v": v, "do": do}[which].clone()
     x[tok, head, slice(None) if all_dims else 3] = float(bad)
     args = {"q": q, "k": k, "v": v, "do": do, which: x}
-    got = run_triton(args["q"], args["k"], args["v"], args["do"], meta, blocks, det, monkeypatch=monkeypatch)
+    got = run_triton(args["q"], args["k"], args["v"], args["do"], meta, blocks, det, monkeypatch=monkeypatch,
+                     split=split)
 
     vis = meta.visible()
     rows = torch.zeros(T, dtype=torch.bool)  # rows (of the heads below) whose out/dq may change
@@ -330,6 +345,80 @@ def test_nonfinite_input_stays_with_its_readers(which, bad, tok, head, all_dims,
         assert out_rows.sum() >= (2 if which != "q" else 1)
         assert torch.isnan(got[0].cpu()[out_mask]).all()
     assert (~torch.isfinite(got[2].cpu()[kv_mask])).any()  # the poison did reach the gradients
+
+
+# --------------------------------------------------------------------------------------
+# the dK/dV split over programs
+# --------------------------------------------------------------------------------------
+SPLIT_CASES = [
+    # dtype, Hq, Hkv, D, (BLOCK_M, BLOCK_N), shuffle, tokens, max rows per program
+    pytest.param(torch.float32, 4, 2, 32, (16, 16), False, 200, 16, id="fp32-gqa2-d32-rows16"),
+    pytest.param(torch.float32, 8, 1, 16, (32, 16), True, 160, 32, id="fp32-gqa8-d16-shuffled-rows32"),
+    pytest.param(torch.float32, 4, 4, 64, (16, 32), False, 150, 16, id="fp32-mha-d64-bn32"),
+    pytest.param(torch.bfloat16, 4, 1, 16, (16, 16), True, 180, 16, id="bf16-gqa4-d16-shuffled"),
+]
+
+
+@pytest.mark.parametrize("dtype,Hq,Hkv,D,blocks,shuffle,tokens,rows", SPLIT_CASES)
+def test_split_backward_matches_unsplit(dtype, Hq, Hkv, D, blocks, shuffle, tokens, rows, monkeypatch):
+    """Key blocks split over programs of at most `rows` query rows: dK/dV are the unsplit
+    kernel's up to the order of the fp32 sum (fp32: a few ulps), both as close to the float64
+    oracle as the dtype allows; the output and the deterministic dQ do not depend on the
+    split (bitwise); the deterministic backward is bitwise reproducible with the split."""
+    meta = random_meta(40 + Hq + D, tokens, shuffle=shuffle)
+    q, k, v, do = make_inputs(meta.num_tokens, Hq, Hkv, D, dtype, 40)
+    base = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch, split=0)
+    split = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch, split=rows)
+    again = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch, split=rows)
+    atomic = run_triton(q, k, v, do, meta, blocks, False, monkeypatch=monkeypatch, split=rows)
+    plan = kern.dkdv_split_plan(_cached_ranges(meta.to(DEVICE)), *kern.dkdv_plan_spec(Hkv, kern.sm_count(DEVICE)))
+    assert int((plan.reduce[1] > 1).sum()) >= 3, "the case does not split"
+    want = oracle(q, k, v, do, meta)
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # fp32: reassociated sums; bf16: one rounding
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert torch.equal(split[i], again[i]), f"{name}: split deterministic backward not reproducible"
+        assert_close(name + " (split)", split[i], want[i], dtype)
+        assert_close(name + " (split, atomic dq)", atomic[i], want[i], dtype)
+        if name in ("out", "dq"):
+            assert torch.equal(split[i], base[i]), name
+        else:
+            torch.testing.assert_close(split[i], base[i], atol=tol, rtol=tol)
+            assert torch.equal(atomic[i], split[i]), f"{name}: differs between the two backward modes"
+
+
+def test_split_setting_from_the_environment():
+    assert [kern._split_setting(x) for x in (None, "auto", " AUTO ", "off", "0", "256")] == [None, None, None, 0, 0, 256]
+    with pytest.raises(ValueError, match="MEMOPD_ATTENTION_SPLIT"):
+        kern._split_setting("-3")
+
+
+def test_split_plan_host_facts():
+    """The plan on CPU tensors: every key block present with all its pieces, their windows
+    tile the query axis on aligned cuts, split blocks' slots contiguous and in bounds, the
+    longest pieces first, and no split at all when switched off."""
+    meta = random_meta(25, 400)
+    kqr = _cached_ranges(meta)
+    T = meta.num_tokens
+    for block_n, align_m, rows in ((16, 16, None), (32, 16, 24), (64, 32, 0)):
+        plan = kern.dkdv_split_plan(kqr, block_n, align_m, rows)
+        n_blocks = -(-T // block_n)
+        table, counts, first = plan.table.long(), plan.reduce[1].long(), plan.reduce[0].long()
+        used = table[0] < n_blocks
+        assert torch.equal(torch.bincount(table[0][used], minlength=n_blocks), counts.clamp(min=1))
+        for g in range(n_blocks):
+            mine = table[:, table[0] == g]
+            lo, hi = torch.sort(mine[1]).values, torch.sort(mine[2]).values
+            assert lo[0] == 0 and hi[-1] == kern._WINDOW_END and torch.equal(lo[1:], hi[:-1])
+            assert bool((lo % align_m == 0).all())
+            if counts[g] > 1:
+                assert torch.equal(torch.sort(mine[3]).values, torch.arange(int(first[g]), int(first[g] + counts[g])))
+            else:
+                assert (mine[3] == -1).all()
+        assert int(counts.sum()) <= plan.n_slots
+        if rows == 0:
+            assert plan.n_slots == 0 and int(counts.sum()) == 0 and plan.n_pieces == n_blocks
+        else:
+            assert (counts > 1).any()
 
 
 def test_tiny_streams(monkeypatch):
@@ -410,6 +499,15 @@ def test_backward_computes_key_ranges_once_per_metadata(monkeypatch):
         return build(*args)
 
     monkeypatch.setattr(kern, "key_query_ranges", counting)
+    plans = []
+    build_plan = kern.dkdv_split_plan
+
+    def counting_plan(*args):
+        plans.append(1)
+        return build_plan(*args)
+
+    monkeypatch.setattr(kern, "dkdv_split_plan", counting_plan)
+    monkeypatch.setattr(kern, "SPLIT_ROWS", 16)  # a plan that splits
     monkeypatch.setitem(kern._FIXED, "BLOCK_M", 16)
     monkeypatch.setitem(kern._FIXED, "BLOCK_N", 16)
     if DEVICE == "cuda":
@@ -425,13 +523,21 @@ def test_backward_computes_key_ranges_once_per_metadata(monkeypatch):
         return [x.grad for x in leaves]
 
     shared = two_layers(meta)
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(plans) == 1
     assert all(torch.equal(a, b) for a, b in zip(shared, two_layers(_cloned(meta))))
-    assert len(calls) == 2
+    assert len(calls) == 2 and len(plans) == 2
+    # another split setting: another plan, cached beside the first
+    monkeypatch.setattr(kern, "SPLIT_ROWS", 0)
+    two_layers(meta)
+    assert len(calls) == 2 and len(plans) == 3
     with pytest.raises(ValueError, match="key_ranges"):
         kern.packed_attention_bwd(do, q, k, v, q, torch.zeros(2, meta.num_tokens, device=DEVICE),
                                   meta.seg_start, meta.prefix_start, meta.prefix_end,
                                   key_ranges=_cached_ranges(meta)[:, 1:])
+    with pytest.raises(ValueError, match="split_plan"):
+        kern.packed_attention_bwd(do, q, k, v, q, torch.zeros(2, meta.num_tokens, device=DEVICE),
+                                  meta.seg_start, meta.prefix_start, meta.prefix_end,
+                                  split_plan=kern.dkdv_split_plan(_cached_ranges(meta), 32, 16, 0))
 
 
 def test_errors():
