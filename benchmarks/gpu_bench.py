@@ -9,7 +9,8 @@ ms, TFLOP/s, peak memory, max |diff| vs a reference) as JSON.
 
 Cases are the production shapes of the project at 16k tokens: packed attention (T=16384,
 4 prefixes x 8 calls, D=128, bf16; Hq/Hkv 32/8 and 16/2; forward, forward+backward with
-the atomic and the deterministic dQ), and the fused lm-head ops at Qwen2.5-3B / 7B shapes
+the atomic and the deterministic dQ; and 16 calls under one 2k-token prefix at 16/2, with
+the dK/dV split of long readers on and off, side by side), and the fused lm-head ops at Qwen2.5-3B / 7B shapes
 (N=16384, student H=2048, teacher H=3584, an lm_head of 151,936 rows, bf16: reverse-KL
 distillation, JSD, the teacher-less log-prob + entropy, the PPO actor loss with a teacher
 KL), each forward+backward, at the full head (V=151,936) and, for the actor loss and the
@@ -44,14 +45,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _attention_case(Hq, Hkv, mode, smoke):
+def _attention_case(Hq, Hkv, mode, smoke, shared=False, split=None):
+    """shared: 16 calls under one prefix of T/8 tokens (the layout whose prefix key blocks
+    each have 16 calls' readers: the dK/dV split's case) instead of 4 prefixes x 8 calls;
+    split: MEMOPD_ATTENTION_SPLIT's value for this case's process (None: the default)."""
     from bench_packed_attention import group_layout, visible_pairs
 
     from memopd.ops.attention import packed_attention
 
+    if split is not None:
+        import memopd.kernels.packed_attention as kern
+
+        kern.SPLIT_ROWS = kern._split_setting(split)
     T, D = (256, 16) if smoke else (16384, 128)
     dev, dtype, backend = ("cpu", torch.float32, "torch") if smoke else ("cuda", torch.bfloat16, "triton")
-    meta = group_layout(T, groups=4, calls=8, prefix_len=(T // 20, T // 13), seed=1).to(dev)
+    if shared:
+        meta = group_layout(T, groups=1, calls=16, prefix_len=(T // 8, T // 8), seed=1).to(dev)
+    else:
+        meta = group_layout(T, groups=4, calls=8, prefix_len=(T // 20, T // 13), seed=1).to(dev)
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(T, h, D, device=dev, dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv, Hq))
     grad = mode != "fwd"
@@ -67,7 +78,9 @@ def _attention_case(Hq, Hkv, mode, smoke):
 
     det = mode == "fwd_bwd_det"
     flops = 4.0 * visible_pairs(meta) * D * Hq * (3.5 if grad else 1.0)
-    return dict(op=f"attention {mode}", shape=f"T={T} Hq/Hkv={Hq}/{Hkv} D={D}", dtype=str(dtype).split(".")[-1],
+    layout = "1 prefix x 16 calls" if shared else "4 prefixes x 8 calls"
+    op = f"attention {mode}" + ("" if split is None else f", dK/dV split {split}")
+    return dict(op=op, shape=f"T={T} Hq/Hkv={Hq}/{Hkv} D={D}, {layout}", dtype=str(dtype).split(".")[-1],
                 run=lambda: call((q, k, v, do), backend, det),
                 reference=lambda: call([x.float() for x in (q, k, v, do)], "torch", False),
                 flops=flops, inputs=(q, k, v, do))
@@ -75,7 +88,11 @@ def _attention_case(Hq, Hkv, mode, smoke):
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s (as gpu_cost_model.py)
 # the cost model's op for a benchmark op (lm-head ops it models)
-COST_MODEL_OPS = {"actor_loss": "actor loss (teacher)", "reverse_kl": "fused distill (reverse KL, teacher)"}
+# (the distillation ops run with their gradients in the forward by default)
+COST_MODEL_OPS = {"actor_loss": "actor loss (teacher)",
+                  "reverse_kl": "fused distill, gradients in the forward (reverse KL)",
+                  "jsd": "fused distill, gradients in the forward (JSD)",
+                  "logprob_entropy": "fused log-prob + entropy, gradients in the forward (no teacher)"}
 QWEN_HEAD_ROWS, QWEN_VOCAB = 151936, 151665
 
 
@@ -129,6 +146,8 @@ CASES = {
     "attn-fwd_bwd-32/8": lambda s: _attention_case(32, 8, "fwd_bwd", s),
     "attn-fwd_bwd_det-32/8": lambda s: _attention_case(32, 8, "fwd_bwd_det", s),
     "attn-fwd_bwd-16/2": lambda s: _attention_case(16, 2, "fwd_bwd", s),
+    "attn-fwd_bwd-16/2-shared": lambda s: _attention_case(16, 2, "fwd_bwd", s, shared=True, split="auto"),
+    "attn-fwd_bwd-16/2-shared-nosplit": lambda s: _attention_case(16, 2, "fwd_bwd", s, shared=True, split="off"),
     "distill-reverse_kl": lambda s: _lm_case("reverse_kl", s),
     "distill-reverse_kl-V151665": lambda s: _lm_case("reverse_kl", s, vocab=QWEN_VOCAB),
     "distill-jsd": lambda s: _lm_case("jsd", s),

@@ -14,7 +14,8 @@
 # off, pytest-xdist when present, stopping at the first failure). No interpreter suites,
 # no CPU benchmarks. Phase 2 (at most GPU_CHECK_PHASE2_S = 270 s): the cases of
 # benchmarks/gpu_bench.py in BENCH_LIMITS order (the production shapes first: the actor
-# loss and the distillation at Qwen2.5's odd vocabulary, attention at Hq/Hkv 16/2), one
+# loss and the distillation at Qwen2.5's odd vocabulary, attention at Hq/Hkv 16/2 with 16
+# calls under one prefix, the dK/dV split on and off), one
 # process and one time limit each; a case that no longer fits in the phase's budget is
 # listed as not run. Beside them, on the CPU, benchmarks/gpu_cost_model.py writes its
 # predictions for the same shapes, which the summary puts next to the measured rows.
@@ -175,9 +176,9 @@ phase1() {
 }
 
 BENCH_LIMITS=(  # case:limit seconds, in the order they run: the first five fit the phase's 270 s
-  "actor_loss-V151665:45" "distill-reverse_kl-V151665:60" "attn-fwd_bwd-16/2:60" "attn-fwd_bwd-32/8:60"
-  "attn-fwd-32/8:40" "attn-fwd_bwd_det-32/8:60" "actor_loss:45" "distill-reverse_kl:60" "distill-jsd:45"
-  "logprob_entropy:45"
+  "actor_loss-V151665:45" "distill-reverse_kl-V151665:60" "attn-fwd_bwd-16/2-shared:60"
+  "attn-fwd_bwd-16/2-shared-nosplit:45" "attn-fwd_bwd-32/8:60" "attn-fwd-32/8:40" "attn-fwd_bwd-16/2:60"
+  "attn-fwd_bwd_det-32/8:60" "actor_loss:45" "distill-reverse_kl:60" "distill-jsd:45" "logprob_entropy:45"
 )
 
 # the cost model's predictions for the benchmarked lm-head shapes (16k tokens, both
