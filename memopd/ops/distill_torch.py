@@ -84,6 +84,7 @@ class _HeadLogits:
         self.h_t, self.w, self.b, self.inv_t = h_t, w, b, inv_t
         self.resident = resident
         self._filled: set = set()
+        self.jsd_weight = False  # the resident chunks were overwritten with the JSD weight -(δ - u)
 
     def _compute(self, v0: int, v1: int, out: Tensor) -> Tensor:
         return _logits(self.h_t, _weight_chunk(self.w, v0, v1, self.h_t.dtype), self.b, v0, v1,
@@ -394,7 +395,8 @@ def _forward_chunked(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, div
 
 def _forward_resident(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, div_code, beta, vchunk, wk):
     """Per-token outputs and stats of one token block whose logit chunks are resident
-    (read, never consumed, so the gradient pass finds them intact).
+    (read, never consumed, so the gradient pass finds them intact; for the JSD the
+    teacher chunks end up holding the JSD weight instead, which is all that pass needs).
 
     With every chunk at hand the exact row maxima come first, so the sums need no online
     rescaling; and, as in full-row mode, the precise lse_s - lse_t (`_precise_dlse`) is
@@ -475,11 +477,14 @@ def _forward_resident(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, di
     kl_qm = (dlse - e_qd).clone()
     for k, (v0, v1) in enumerate(spans):
         c = v1 - v0
-        negw = _jsd_negw(torch.sub(dlse[:, None], torch.sub(S[k], T[k], out=wk("d", n, c)), out=wk("d", n, c)), beta)
         p = torch.add((-_LOG2E * lse_s)[:, None], S[k], alpha=_LOG2E, out=wk("x", n, c)).exp2_()
         q = torch.add((-_LOG2E * lse_t)[:, None], T[k], alpha=_LOG2E, out=wk("e", n, c)).exp2_()
+        # the weight -(δ - u) is what the gradient pass needs of the teacher chunk: it is
+        # written over it (`_HeadLogits.jsd_weight`), so that pass does not recompute it
+        negw = _jsd_negw(torch.sub(dlse[:, None], torch.sub(S[k], T[k], out=T[k]), out=T[k]), beta)
         kl_pm -= p.mul_(negw).sum(1)
         kl_qm -= q.mul_(negw).sum(1)
+    src_t.jsd_weight = True
     div = (beta * kl_qm + (1.0 - beta) * kl_pm).clamp_min(0.0)
     return div, lp, ent, stack_stats(lse_s=lse_s, lse_t=lse_t, dlse=dlse, aux=kl_pm, entropy=ent)
 
@@ -578,14 +583,17 @@ def _dlogit_coefficients(grads: tuple, st: Tensor, div_code, beta: float):
 
 
 def _chunk_dlogits(s: Tensor, t: Optional[Tensor], y: Tensor, v0: int, v1: int, coef: tuple,
-                   st: Tensor, div_code, beta: float, wk) -> Tensor:
+                   st: Tensor, div_code, beta: float, wk, t_is_jsd_weight: bool = False) -> Tensor:
     """dL/ds of one [rows, chunk] piece from its student (and, when the divergence has a
-    gradient, teacher) logits / T, both consumed. See `torch_backward` for the terms."""
+    gradient, teacher) logits / T, both consumed. See `torch_backward` for the terms.
+    `t_is_jsd_weight`: `t` already holds the JSD's X = -(δ - u) (the forward computed it)."""
     A, B, D, glp = coef
     lse_s, lse_t, dlse = st[DistillStat.LSE_S], st[DistillStat.LSE_T], st[DistillStat.DLSE]
     n, c = s.shape
     X = q = None
-    if D is not None:
+    if D is not None and t_is_jsd_weight:
+        X = t
+    elif D is not None:
         X = torch.sub(s, t, out=wk("d", n, c))
         if div_code != Divergence.REVERSE_KL:
             X = torch.sub(dlse[:, None], X, out=X)  # -δ
@@ -634,7 +642,7 @@ def _block_gradients(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y: Tensor
         c = v1 - v0
         s = src_s.last_use(v0, v1, wk("s", n, c))
         t = src_t.last_use(v0, v1, wk("t", n, c)) if with_teacher else None
-        ds = _chunk_dlogits(s, t, y, v0, v1, coef, st, div_code, beta, wk)
+        ds = _chunk_dlogits(s, t, y, v0, v1, coef, st, div_code, beta, wk, with_teacher and src_t.jsd_weight)
         del s, t
         if need[0]:
             dh32.addmm_(ds, _weight_chunk(src_s.w, v0, v1, cdt))
