@@ -46,14 +46,16 @@ default one torch thread and the CPU time of the process, which other jobs on th
 do not inflate (`MEMOPD_BENCH_CLOCK=wall`, `MEMOPD_BENCH_THREADS=N` on request); on CUDA
 the wall clock after a device sync.
 
-Models: on CPU a random Qwen2 (hidden 256, 2 layers (`MEMOPD_BENCH_LAYERS`), 8 heads / 2 kv
-heads, intermediate 512, vocab 4096, fp32); with CUDA a random Qwen2.5-0.5B-shaped model
-(hidden 896, 24 layers, 14 / 2 heads, intermediate 4864, vocab 151936, tied embeddings,
-bf16), built from its config (no download). `MEMOPD_BENCH_MODEL=tiny|tiny-3b-ratio|
-qwen2.5-0.5b` overrides the choice. `tiny-3b-ratio` is the tiny model with a 488-id
-vocabulary: its lm-head costs 0.112 of its transformer layers per token (weight-matmul
-FLOPs, `matmul_flops_per_token`), as in Qwen2.5-3B, where the tiny model's head costs
-0.94 of its body.
+Models: on CPU by default `tiny-3b-ratio`, a random Qwen2 (hidden 256, 2 layers
+(`MEMOPD_BENCH_LAYERS`), 8 heads / 2 kv heads, intermediate 512, fp32) with a 488-id
+vocabulary, so that its lm-head costs 0.112 of its transformer layers per token
+(weight-matmul FLOPs, `matmul_flops_per_token`), as in Qwen2.5-3B: the part of a step
+that packing cannot shrink (the lm-head and log-softmax over every action token) then
+weighs what it weighs in a real 3B model. `tiny` is the same body with a 4096-id
+vocabulary, whose head costs 0.94 of its body (the benchmark's default before). With
+CUDA a random Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, 14 / 2 heads,
+intermediate 4864, vocab 151936, tied embeddings, bf16), built from its config (no
+download). `MEMOPD_BENCH_MODEL=tiny|tiny-3b-ratio|qwen2.5-0.5b` overrides the choice.
 """
 from __future__ import annotations
 
@@ -254,7 +256,7 @@ def make_setup(choice: str | None = None) -> BenchSetup:
 
     cuda = torch.cuda.is_available()
     apply_threads()
-    choice = choice or os.environ.get("MEMOPD_BENCH_MODEL", "qwen2.5-0.5b" if cuda else "tiny")
+    choice = choice or os.environ.get("MEMOPD_BENCH_MODEL", "qwen2.5-0.5b" if cuda else "tiny-3b-ratio")
     device = torch.device("cuda" if cuda else "cpu")
     if choice in ("tiny", "tiny-3b-ratio"):
         layers = _env_ints("MEMOPD_BENCH_LAYERS", (2,))[0]
