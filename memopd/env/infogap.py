@@ -184,16 +184,20 @@ def efficient_calls(world, questions: Sequence[str], max_calls: int = 200) -> in
 
 
 def flattened_prompt(traj, t: int) -> list[int]:
-    """The flattened history before call t of a trajectory: q, a_0, o_0, ..., a_{t-1}, o_{t-1}."""
+    """What the `flatten` layout shows before call t's action: the persistent history
+    `[q, x_0, a_0, ..., x_{t-1}, a_{t-1}, x_t]` (memopd.records, `flattened_tokens`);
+    under compact memory every x_s holds the observation before it, so every earlier
+    observation is in it."""
     ids = list(traj.invocations[0].prefix_ids)
     for inv in traj.invocations[:t]:
-        ids += list(inv.action_ids) + list(inv.observation_ids)
-    return ids
+        ids += list(inv.context_ids) + list(inv.action_ids)
+    return ids + list(traj.invocations[t].context_ids)
 
 
 def information_gap_calls(trajectories, expert: RationalExpert) -> list[list[bool]]:
     """Per trajectory, per call: True where the rule's action on the call as recorded
-    (its prefix and context) differs from its action on the flattened history up to it."""
+    (its prefix and context) differs from its action on the flattened history up to it
+    (`flattened_prompt`: the state the persistent arm's teacher scores)."""
     out = []
     for tr in trajectories:
         row = []
