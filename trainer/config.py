@@ -69,7 +69,7 @@ class ConfigError(UserError, ValueError):
 @dataclass
 class TrainConfig:
     # what to run
-    arm: str = "memopd"  # ppo | persistent (teacher on flatten) | memopd (teacher on aligned)
+    arm: str = "memopd"  # ppo | persistent (teacher on flatten) | memopd (teacher on aligned) | broken_* (controls)
     run_dir: str = "runs/default"
     seed: int = 0
     steps: int = 40

@@ -200,3 +200,28 @@ def test_protocol_stops_at_the_gate_and_the_flag_forces_the_arms(sft_dirs, tmp_p
     assert (forced / "infogap_quick.png").stat().st_size > 1000
     # the broken teacher state is the teacher's input in that arm
     assert math.isfinite(rep["summary"]["broken_positions"]["Q2"]["f1"][0])
+
+
+def test_negative_control_arms_score_the_broken_states():
+    from memopd.memory import random_trajectories
+    from memopd.trainer.config import TrainConfig
+    from memopd.trainer.update import _pack
+
+    assert TrainConfig(arm="broken_positions").arm_spec.teacher_layout == "positions_broken"
+    assert TrainConfig(arm="broken_visibility").arm_spec.uses_teacher
+    trajs = random_trajectories("summary", 6, group_size=2, seed=3)
+    aligned = _pack(trajs, 4096)
+    pos = _pack(trajs, 4096, layout="positions_broken")
+    vis = _pack(trajs, 4096, layout="visibility_broken")
+    # the same entries in the same order: the OPD term pairs them with the student's
+    for b in (pos, vis):
+        assert torch.equal(b.input_ids, aligned.input_ids) and torch.equal(b.target_ids, aligned.target_ids)
+    # positions counted along each row instead of restored; visibility: one causal segment per row
+    starts = aligned.cu_rows[:-1].tolist()
+    assert all(int(pos.position_ids[s]) == 0 for s in starts)
+    assert not torch.equal(pos.position_ids, aligned.position_ids)
+    assert torch.equal(vis.position_ids, aligned.position_ids)
+    assert vis.attn.cu_seqlens.numel() == aligned.num_rows + 1 < aligned.attn.cu_seqlens.numel()
+    # micro-batches keep the broken state
+    for mb in pos.micro_batches(64):
+        assert int(mb.position_ids[0]) == 0
