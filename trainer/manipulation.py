@@ -202,3 +202,36 @@ def format_check(c: dict) -> str:
         "  gate: " + ("passed" if c["gate"]["passed"] else "FAILED: " + "; ".join(c["gate"]["reasons"])),
     ]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m memopd.trainer.manipulation [--tasks N] [--json FILE] KEY=VALUE ...`: the
+    check alone, on the models and world a `memopd train` config names (the same keys:
+    student=, teacher=, world=, group_size=, ...)."""
+    import argparse
+    import json
+
+    from .config import TrainConfig
+    from .loop import prepare
+
+    p = argparse.ArgumentParser(prog="python -m memopd.trainer.manipulation", description=main.__doc__.split("\n")[0])
+    p.add_argument("--tasks", type=int, default=16, help="Q2 sets of the training stream (x group_size rollouts)")
+    p.add_argument("--k", type=int, default=2, help="questions per set (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the check as JSON here")
+    p.add_argument("overrides", nargs="*", help="memopd train settings (key=value)")
+    args = p.parse_args(argv)
+    cfg = TrainConfig.load(None, [*args.overrides, "arm=memopd"])
+    torch.set_num_threads(max(1, cfg.cpu_threads))
+    c = manipulation_check(cfg, prepare(cfg, log=lambda *_: None), k=args.k, tasks=args.tasks, seed=args.seed)
+    print(format_check(c))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(c, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
