@@ -225,3 +225,11 @@ def test_negative_control_arms_score_the_broken_states():
     # micro-batches keep the broken state
     for mb in pos.micro_batches(64):
         assert int(mb.position_ids[0]) == 0
+
+
+def test_force_arms_belongs_to_the_info_gap_protocol(capsys):
+    from memopd.trainer.compare import compare_main
+
+    with pytest.raises(SystemExit) as e:
+        compare_main(["--force-arms", "--protocol", "paper"])
+    assert e.value.code == 2 and "--force-arms belongs to --protocol info-gap" in capsys.readouterr().err
