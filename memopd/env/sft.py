@@ -36,6 +36,7 @@ __all__ = [
     "SFT_PRESETS",
     "REPLICATION_MODEL_PRESETS",
     "REPLICATION_SFT_PRESETS",
+    "INFOGAP_MODEL_PRESETS",
     "INFOGAP_SFT_PRESETS",
     "role_presets",
     "ENV_META_FILE",
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 ENV_META_FILE = "memopd_env.json"
+FLATTEN_VIEW = "flatten"  # an SFT view that is not a memory policy (SFTConfig.policies)
 SFT_LOCK_FILE = ".memopd_sft.lock"  # in the cache (output) directory, held while it is built
 
 
@@ -104,7 +106,9 @@ class SFTConfig:
     attn_implementation: str = "sdpa"
     threads: int | None = 1
     # memory policies of the expert episodes, calls_per_k calls of each (empty: the
-    # environment's own policy only, as the default presets train)
+    # environment's own policy only, as the default presets train); "flatten" is the view
+    # the flatten layout scores: the persistent history [q, x_0, a_0, ..., x_t] of
+    # compact-memory episodes, each call labelled by the expert on that state
     policies: tuple[str, ...] = ()
     # each batch from one policy's examples, the policies taking turns step by step;
     # False: batches drawn from all examples at once, where long full-view batches
@@ -154,11 +158,18 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 
 
 # The info-gap world (docs/replication.md, "A replication that can tell the arms apart"):
-# the replication models; a teacher trained on the rational rule in both views with a
-# fifth of its calls perturbed (the view-dependent recovery), and a student with room on
-# Q2 (1,000 SFT steps of the scripted expert: the point is a student RL can still improve).
+# a teacher trained on the rational rule under compact memory, the full history and the
+# persistent history the flatten layout scores (the `persistent` arm's teacher state; its
+# longest Q16 example, ~2,300 tokens, sets the positions), with a fifth of its calls
+# perturbed (the view-dependent recovery), 8,000 steps for the three views; and a student
+# with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
+INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
+    "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=2560),
+    "student": REPLICATION_MODEL_PRESETS["student"],
+}
 INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
-    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], expert="rational", perturb_frac=0.2),
+    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=8000, batch_tokens=2560,
+                       policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2),
     "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
 }
 
@@ -168,7 +179,7 @@ def role_presets(world_config: WorldConfig | None = None) -> tuple[dict[str, Mod
     if world_config is not None and world_config.preset == "replication":
         return dict(REPLICATION_MODEL_PRESETS), dict(REPLICATION_SFT_PRESETS)
     if world_config is not None and world_config.preset == "info-gap":
-        return dict(REPLICATION_MODEL_PRESETS), dict(INFOGAP_SFT_PRESETS)
+        return dict(INFOGAP_MODEL_PRESETS), dict(INFOGAP_SFT_PRESETS)
     return dict(MODEL_PRESETS), dict(SFT_PRESETS)
 
 
@@ -216,25 +227,33 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     enough calls, then exactly `calls_per_k` calls are sampled. Raises if the expert
     misses any answer (it must be perfect, or the data would teach mistakes). The
     examples come policy by policy, in the order of `policies`; `stats["calls_by_policy"]`
-    says how many each has. `expert`: "scripted" or "rational" (`infogap.make_expert`);
+    says how many each has; the view `FLATTEN_VIEW` holds the calls of compact-memory
+    episodes as the flatten layout shows them (`infogap.flattened_prompt`), labelled by
+    the expert on that state. `expert`: "scripted" or "rational" (`infogap.make_expert`);
     `perturb_frac`: the share of sampled calls whose context gets one entry of its notes
     dropped or corrupted (`infogap.perturbed_state`), the action then being the expert's
     on that state under the same view (`stats["perturbed"]` counts them).
     """
-    from .infogap import make_expert, perturbed_state
+    from .infogap import flattened_prompt, make_expert, perturbed_state
 
     if not 0.0 <= perturb_frac < 1.0:
         raise DataError(f"perturb_frac must be in [0, 1), got {perturb_frac}")
-    envs = [env] if not policies else [
-        env if p == env.config.policy else QAEnv(env.documents, env.tokenizer, replace(env.config, policy=p),
-                                                 retriever=env.retriever, answer_words=env.answer_words)
-        for p in policies]
+
+    def env_of(p: str) -> QAEnv:
+        p = "summary" if p == FLATTEN_VIEW else p  # the persistent history of compact-memory episodes
+        if p == env.config.policy:
+            return env
+        return QAEnv(env.documents, env.tokenizer, replace(env.config, policy=p), retriever=env.retriever,
+                     answer_words=env.answer_words)
+
+    views = list(policies) or [env.config.policy]
+    envs = [(v, env_of(v)) for v in views]
     engine = make_expert(expert, env.tokenizer, world.config)
     rng = random.Random(f"sft-{seed}")
     prng = random.Random(f"sft-perturb-{seed}")  # its own stream: unperturbed data as without it
     examples: list[tuple[list[int], int]] = []
     stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "perturbed": 0, "expert": expert}
-    for e in envs:
+    for view, e in envs:
         first = len(examples)
         for k in ks:
             pool: list[tuple[list[int], int]] = []
@@ -247,8 +266,16 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
                 bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
                 if bad:
                     raise RuntimeError(f"the {expert} expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
-                pool += sft_examples(trajs)
-                states += [(inv.prefix_ids, inv.context_ids) for t in trajs for inv in t.invocations]
+                if view == FLATTEN_VIEW:
+                    # each call as the flatten layout shows it, labelled by the expert on that state
+                    for t in trajs:
+                        for c, inv in enumerate(t.invocations):
+                            state = flattened_prompt(t, c)
+                            pool.append((state + engine.act(state), len(state)))
+                            states.append((inv.prefix_ids, state[len(inv.prefix_ids):]))
+                else:
+                    pool += sft_examples(trajs)
+                    states += [(inv.prefix_ids, inv.context_ids) for t in trajs for inv in t.invocations]
                 stats["episodes"] += len(trajs)
                 rnd += 1
             # sampling indices draws exactly what sampling the pool itself would
@@ -262,7 +289,7 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
                         ex = (state + engine.act(state), len(state))
                         stats["perturbed"] += 1
                 examples.append(ex)
-        stats["calls_by_policy"][e.config.policy] = len(examples) - first
+        stats["calls_by_policy"][view] = len(examples) - first
     stats["calls"] = len(examples)
     stats["tokens"] = sum(len(e[0]) for e in examples)
     stats["action_tokens"] = sum(len(e[0]) - e[1] for e in examples)

@@ -20,7 +20,7 @@ from memopd.env.infogap import (
     perturbed_state,
     rational_action_text,
 )
-from memopd.env.sft import INFOGAP_SFT_PRESETS, REPLICATION_MODEL_PRESETS, SFTConfig, expert_examples, role_presets
+from memopd.env.sft import FLATTEN_VIEW, INFOGAP_MODEL_PRESETS, INFOGAP_SFT_PRESETS, SFTConfig, expert_examples, role_presets
 from memopd.env.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
 
 # The share of the plain (scripted) expert's calls on held-out Q2 sets that are
@@ -188,8 +188,9 @@ def test_perturbed_states_are_recovered_from_the_history_only(infogap):
 def test_sft_data_of_the_teacher_recipe(infogap):
     world, tok = infogap
     specs, cfgs = role_presets(world.config)
-    assert specs == REPLICATION_MODEL_PRESETS and cfgs == INFOGAP_SFT_PRESETS
+    assert specs == INFOGAP_MODEL_PRESETS and cfgs == INFOGAP_SFT_PRESETS
     assert cfgs["teacher"].expert == "rational" and cfgs["teacher"].perturb_frac == pytest.approx(0.2)
+    assert set(cfgs["teacher"].policies) == {"summary", "full", FLATTEN_VIEW} and cfgs["teacher"].balance_policies
     assert cfgs["student"].expert == "scripted" and cfgs["student"].steps == 1000
     assert SFTConfig().expert == "scripted" and SFTConfig().perturb_frac == 0.0
     env = QAEnv.from_world(world, tok, EnvConfig())
@@ -217,3 +218,22 @@ def test_action_token_roles(infogap):
     ans = env.encode("<mem> xa blue</mem><answer> xa blue</answer>")
     assert action_token_roles(ans, env.tokens) == ["memory"] * 4 + ["answer"] * 4
     assert set(action_token_roles(env.encode(f" {x} city"), env.tokens)) == {"other"}
+
+
+def test_flatten_view_examples_are_the_persistent_history_labelled_by_the_rule(infogap):
+    world, tok = infogap
+    env = QAEnv.from_world(world, tok, EnvConfig())
+    rational = make_expert("rational", tok, world.config)
+    ex, stats = expert_examples(world, env, (2,), 60, policies=(FLATTEN_VIEW,), expert="rational", seed=1)
+    assert stats["calls_by_policy"] == {FLATTEN_VIEW: 60}
+    # the states are exactly the flattened histories of compact-memory episodes of the stream
+    _, trajs = _episodes(world, tok, "rational", "summary", n=60, split="train", seed=1000)
+    flat = {tuple(flattened_prompt(tr, t)) for tr in trajs for t in range(len(tr.invocations))}
+    hits = 0
+    for ids, n in ex:
+        assert ids[n:] == rational.act(ids[:n])  # labelled by the rule on that very state
+        hits += tuple(ids[:n]) in flat
+    assert hits > 0
+    # the longest Q16 example fits the teacher's positions
+    _, long = expert_examples(world, env, (16,), 20, policies=(FLATTEN_VIEW,), expert="rational")
+    assert 2048 < long["longest"] <= INFOGAP_MODEL_PRESETS["teacher"].max_position_embeddings
