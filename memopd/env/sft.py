@@ -160,11 +160,11 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 # The info-gap world (docs/replication.md, "A replication that can tell the arms apart"):
 # a teacher trained on the rational rule under compact memory, the full history and the
 # persistent history the flatten layout scores (the `persistent` arm's teacher state; its
-# longest Q16 example, ~2,300 tokens, sets the positions), with a fifth of its calls
+# longest Q16 examples, 2,700 tokens measured, set the positions), with a fifth of its calls
 # perturbed (the view-dependent recovery), 8,000 steps for the three views; and a student
 # with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
 INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
-    "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=2560),
+    "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
     "student": REPLICATION_MODEL_PRESETS["student"],
 }
 INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
