@@ -25,7 +25,7 @@ from .layout import AttentionMeta, PackedBatch, SegmentKind
 from .packing import pack
 from .records import RecordError, Trajectory
 
-__all__ = ["RCEResult", "audit", "default_tolerance", "VARIANTS", "format_table"]
+__all__ = ["RCEResult", "audit", "default_tolerance", "VARIANTS", "BROKEN_VARIANTS", "broken_batch", "format_table"]
 
 VARIANTS = (
     "aligned",
@@ -80,6 +80,21 @@ def _row_causal(batch: PackedBatch) -> PackedBatch:
     n = batch.num_rows
     meta = AttentionMeta.from_segments(batch.cu_rows, [-1] * n, [SegmentKind.HISTORY] * n)
     return replace(batch, attn=meta.to(batch.input_ids.device))
+
+
+# the two ablations of the aligned layout, by name (also the teacher states of the
+# negative-control arms, trainer/config.py)
+BROKEN_VARIANTS = ("positions_broken", "visibility_broken")
+
+
+def broken_batch(batch: PackedBatch, variant: str) -> PackedBatch:
+    """An aligned `batch` with one half of its sampling state broken (`BROKEN_VARIANTS`):
+    row-global positions, or plain causal visibility over each row."""
+    if variant == "positions_broken":
+        return _row_positions(batch)
+    if variant == "visibility_broken":
+        return _row_causal(batch)
+    raise ValueError(f"unknown broken variant {variant!r}; choose from {', '.join(BROKEN_VARIANTS)}")
 
 
 def _reference_hidden(model, trajs: Sequence[Trajectory]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
@@ -160,10 +175,8 @@ def audit(
                 batch = pack(trajectories, "aligned_unshared", max_tokens)
             elif v == "flatten":
                 batch = pack(trajectories, "flatten", max_tokens)
-            elif v == "positions_broken":
-                batch = _row_positions(pack(trajectories, "aligned", max_tokens))
             else:
-                batch = _row_causal(pack(trajectories, "aligned", max_tokens))
+                batch = broken_batch(pack(trajectories, "aligned", max_tokens), v)
             got = list(zip(batch.traj_index.tolist(), batch.call_index.tolist(), batch.token_index.tolist()))
             if got != keys:  # both are in (trajectory, call, k) order by contract
                 raise RuntimeError("packed batch and reference disagree on the action order")

@@ -5,6 +5,7 @@ tabulate held-out EM/F1 per Qk (mean ± std over seeds) with CPU time.
     memopd compare --arms ppo memopd --seeds 0 1 --jobs 2 steps=40 train_k=[2,8]
 
     memopd compare --protocol paper [--quick] [--publish]   # the paper's protocol (trainer/replicate.py)
+    memopd compare --protocol info-gap [--quick] [--force-arms]  # check first, then arms that can differ
     memopd compare --resume ...                      # after an interruption: reuse finished runs, resume the rest
 
 An arm is `ARM` or `ARM:naive` (the action-domain ablation). Every run is a separate
@@ -54,7 +55,9 @@ def format_compare(rows: list[dict], ks: list[int], metric: str = "em_mean") -> 
 def compare_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memopd compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help="ARM or ARM:naive (default: %(default)s)")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help=f"ARM or ARM:naive (default: {' '.join(DEFAULT_ARMS)}; --protocol info-gap: "
+                        "ppo persistent memopd broken_positions)")
     p.add_argument("--seeds", nargs="+", type=int, help="default: 0 1 2 (the protocol: its budget's seeds)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at the same time")
     p.add_argument("--out", default="runs/compare")
@@ -64,16 +67,26 @@ def compare_main(argv: list[str] | None = None) -> int:
     mode.add_argument("--resume", action="store_true",
                       help="continue an earlier compare under --out: reuse its finished runs (same config), "
                            "resume the others from their newest checkpoint")
-    p.add_argument("--protocol", choices=["paper"],
+    p.add_argument("--protocol", choices=["paper", "info-gap"],
                    help="paper: Q2-only RL in the replication world, held-out Q2/Q8/Q16, bootstrap intervals, "
-                        "costs, curves and the trained-student audit (docs/design.md §7.1)")
+                        "costs, curves and the trained-student audit (docs/design.md §7.1); info-gap: the "
+                        "manipulation check, then the arms in the info-gap world with pre-stated endpoints "
+                        "(docs/replication.md)")
+    p.add_argument("--force-arms", action="store_true",
+                   help="with --protocol info-gap: run the arms even when the manipulation check's gate fails")
     p.add_argument("--quick", action="store_true", help="with --protocol: the smoke-test budget (minutes)")
     p.add_argument("--publish", action="store_true",
                    help="with --protocol: copy the results to benchmarks/results/replication_{quick,full}.*")
     p.add_argument("overrides", nargs="*", help="key=value overrides passed to every `memopd train`")
     args = p.parse_args(argv)
     if (args.quick or args.publish) and not args.protocol:
-        p.error("--quick and --publish belong to --protocol paper")
+        p.error("--quick and --publish belong to --protocol paper|info-gap")
+    if args.force_arms and args.protocol != "info-gap":
+        p.error("--force-arms belongs to --protocol info-gap")
+    if args.arms is None:
+        from .replicate import INFOGAP_ARMS
+
+        args.arms = list(INFOGAP_ARMS if args.protocol == "info-gap" else DEFAULT_ARMS)
     try:
         for spec in args.arms:
             parse_arm(spec)

@@ -39,6 +39,10 @@ class Arm(str, enum.Enum):
     PPO = "ppo"
     PERSISTENT = "persistent"  # the matched control: the teacher scores the flattened persistent history
     MEMOPD = "memopd"  # the teacher scores the restored aligned calls
+    # negative controls: the teacher scores aligned calls with one half of the state broken
+    # (memopd/rce.py): row-global positions, or plain causal visibility over the row
+    BROKEN_POSITIONS = "broken_positions"
+    BROKEN_VISIBILITY = "broken_visibility"
 
     def __str__(self) -> str:
         return self.value
@@ -53,7 +57,8 @@ class Arm(str, enum.Enum):
         return self.teacher_layout is not None
 
 
-_TEACHER_LAYOUTS = {Arm.PPO: None, Arm.PERSISTENT: "flatten", Arm.MEMOPD: "aligned"}
+_TEACHER_LAYOUTS = {Arm.PPO: None, Arm.PERSISTENT: "flatten", Arm.MEMOPD: "aligned",
+                    Arm.BROKEN_POSITIONS: "positions_broken", Arm.BROKEN_VISIBILITY: "visibility_broken"}
 ARMS = tuple(a.value for a in Arm)
 
 
@@ -64,7 +69,7 @@ class ConfigError(UserError, ValueError):
 @dataclass
 class TrainConfig:
     # what to run
-    arm: str = "memopd"  # ppo | persistent (teacher on flatten) | memopd (teacher on aligned)
+    arm: str = "memopd"  # ppo | persistent (teacher on flatten) | memopd (teacher on aligned) | broken_* (controls)
     run_dir: str = "runs/default"
     seed: int = 0
     steps: int = 40

@@ -108,9 +108,10 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     return out
 
 
-def plot_protocol_curves(bands: dict, ks, out: str, title: str = "") -> str:
-    """One panel per Qk: each arm's held-out EM over steps, its mean as a line and ± std
-    over seeds as a band. `bands`: {arm: {"Q2": {"steps", "mean", "std"}, ...}}."""
+def plot_protocol_curves(bands: dict, ks, out: str, title: str = "", ylabel: str = "EM (held-out, greedy)") -> str:
+    """One panel per Qk: each arm's held-out score (EM unless `ylabel` says otherwise) over
+    steps, its mean as a line and ± std over seeds as a band. `bands`: {arm: {"Q2":
+    {"steps", "mean", "std"}, ...}}."""
     matplotlib = _matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -125,7 +126,7 @@ def plot_protocol_curves(bands: dict, ks, out: str, title: str = "") -> str:
             ax.fill_between(b["steps"], lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_title(f"Q{k}")
         ax.set_xlabel("training step")
-        ax.set_ylabel("EM (held-out, greedy)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     if title:

@@ -1,4 +1,5 @@
-"""The paper's protocol as one command: `memopd compare --protocol paper [--quick]`.
+"""The paper's protocol as one command: `memopd compare --protocol paper [--quick]`, and the
+info-gap protocol that can tell the arms apart: `memopd compare --protocol info-gap`.
 
 RL on Q2 only in the replication world, greedy evaluation on held-out Q2/Q8/Q16 sets,
 arms `ppo`, `persistent`, `memopd`, `memopd:naive` over several seeds from one SFT
@@ -17,6 +18,16 @@ student, every arm with the same hyperparameters, seeds, tasks and budget
 
 Outputs: OUT/replication_{full,quick}.json (per-seed, per-set scores), .md (the tables)
 and .png (the curves); `--publish` copies them to benchmarks/results/.
+
+The info-gap protocol (`run_infogap_protocol`, docs/replication.md) runs in the
+`info-gap` world: first the manipulation check (trainer/manipulation.py) on the SFT
+student's Q2 rollouts, whose gate stops the protocol when the teacher is indifferent to
+the view (`--force-arms` runs the arms anyway); then the arms `INFOGAP_ARMS` (a negative
+control among them) with opd_coef matched to the PPO gradient at step 0, the same for
+every teacher arm; then the endpoints `ENDPOINTS`, stated before the run: intervals that
+resample seeds and sets (`bootstrap_seeds_sets`), the minimal detectable effect for the
+seed count (`minimal_detectable_effect`), the clipped-step fraction of every run.
+Outputs: OUT/infogap_{full,quick}.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -30,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Budget", "BUDGETS", "paired_bootstrap", "relative_change", "per_set_scores", "audit_student",
-           "run_protocol"]
+           "run_protocol", "InfoGapBudget", "INFOGAP_BUDGETS", "INFOGAP_ARMS", "ENDPOINTS", "bootstrap_seeds_sets",
+           "minimal_detectable_effect", "curve_area", "clipped_step_fraction", "run_infogap_protocol"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 AUDIT_VARIANTS = ("aligned", "flatten", "positions_broken")
@@ -172,15 +184,17 @@ def _run_costs(run_dir: str) -> dict:
     return out
 
 
-def _run_curve(run_dir: str, ks, base: dict) -> dict:
-    """{"Q2": [(step, EM), ...]}: step 0 is the SFT student (the same held-out sets)."""
+def _run_curve(run_dir: str, ks, base: dict, metric: str = "em") -> dict:
+    """{"Q2": [(step, EM), ...]} (or F1 with `metric="f1"`): step 0 is the SFT student
+    (the same held-out sets)."""
     from .plot import read_metrics
 
     rows = read_metrics(run_dir)
     curve = {}
     for k in ks:
-        key = f"eval/em_mean_q{k}"
-        curve[f"Q{k}"] = [(0, base[f"Q{k}"]["em_mean"])] + [(int(m["step"]), float(m[key])) for m in rows if key in m]
+        key = f"eval/{metric}_mean_q{k}"
+        first = [(0, base[f"Q{k}"][f"{metric}_mean"])]
+        curve[f"Q{k}"] = first + [(int(m["step"]), float(m[key])) for m in rows if key in m]
     return curve
 
 
@@ -304,7 +318,10 @@ def _costs(rows_by_arm: dict) -> dict:
 
 def run_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol paper`: see the module doc. `args`: compare's parsed
-    arguments (arms, seeds, jobs, out, overwrite, resume, quick, publish)."""
+    arguments (arms, seeds, jobs, out, overwrite, resume, quick, publish); `--protocol
+    info-gap` goes to `run_infogap_protocol`."""
+    if getattr(args, "protocol", "paper") == "info-gap":
+        return run_infogap_protocol(args, user_overrides, log)
     from memopd.env.evaluate import evaluate
 
     from .arms import arm_run_dir, refuse_earlier_runs, run_all
@@ -378,4 +395,302 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
                 shutil.copyfile(src, tmp)
             log(f"[replication] published {dst}")
     log(f"[replication] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------
+# the info-gap protocol: a replication that can tell the arms apart
+# ----------------------------------------------------------------------------------
+INFOGAP_ARMS = ("ppo", "persistent", "memopd", "broken_positions")
+# stated before any run; written into every result (docs/replication.md)
+ENDPOINTS = {
+    "primary": "area under the held-out Q2 F1 curve over training (trapezoid over the evaluations, step 0 = the "
+               "SFT student, divided by the steps: the mean F1 over training), memopd − persistent, paired by "
+               "seed; 95% percentile bootstrap over seeds; the minimal detectable effect for the seed count",
+    "secondary": ["final held-out Q2 F1 on information-gap sets and on plain sets, memopd − persistent",
+                  "final held-out Q8 F1 (retention: the student's SFT data holds Q8), memopd − persistent",
+                  "positive control: Q2 F1 area memopd − ppo",
+                  "negative control: Q2 F1 area memopd − broken_positions (a teacher scored on aligned calls with "
+                  "row-global positions) must be positive"],
+    "intervals": "95% percentile bootstrap resampling seeds and sets together (one draw of each applied to both "
+                 "arms: paired by seed and by set), 10000 draws, seed 0",
+}
+MDE_ALPHA = 0.05
+MDE_POWER = 0.8
+
+
+@dataclass(frozen=True)
+class InfoGapBudget:
+    """What an info-gap protocol run spends; identical for every arm."""
+
+    seeds: tuple[int, ...]
+    steps: int
+    eval_every: int
+    eval_tasks: int  # held-out sets per k at every evaluation
+    check_tasks: int  # Q2 sets the manipulation check samples (x group_size rollouts)
+
+    def overrides(self) -> list[str]:
+        return ["world=info-gap", "train_k=[2]", "eval_k=[2,8]", f"steps={self.steps}",
+                f"eval_every={self.eval_every}", f"eval_tasks={self.eval_tasks}", "checkpoint_every=10"]
+
+
+INFOGAP_BUDGETS = {
+    "full": InfoGapBudget(seeds=(0, 1, 2, 3, 4), steps=40, eval_every=10, eval_tasks=200, check_tasks=32),
+    "quick": InfoGapBudget(seeds=(0, 1), steps=4, eval_every=2, eval_tasks=8, check_tasks=4),
+}
+
+
+def bootstrap_seeds_sets(a, b, *, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED,
+                         level: float = BOOTSTRAP_LEVEL) -> dict:
+    """Mean difference a − b and its percentile bootstrap interval, resampling seeds and
+    sets. `a`, `b`: [seeds, sets] scores of two arms, row s of both from seed s, column j
+    from set j (a [seeds] vector is one score per seed). Each draw resamples the seeds and
+    the sets with replacement and applies both draws to both arms: the pairing by seed
+    and by set. The statistic is the mean over the drawn seeds and sets, computed from the
+    draw counts (w_seeds · (a − b) · w_sets / (S · N))."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.ndim == 1:
+        a, b = a[:, None], b[:, None] if b.ndim == 1 else b
+    if a.ndim != 2 or a.shape != b.shape or a.size == 0:
+        raise ValueError(f"bootstrap_seeds_sets needs two [seeds, sets] arrays of one shape, got {a.shape} and {b.shape}")
+    if not 0 < level < 1 or draws < 1:
+        raise ValueError(f"level must be in (0, 1) and draws >= 1, got {level}, {draws}")
+    d = a - b
+    S, N = d.shape
+    rng = np.random.default_rng(seed)
+    ws = np.stack([np.bincount(r, minlength=S) for r in rng.integers(0, S, size=(draws, S))]).astype(np.float64)
+    wn = np.stack([np.bincount(r, minlength=N) for r in rng.integers(0, N, size=(draws, N))]).astype(np.float64)
+    stats = np.einsum("ds,sn,dn->d", ws, d, wn) / (S * N)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
+    per_seed = d.mean(axis=1)
+    return {"diff": float(d.mean()), "lo": float(lo), "hi": float(hi), "level": level, "draws": draws, "seed": seed,
+            "seeds": S, "sets": N, "per_seed": [float(x) for x in per_seed],
+            "positive_seeds": int((per_seed > 0).sum())}
+
+
+def minimal_detectable_effect(per_seed_diffs, *, alpha: float = MDE_ALPHA, power: float = MDE_POWER,
+                              seeds: int | None = None) -> float | None:
+    """The smallest true mean difference a two-sided paired t-test at `alpha` detects with
+    probability `power` over `seeds` seeds (default: as many as given), taking the spread
+    of the per-seed differences given as the truth: (t_{1-α/2} + t_{power}) · sd / √n with
+    n − 1 degrees of freedom. None with fewer than two seeds."""
+    from scipy.stats import t as student_t
+
+    d = np.asarray(per_seed_diffs, dtype=np.float64)
+    n = int(seeds if seeds is not None else d.size)
+    if d.size < 2 or n < 2:
+        return None
+    sd = float(d.std(ddof=1))
+    return float((student_t.ppf(1 - alpha / 2, n - 1) + student_t.ppf(power, n - 1)) * sd / np.sqrt(n))
+
+
+def curve_area(points) -> float:
+    """The area under a curve [(step, score), ...] (trapezoid) divided by its span of
+    steps: the mean score over training. One point: that score."""
+    pts = sorted(dict(points).items())
+    if not pts:
+        raise ValueError("an empty curve has no area")
+    if len(pts) == 1:
+        return float(pts[0][1])
+    xs = np.array([p[0] for p in pts], dtype=np.float64)
+    ys = np.array([p[1] for p in pts], dtype=np.float64)
+    return float(np.sum((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2) / (xs[-1] - xs[0]))
+
+
+def clipped_step_fraction(run_dir: str, max_grad_norm: float) -> float | None:
+    """Share of a run's training steps whose actor gradient norm (before clipping, the
+    mean over the step's optimiser steps) exceeded the clip `max_grad_norm`."""
+    from .plot import read_metrics
+    from .stats import ACTOR_GRAD_NORM, train_metric
+
+    xs = [float(m[train_metric(ACTOR_GRAD_NORM)]) for m in read_metrics(run_dir) if train_metric(ACTOR_GRAD_NORM) in m]
+    if not xs or not max_grad_norm:
+        return None
+    return sum(x > max_grad_norm for x in xs) / len(xs)
+
+
+def _infogap_stats(rows_by_arm: dict, linked: list[bool], ks) -> dict:
+    """The pre-stated endpoints (`ENDPOINTS`) from the runs' curves and final per-set scores."""
+    def by_seed(arm):
+        return {r["seed"]: r for r in rows_by_arm.get(arm, [])}
+
+    out: dict = {}
+
+    def area_diff(new, base):
+        a, b = by_seed(new), by_seed(base)
+        seeds = sorted(set(a) & set(b))
+        if not seeds:
+            return None
+        x = [a[s]["area_f1_q2"] for s in seeds]
+        y = [b[s]["area_f1_q2"] for s in seeds]
+        d = bootstrap_seeds_sets(x, y)
+        d["mde"] = minimal_detectable_effect(d["per_seed"])
+        d["mde_by_seeds"] = {n: minimal_detectable_effect(d["per_seed"], seeds=n) for n in (5, 8, 12)}
+        d["seed_ids"] = seeds
+        return d
+
+    def final_diff(new, base, q, mask=None):
+        a, b = by_seed(new), by_seed(base)
+        seeds = sorted(set(a) & set(b))
+        if not seeds:
+            return None
+        cols = [j for j in range(len(a[seeds[0]]["per_set"][q]["f1"])) if mask is None or mask[j]]
+        if not cols:
+            return None
+        x = [[a[s]["per_set"][q]["f1"][j] for j in cols] for s in seeds]
+        y = [[b[s]["per_set"][q]["f1"][j] for j in cols] for s in seeds]
+        return bootstrap_seeds_sets(x, y)
+
+    out["primary"] = {"name": "Q2 F1 area, memopd − persistent", **(area_diff("memopd", "persistent") or {})}
+    out["secondary"] = {
+        "Q2 final F1 on information-gap sets, memopd − persistent": final_diff("memopd", "persistent", "Q2", linked),
+        "Q2 final F1 on plain sets, memopd − persistent": final_diff("memopd", "persistent", "Q2",
+                                                                     [not x for x in linked]),
+        **({"Q8 final F1 (retention), memopd − persistent": final_diff("memopd", "persistent", "Q8")} if 8 in ks else {}),
+        "positive control: Q2 F1 area, memopd − ppo": area_diff("memopd", "ppo"),
+        "negative control: Q2 F1 area, memopd − broken_positions": area_diff("memopd", "broken_positions"),
+        "negative control: Q2 F1 area, memopd − broken_visibility": area_diff("memopd", "broken_visibility"),
+    }
+    out["secondary"] = {k: v for k, v in out["secondary"].items() if v is not None}
+    return out
+
+
+def _ci(d: dict) -> str:
+    return f"{_signed(d['diff'])} [{_signed(d['lo'])}, {_signed(d['hi'])}]"
+
+
+def format_infogap_report(rep: dict) -> str:
+    c = rep["check"]
+    lines = [f"# Replication: info-gap protocol ({rep['budget_name']})", "",
+             "## Endpoints (stated before the run)", "", f"- primary: {ENDPOINTS['primary']}"]
+    lines += [f"- secondary: {s}" for s in ENDPOINTS["secondary"]] + [f"- intervals: {ENDPOINTS['intervals']}", ""]
+    from .manipulation import format_check
+
+    lines += ["## Manipulation check", "", "```", format_check(c), "```", ""]
+    if not rep.get("arms_run"):
+        lines += ["**The arms were not run**: the teacher's preferences do not depend enough on the view it is "
+                  "shown, so memopd and persistent would receive the same distillation signal and no result "
+                  "could tell them apart (`--force-arms` runs them anyway).", ""]
+        return "\n".join(lines) + "\n"
+    ks = rep["ks"]
+    lines += [f"opd_coef {rep['opd_coef']:.4g} ({rep['opd_coef_source']}), the same for every teacher arm; "
+              f"max_grad_norm {rep['config']['max_grad_norm']}.", "",
+              "## Final EM and F1 (mean ± std over seeds), Q2 F1 area, clipped steps", "",
+              "| arm | seeds | " + " | ".join(f"Q{k} EM | Q{k} F1" for k in ks) + " | Q2 F1 area | clipped steps |",
+              "|---|---|" + "---|---|" * len(ks) + "---|---|"]
+    for arm, s in rep["summary"].items():
+        cells = [f"{_pm(*s[f'Q{k}'][m], s['seeds'])}" for k in ks for m in ("em", "f1")]
+        runs = rep["runs"].get(arm, [])
+        area = _pm(*_mean_std([r["area_f1_q2"] for r in runs]), len(runs)) if runs else "-"
+        clip = [r["clipped_step_fraction"] for r in runs if r.get("clipped_step_fraction") is not None]
+        lines.append(f"| {arm} | {s['seeds']} | " + " | ".join(cells) + f" | {area} | "
+                     + (f"{100 * statistics.mean(clip):.0f}%" if clip else "-") + " |")
+    p = rep["stats"]["primary"]
+    lines += ["", "## Primary endpoint", ""]
+    if "diff" in p:
+        mde = "-" if p["mde"] is None else f"{p['mde']:.3f}"
+        lines += [f"{p['name']}: {_ci(p)} over {p['seeds']} seeds ({p['positive_seeds']} of {p['seeds']} positive); "
+                  f"minimal detectable effect (α {MDE_ALPHA}, power {MDE_POWER}) for {p['seeds']} seeds: {mde}"
+                  + "; for " + ", ".join(f"{n} seeds {'-' if v is None else f'{v:.3f}'}"
+                                         for n, v in p["mde_by_seeds"].items()) + "."]
+    lines += ["", "## Secondary endpoints and controls", "", "| comparison | Δ [95% CI] | seeds | sets |", "|---|---|---|---|"]
+    for name, d in rep["stats"]["secondary"].items():
+        lines.append(f"| {name} | {_ci(d)} | {d['seeds']} | {d['sets']} |")
+    lines += ["", f"Curves: `infogap_{rep['budget_name']}.png` (held-out F1 per k over steps, step 0 = the SFT "
+              "student; band: ± std over seeds)."]
+    return "\n".join(lines) + "\n"
+
+
+def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
+    """`memopd compare --protocol info-gap`: the manipulation check, then (if its gate
+    passes, or `--force-arms`) the arms with a gradient-matched opd_coef, and the
+    pre-stated endpoints. Outputs OUT/infogap_{full,quick}.{json,md,png}."""
+    from memopd.env.evaluate import evaluate
+
+    from .arms import refuse_earlier_runs, run_all
+    from .config import TrainConfig
+    from .loop import prepare
+    from .manipulation import format_check, manipulation_check
+    from .plot import plot_protocol_curves
+    from .rundir import atomic_file, atomic_write_text
+
+    name = "quick" if args.quick else "full"
+    budget = INFOGAP_BUDGETS[name]
+    seeds = list(args.seeds) if args.seeds else list(budget.seeds)
+    cfg = TrainConfig.load(None, budget.overrides() + list(user_overrides))
+    refuse_earlier_runs(args, seeds)
+    t0 = time.time()
+    log("[info-gap] endpoints, stated before the run:\n  primary: " + ENDPOINTS["primary"]
+        + "".join(f"\n  secondary: {s}" for s in ENDPOINTS["secondary"]))
+    bundle = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    world, student_dir = bundle.tasks, bundle.student_dir
+    sft_wall = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    check = manipulation_check(cfg, bundle, k=2, tasks=budget.check_tasks, seed=0)
+    log("[info-gap] " + format_check(check))
+    del bundle
+    paths = {ext: os.path.join(args.out, f"infogap_{name}.{ext}") for ext in ("json", "md", "png")}
+    rep: dict = {"protocol": "info-gap", "budget_name": name, "budget": {**budget.__dict__, "seeds": seeds},
+                 "endpoints": ENDPOINTS, "check": check, "student": student_dir, "sft_wall_s": round(sft_wall, 1),
+                 "arms": list(args.arms), "forced": bool(args.force_arms)}
+    run_arms = check["gate"]["passed"] or args.force_arms
+    rep["arms_run"] = bool(run_arms)
+    if not run_arms:
+        log("[info-gap] the gate failed: the arms cannot be told apart in this world, so they are not run "
+            "(--force-arms runs them anyway)")
+    else:
+        if not check["gate"]["passed"]:
+            log("[info-gap] the gate failed; --force-arms: running the arms anyway")
+        user_coef = any(o.split("=", 1)[0].strip() == "opd_coef" for o in user_overrides)
+        lam = check["opd_coef_matched"]
+        if user_coef or lam is None:
+            rep["opd_coef"], rep["opd_coef_source"] = cfg.opd_coef, "given" if user_coef else "default (no PPO gradient)"
+            overrides = budget.overrides() + list(user_overrides)
+        else:
+            rep["opd_coef"], rep["opd_coef_source"] = float(f"{lam:.4g}"), "gradient-norm matched at step 0"
+            overrides = budget.overrides() + [f"opd_coef={lam:.4g}"] + list(user_overrides)
+        cfg = TrainConfig.load(None, overrides)
+        ks = list(cfg.eval_k)
+        base = per_set_scores(evaluate(student_dir, ks=ks, n=cfg.eval_tasks)["results"], world, cfg.eval_tasks)
+        linked = [bool(t.meta.get("linked", False)) for t in world.sample_tasks(2, cfg.eval_tasks, split="eval", seed=0)]
+        rows_by_arm: dict[str, list] = {"sft student": [{"seed": None, "per_set": base}]}
+        curves: dict[str, list] = {}
+
+        def on_row(a: str, s: int, r: dict) -> None:
+            r["per_set"] = per_set_scores(r.pop("eval"), world, cfg.eval_tasks)
+            r["costs"] = _run_costs(r["run_dir"])
+            f1 = _run_curve(r["run_dir"], ks, base, metric="f1")
+            r["curve_f1"] = f1
+            r["area_f1_q2"] = curve_area(f1["Q2"])
+            r["clipped_step_fraction"] = clipped_step_fraction(r["run_dir"], cfg.max_grad_norm)
+            curves.setdefault(a, []).append(f1)
+            rows_by_arm.setdefault(a, []).append(r)
+            log(f"[info-gap] {a} seed {s}: Q2 F1 area {r['area_f1_q2']:.3f}, " + ", ".join(
+                f"{q} F1 {v['f1_mean']:.3f}" for q, v in r["per_set"].items()))
+
+        todo = [(a, s) for a in args.arms for s in seeds]
+        log(f"[info-gap] {len(todo)} runs, {args.jobs} at a time, under {args.out}")
+        run_all(todo, args.out, overrides, jobs=args.jobs, overwrite=args.overwrite, resume=args.resume, on_row=on_row)
+        bands = {arm: _band(cs, ks) for arm, cs in curves.items()}
+        rep.update({"overrides": overrides, "config": cfg.to_dict(), "ks": ks, "summary": _summary(rows_by_arm, ks),
+                    "stats": _infogap_stats(rows_by_arm, linked, ks), "curves_f1": bands, "linked_sets": linked,
+                    "runs": {arm: rows for arm, rows in rows_by_arm.items() if arm != "sft student"},
+                    "sft_student_per_set": base})
+        plot_protocol_curves(bands, ks, paths["png"], title=f"info-gap protocol ({name}): held-out F1 over steps",
+                             ylabel="F1 (held-out, greedy)")
+    rep["wall_s"] = round(time.time() - t0, 1)
+    atomic_write_text(paths["json"], json.dumps(rep, indent=1))
+    table = format_infogap_report(rep)
+    atomic_write_text(paths["md"], table)
+    log(table)
+    if args.publish:
+        for src in paths.values():
+            if not os.path.exists(src):
+                continue
+            dst = os.path.join(RESULTS_DIR, os.path.basename(src))
+            with atomic_file(dst) as tmp:
+                shutil.copyfile(src, tmp)
+            log(f"[info-gap] published {dst}")
+    log(f"[info-gap] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
     return 0

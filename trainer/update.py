@@ -105,6 +105,12 @@ def check_sampling(trajs: Sequence[Trajectory], temperature: float) -> None:
 
 
 def _pack(trajs, max_tokens, action_domain="exact", layout="aligned"):
+    """The packed batch of a layout; a `memopd.rce.BROKEN_VARIANTS` name is the aligned
+    batch with that half of its state broken (the negative-control arms' teacher states)."""
+    from memopd.rce import BROKEN_VARIANTS, broken_batch
+
+    if layout in BROKEN_VARIANTS:
+        return broken_batch(_pack(trajs, max_tokens, action_domain), layout)
     return pack(trajs, layout=layout, max_tokens=max_tokens, share_prefix="group", action_domain=action_domain)
 
 

@@ -47,8 +47,9 @@ def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="output directory (OUT/teacher, OUT/student)")
     p.add_argument("--world", default="default", choices=_world_names(),
-                   help="world preset: 'default', or 'replication' (held-out facts, multi-word answers, "
-                        "a teacher trained on compact and full-history episodes)")
+                   help="world preset: 'default', 'replication' (held-out facts, multi-word answers, "
+                        "a teacher trained on compact and full-history episodes) or 'info-gap' (replication plus "
+                        "information-gap sets and per-set turn budgets; docs/replication.md)")
     p.add_argument("--roles", default="teacher,student", help="comma list of roles to train (default: both)")
     p.add_argument("--force", action="store_true", help="retrain even if a checkpoint exists")
     p.add_argument("--seed", type=int, default=0, help="world seed (the world, corpus and tasks derive from it)")

@@ -43,8 +43,9 @@ def _one_or_seq(seq: Sequence[int]) -> int | tuple[int, ...]:
 class EnvConfig:
     """Environment knobs.
 
-    top_k: documents per search. max_turns: call budget per episode (None: 2k + 2,
-    enough for the expert's at most 2k searches + 1 answer, plus one slack turn).
+    top_k: documents per search. max_turns: call budget per episode (None: the set's own
+    budget, `Task.meta["max_turns"]`, where it has one, else 2k + 2, enough for the
+    expert's at most 2k searches + 1 answer, plus one slack turn).
     max_doc_tokens: each retrieved document is cut to this many ids (long user docs).
     policy / policy_kwargs: the memory policy (`memopd.memory.make_policy`).
     require_memory: an action without a `<mem>…</mem>` span is a format error.
@@ -164,7 +165,10 @@ class Episode:
         self.prefix_ids = env.prefix_ids(task)
         self.context_ids: list[int] = []
         self.context_provenance: list[tuple[int, int, int]] = []
-        self.max_turns = env.config.turns_for(task.k)
+        # a set's own budget (`Task.meta["max_turns"]`, the "efficient" turn budget of a
+        # world) applies unless the environment fixes one for every set
+        own = (task.meta or {}).get("max_turns") if env.config.max_turns is None else None
+        self.max_turns = int(own) if own is not None else env.config.turns_for(task.k)
         self.invocations: list[Invocation] = []
         self.done = False
         self.finish: str | None = None  # "answer", "budget" or "overflow"

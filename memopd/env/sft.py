@@ -16,7 +16,7 @@ import json
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -24,9 +24,9 @@ import torch
 from memopd.errors import UserError
 
 from .data import DataError
-from .expert import expert_trajectories
 from .protocol import SPECIAL_TOKENS, ProtocolTokens
 from .qa import EnvConfig, QAEnv
+from .rollout import rollout
 from .world import World, WorldConfig
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "SFT_PRESETS",
     "REPLICATION_MODEL_PRESETS",
     "REPLICATION_SFT_PRESETS",
+    "INFOGAP_MODEL_PRESETS",
+    "INFOGAP_SFT_PRESETS",
     "role_presets",
     "ENV_META_FILE",
     "make_model",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 ENV_META_FILE = "memopd_env.json"
+FLATTEN_VIEW = "flatten"  # an SFT view that is not a memory policy (SFTConfig.policies)
 SFT_LOCK_FILE = ".memopd_sft.lock"  # in the cache (output) directory, held while it is built
 
 
@@ -103,12 +106,21 @@ class SFTConfig:
     attn_implementation: str = "sdpa"
     threads: int | None = 1
     # memory policies of the expert episodes, calls_per_k calls of each (empty: the
-    # environment's own policy only, as the default presets train)
+    # environment's own policy only, as the default presets train); "flatten" is the view
+    # the flatten layout scores: the persistent history [q, x_0, a_0, ..., x_t] of
+    # compact-memory episodes, each call labelled by the expert on that state
     policies: tuple[str, ...] = ()
     # each batch from one policy's examples, the policies taking turns step by step;
     # False: batches drawn from all examples at once, where long full-view batches
     # crowd out compact-memory ones (docs/design.md §10)
     balance_policies: bool = False
+    # the expert whose calls are the data (`infogap.EXPERTS`): "scripted" (reads its notes
+    # and the last observation) or "rational" (every fact the visible context shows, so
+    # it acts differently under compact memory and the full history: memopd/env/infogap.py)
+    expert: str = "scripted"
+    # share of each (policy, k)'s calls replaced by a perturbed state (an entry of the
+    # notes dropped or corrupted) labelled by the expert under that view
+    perturb_frac: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,10 +157,29 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 }
 
 
+# The info-gap world (docs/replication.md, "A replication that can tell the arms apart"):
+# a teacher trained on the rational rule under compact memory, the full history and the
+# persistent history the flatten layout scores (the `persistent` arm's teacher state; its
+# longest Q16 examples, 2,700 tokens measured, set the positions), with a fifth of its calls
+# perturbed (the view-dependent recovery), 8,000 steps for the three views; and a student
+# with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
+INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
+    "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
+    "student": REPLICATION_MODEL_PRESETS["student"],
+}
+INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
+    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=8000, batch_tokens=2560,
+                       policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2),
+    "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
+}
+
+
 def role_presets(world_config: WorldConfig | None = None) -> tuple[dict[str, ModelSpec], dict[str, SFTConfig]]:
     """(model specs, SFT recipes) per role for a world: its `preset` picks them."""
     if world_config is not None and world_config.preset == "replication":
         return dict(REPLICATION_MODEL_PRESETS), dict(REPLICATION_SFT_PRESETS)
+    if world_config is not None and world_config.preset == "info-gap":
+        return dict(INFOGAP_MODEL_PRESETS), dict(INFOGAP_SFT_PRESETS)
     return dict(MODEL_PRESETS), dict(SFT_PRESETS)
 
 
@@ -187,45 +218,78 @@ def sft_examples(trajectories) -> list[tuple[list[int], int]]:
 
 
 def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
-                    split: str = "train", policies: Sequence[str] = ()) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
-    """SFT examples from scripted-expert episodes: `calls_per_k` calls for each k (and
-    for each memory policy of `policies`, if given; else `env`'s own policy).
+                    split: str = "train", policies: Sequence[str] = (), expert: str = "scripted",
+                    perturb_frac: float = 0.0) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
+    """SFT examples from expert episodes: `calls_per_k` calls for each k (and for each
+    memory policy of `policies`, if given; else `env`'s own policy).
 
     Episodes are drawn from the `split` stream (held out from "eval") until there are
     enough calls, then exactly `calls_per_k` calls are sampled. Raises if the expert
     misses any answer (it must be perfect, or the data would teach mistakes). The
     examples come policy by policy, in the order of `policies`; `stats["calls_by_policy"]`
-    says how many each has.
+    says how many each has; the view `FLATTEN_VIEW` holds the calls of compact-memory
+    episodes as the flatten layout shows them (`infogap.flattened_prompt`), labelled by
+    the expert on that state. `expert`: "scripted" or "rational" (`infogap.make_expert`);
+    `perturb_frac`: the share of sampled calls whose context gets one entry of its notes
+    dropped or corrupted (`infogap.perturbed_state`), the action then being the expert's
+    on that state under the same view (`stats["perturbed"]` counts them).
     """
-    from dataclasses import replace
+    from .infogap import flattened_prompt, make_expert, perturbed_state
 
-    from .expert import expert_options
+    if not 0.0 <= perturb_frac < 1.0:
+        raise DataError(f"perturb_frac must be in [0, 1), got {perturb_frac}")
 
-    envs = [env] if not policies else [
-        env if p == env.config.policy else QAEnv(env.documents, env.tokenizer, replace(env.config, policy=p),
-                                                 retriever=env.retriever, answer_words=env.answer_words)
-        for p in policies]
-    opts = expert_options(world.config)
+    def env_of(p: str) -> QAEnv:
+        p = "summary" if p == FLATTEN_VIEW else p  # the persistent history of compact-memory episodes
+        if p == env.config.policy:
+            return env
+        return QAEnv(env.documents, env.tokenizer, replace(env.config, policy=p), retriever=env.retriever,
+                     answer_words=env.answer_words)
+
+    views = list(policies) or [env.config.policy]
+    envs = [(v, env_of(v)) for v in views]
+    engine = make_expert(expert, env.tokenizer, world.config)
     rng = random.Random(f"sft-{seed}")
+    prng = random.Random(f"sft-perturb-{seed}")  # its own stream: unperturbed data as without it
     examples: list[tuple[list[int], int]] = []
-    stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}}
-    for e in envs:
+    stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "perturbed": 0, "expert": expert}
+    for view, e in envs:
         first = len(examples)
         for k in ks:
             pool: list[tuple[list[int], int]] = []
+            states: list[tuple[list[int], list[int]]] = []  # (prefix, context) of each pooled call
             chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
             rnd = 0
             while len(pool) < calls_per_k:
                 tasks = world.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
-                trajs = expert_trajectories(e, tasks, **opts)
+                trajs = rollout(e, engine, tasks, temperature=0.0)
                 bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
                 if bad:
-                    raise RuntimeError(f"the scripted expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
-                pool += sft_examples(trajs)
+                    raise RuntimeError(f"the {expert} expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
+                if view == FLATTEN_VIEW:
+                    # each call as the flatten layout shows it, labelled by the expert on that state
+                    for t in trajs:
+                        for c, inv in enumerate(t.invocations):
+                            state = flattened_prompt(t, c)
+                            pool.append((state + engine.act(state), len(state)))
+                            states.append((inv.prefix_ids, state[len(inv.prefix_ids):]))
+                else:
+                    pool += sft_examples(trajs)
+                    states += [(inv.prefix_ids, inv.context_ids) for t in trajs for inv in t.invocations]
                 stats["episodes"] += len(trajs)
                 rnd += 1
-            examples += rng.sample(pool, calls_per_k)
-        stats["calls_by_policy"][e.config.policy] = len(examples) - first
+            # sampling indices draws exactly what sampling the pool itself would
+            for i in rng.sample(range(len(pool)), calls_per_k):
+                ex = pool[i]
+                if perturb_frac > 0 and prng.random() < perturb_frac:
+                    prefix, ctx = states[i]
+                    new = perturbed_state(ctx, env.tokenizer, world, prng)
+                    if new is not None:
+                        state = list(prefix) + new
+                        ex = (state + engine.act(state), len(state))
+                        stats["perturbed"] += 1
+                examples.append(ex)
+        stats["calls_by_policy"][view] = len(examples) - first
     stats["calls"] = len(examples)
     stats["tokens"] = sum(len(e[0]) for e in examples)
     stats["action_tokens"] = sum(len(e[0]) - e[1] for e in examples)
@@ -407,7 +471,8 @@ CHECKPOINT_VERSION = 2
 # any other field is newer and defaults as above.
 _PRE_EXISTING = {
     "world": {"seed", "n_entities", "attributes", "relations", "distractors_per_entity", "two_hop_frac"},
-    "sft_config": {f for f in SFTConfig.__dataclass_fields__ if f not in ("policies", "balance_policies")},
+    "sft_config": {f for f in SFTConfig.__dataclass_fields__
+                   if f not in ("policies", "balance_policies", "expert", "perturb_frac")},
 }
 
 
@@ -477,7 +542,8 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     world = World.generate(world_config)
     tokenizer = build_tokenizer(world.vocabulary_texts(), kind="word")
     env = QAEnv.from_world(world, tokenizer, env_config)
-    examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed, policies=cfg.policies)
+    examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed, policies=cfg.policies,
+                                       expert=cfg.expert, perturb_frac=cfg.perturb_frac)
     if dstats["longest"] > spec.max_position_embeddings:
         raise DataError(f"{role}: an SFT example has {dstats['longest']} tokens, beyond the model's "
                         f"{spec.max_position_embeddings} positions")

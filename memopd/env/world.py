@@ -23,7 +23,12 @@ held-out fact (asked directly, or as the second hop of a two-hop chain), a quest
 any other split never has a held-out fact as its answer. Evaluation questions are thus
 disjoint from training ones by construction, while every entity name still occurs in
 training (a tiny model cannot write a name it never wrote) and the corpus still
-states every fact (it is the environment, not training data).
+states every fact (it is the environment, not training data). "info-gap" is the
+replication world plus information-gap sets (`linked_frac`: a share of the sets hold a
+pair of questions on one entity, the second's fact shown by the first's search, so that
+a flattened history holds a needed fact a compact memory dropped) and a per-set turn
+budget (`turn_budget="efficient"`: the efficient expert's calls + 1, in
+`Task.meta["max_turns"]`); memopd/env/infogap.py holds the expert rule of both views.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from .data import DataError, Document, Task
 from .protocol import MAX_QUESTIONS, marker
 
 __all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "MULTIWORD_VALUES", "VALUE_SETS", "HELDOUT_SPLITS", "WORLD_PRESETS",
-           "world_preset", "ANSWER_ORDERS", "max_answer_words", "question_text", "parse_question", "fact_text", "is_value"]
+           "world_preset", "ANSWER_ORDERS", "TURN_BUDGETS", "max_answer_words", "question_text", "parse_question", "fact_text", "is_value"]
 
 DEFAULT_VALUES: dict[str, tuple[str, ...]] = {
     "city": ("paris", "rome", "oslo", "lima", "cairo", "delhi", "tokyo", "berlin", "madrid", "dublin", "quito", "seoul"),
@@ -75,6 +80,9 @@ VALUE_SETS: dict[str, dict[str, tuple[str, ...]]] = {"default": DEFAULT_VALUES, 
 HELDOUT_SPLITS = frozenset({"eval"})
 
 ANSWER_ORDERS = ("ascending", "descending")
+TURN_BUDGETS = ("default", "efficient")
+# documents a search shows (EnvConfig.top_k's default): what a linked pair is checked against
+LINK_TOP_K = 3
 
 _ALL_VALUES = frozenset(v for vals in DEFAULT_VALUES.values() for v in vals)
 _VALUE_WORDS = frozenset(w for table in VALUE_SETS.values() for vals in table.values() for v in vals for w in v.split())
@@ -154,6 +162,15 @@ class WorldConfig:
     # answer is local, and a tiny model need not check that no further question exists
     # (docs/design.md §10).
     answer_order: str = "ascending"
+    # linked_frac: share of the sets of k >= 2 questions that hold one linked pair (the
+    # question worked first is two-hop from entity x; the next one asks another attribute
+    # of x, a fact the first hop's search shows): the information-gap sets. 0: none, and
+    # the task streams are those of a world without the field.
+    linked_frac: float = 0.0
+    # turn_budget: "default" (EnvConfig.turns_for: 2k + 2) or "efficient" (per set, the
+    # calls of the expert that uses every visible fact + 1, at least the plain expert's
+    # calls: `Task.meta["max_turns"]`)
+    turn_budget: str = "default"
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_entities <= 2000:
@@ -173,6 +190,12 @@ class WorldConfig:
             raise DataError(f"unknown world preset {self.preset!r}; choose from {', '.join(WORLD_PRESETS)}")
         if self.answer_order not in ANSWER_ORDERS:
             raise DataError(f"answer_order must be one of {', '.join(ANSWER_ORDERS)}, got {self.answer_order!r}")
+        if not 0.0 <= self.linked_frac <= 1.0:
+            raise DataError(f"linked_frac must be in [0, 1], got {self.linked_frac}")
+        if self.linked_frac > 0 and not self.relations:
+            raise DataError("linked (information-gap) sets need at least one relation")
+        if self.turn_budget not in TURN_BUDGETS:
+            raise DataError(f"turn_budget must be one of {', '.join(TURN_BUDGETS)}, got {self.turn_budget!r}")
         if not 0.0 <= self.two_hop_frac <= 1.0:
             raise DataError(f"two_hop_frac must be in [0, 1], got {self.two_hop_frac}")
         if self.two_hop_frac > 0 and not self.relations:
@@ -334,23 +357,73 @@ class World:
         if k > n_distinct:
             raise DataError(f"k={k} exceeds the {n_distinct} distinct questions of this world's {split!r} split")
         rng = random.Random(f"memopd-tasks-{self.config.seed}-{split}-{k}-{seed}")
+        # its own stream: a world without linked sets draws exactly the sets it always drew
+        link_rng = random.Random(f"memopd-linked-{self.config.seed}-{split}-{k}-{seed}")
         tasks = []
         for i in range(n):
             qs: list[tuple[str, str | None, str]] = []
+            linked = k >= 2 and self.config.linked_frac > 0 and link_rng.random() < self.config.linked_frac
+            slots: dict[int, tuple[str, str | None, str]] = {}
+            if linked:
+                # the pair sits where the expert starts: first and second in its order of work
+                first, second = (k - 1, k - 2) if self.config.answer_order == "descending" else (0, 1)
+                slots[first], slots[second] = self._linked_pair(link_rng, split, k)
             while len(qs) < k:
+                if len(qs) in slots:
+                    qs.append(slots[len(qs)])
+                    continue
                 q = self.sample_question(rng)
-                if q not in qs and self._allowed(q, split):
+                if q not in qs and q not in slots.values() and self._allowed(q, split):
                     qs.append(q)
+            texts = [question_text(a, x, r, j + 1) for j, (a, r, x) in enumerate(qs)]
+            meta: dict[str, Any] = {"hops": [1 if r is None else 2 for _, r, _ in qs]}
+            if self.config.linked_frac > 0:
+                meta["linked"] = linked
+            if self.config.turn_budget == "efficient":
+                from .infogap import efficient_calls
+
+                meta["max_turns"] = max(efficient_calls(self, texts) + 1, sum(meta["hops"]) + 1)
             tasks.append(
                 Task(
                     task_id=f"{split}{seed}-q{k}-{i:05d}",
-                    questions=[question_text(a, x, r, j + 1) for j, (a, r, x) in enumerate(qs)],
+                    questions=texts,
                     answers=[[self.answer(a, x, r)] for a, r, x in qs],
                     support=[self.support(a, x, r) for a, r, x in qs],
-                    meta={"hops": [1 if r is None else 2 for _, r, _ in qs]},
+                    meta=meta,
                 )
             )
         return tasks
+
+    @property
+    def retriever(self):
+        """A BM25 index of the corpus showing `LINK_TOP_K` documents, built on first use
+        (what a search of the environment shows with its default `top_k`)."""
+        if getattr(self, "_retriever", None) is None:
+            from .retriever import BM25Retriever
+
+            self._retriever = BM25Retriever(self.documents, top_k=LINK_TOP_K)
+        return self._retriever
+
+    def shown_facts(self, query: str) -> dict[tuple[str, str], str]:
+        """The facts {(entity, key): value} that the documents a search for `query` shows state."""
+        from .infogap import facts_in
+
+        return facts_in(" | ".join(d.display for d in self.retriever.search(query)))
+
+    def _linked_pair(self, rng: random.Random, split: str, k: int):
+        """(two-hop question on x, one-hop question on another attribute of x) such that the
+        two-hop question's first search shows the one-hop question's fact."""
+        first_pos = k if self.config.answer_order == "descending" else 1
+        for _ in range(10000):
+            x, rel, attr = rng.choice(self.entities), rng.choice(self.config.relations), rng.choice(self.config.attributes)
+            two = (attr, rel, x)
+            if not self._allowed(two, split):
+                continue
+            shown = self.shown_facts(f"{marker('q', first_pos)} {x} {marker('k', first_pos)} {rel}")
+            cands = [a for a in self.config.attributes if (x, a) in shown and self._allowed((a, None, x), split)]
+            if cands:
+                return two, (rng.choice(cands), None, x)
+        raise DataError(f"no linked question pair found in the {split!r} split of this world")
 
     def vocabulary_texts(self) -> list[str]:
         """Every text the environment can show or expect, for building the tokenizer."""
@@ -366,6 +439,10 @@ class World:
 WORLD_PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "replication": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25, "answer_order": "descending"},
+    # the replication world with information-gap sets (half of them) and per-set turn
+    # budgets: the world where the view a teacher is shown can matter (docs/replication.md)
+    "info-gap": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25, "answer_order": "descending",
+                 "linked_frac": 0.5, "turn_budget": "efficient"},
 }
 
 

@@ -61,7 +61,7 @@ def test_default_world_is_unchanged(seed):
 
 
 def test_presets_and_their_errors():
-    assert set(WORLD_PRESETS) == {"default", "replication"}
+    assert set(WORLD_PRESETS) == {"default", "replication", "info-gap"}
     cfg = world_preset("replication", seed=3)
     assert cfg.preset == "replication" and cfg.seed == 3 and cfg.heldout_frac > 0
     assert WorldConfig.from_json(cfg.to_json()) == cfg

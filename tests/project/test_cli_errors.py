@@ -154,7 +154,7 @@ def test_real_exit_status_and_stderr():
     ("actor_lr=fast", "actor_lr must be a number, got 'fast'"),
     ("train_k=[2, x]", "train_k must be a list of integers"),
     ("policy=bogus", "policy must be one of full, suffix, summary, window, refresh, got 'bogus'"),
-    ("arm=ppo2", "arm must be one of ppo, persistent, memopd, got 'ppo2'"),
+    ("arm=ppo2", "arm must be one of ppo, persistent, memopd, broken_positions, broken_visibility, got 'ppo2'"),
     ("action_domain=all", "action_domain must be one of exact, naive, got 'all'"),
 ])
 def test_config_override_types(capsys, override, msg):

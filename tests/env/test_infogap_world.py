@@ -1,0 +1,239 @@
+"""The "info-gap" world preset and the rational expert rule (memopd/env/infogap.py): linked
+question pairs and their per-set turn budgets, the share of information-gap calls the
+plain expert's episodes hold, labels that differ between the compact and the flattened
+view on information-gap and perturbed states, and the SFT recipe the preset picks."""
+import random
+import re
+from dataclasses import replace
+
+import pytest
+
+from memopd.env import EnvConfig, QAEnv, World, build_tokenizer, rollout
+from memopd.env.expert import _parse_entries, expert_options
+from memopd.env.infogap import (
+    action_token_roles,
+    efficient_calls,
+    flattened_prompt,
+    gap_share,
+    information_gap_calls,
+    make_expert,
+    perturbed_state,
+    rational_action_text,
+)
+from memopd.env.sft import FLATTEN_VIEW, INFOGAP_MODEL_PRESETS, INFOGAP_SFT_PRESETS, SFTConfig, expert_examples, role_presets
+from memopd.env.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
+
+# The share of the plain (scripted) expert's calls on held-out Q2 sets that are
+# information-gap calls: 10.9% measured on 100 sets of seed 0; the range leaves room for
+# other seeds, and excludes both "no gap" and "every other call".
+GAP_SHARE_RANGE = (0.07, 0.16)
+
+
+@pytest.fixture(scope="module")
+def infogap():
+    world = World.generate(world_preset("info-gap"))
+    return world, build_tokenizer(world.vocabulary_texts(), kind="word")
+
+
+def _episodes(world, tok, expert, policy, k=2, n=60, split="eval", seed=0):
+    env = QAEnv.from_world(world, tok, EnvConfig(policy=policy))
+    return env, rollout(env, make_expert(expert, tok, world.config), world.sample_tasks(k, n, split=split, seed=seed),
+                        temperature=0.0)
+
+
+def test_preset_keeps_the_replication_sets_and_adds_links_in_their_own_stream(infogap):
+    assert "info-gap" in WORLD_PRESETS and world_preset("info-gap").preset == "info-gap"
+    rep = World.generate(world_preset("replication"))
+    # the replication world's tasks have neither new meta key (its streams are unchanged)
+    assert all(set(t.meta) == {"hops"} for t in rep.sample_tasks(2, 20, split="eval"))
+    # the info-gap world without links or budgets draws exactly the replication sets
+    plain = World.generate(replace(world_preset("info-gap"), linked_frac=0.0, turn_budget="default"))
+    for k in (2, 8):
+        a, b = rep.sample_tasks(k, 30, split="train", seed=4), plain.sample_tasks(k, 30, split="train", seed=4)
+        assert [t.questions for t in a] == [t.questions for t in b]
+    with pytest.raises(ValueError, match="linked_frac"):
+        WorldConfig(linked_frac=1.5)
+    with pytest.raises(ValueError, match="turn_budget must be one of default, efficient"):
+        WorldConfig(turn_budget="tight")
+
+
+def test_linked_sets_share_an_entity_whose_fact_the_first_search_shows(infogap):
+    world, _ = infogap
+    tasks = world.sample_tasks(2, 200, split="eval", seed=1)
+    linked = [t for t in tasks if t.meta["linked"]]
+    assert 0.4 <= len(linked) / len(tasks) <= 0.6  # half, as the preset asks
+    for t in linked:
+        two, one = parse_question(t.questions[1]), parse_question(t.questions[0])  # descending: b is worked first
+        assert two[1] is not None and one[1] is None and two[2] == one[2]
+        shown = world.shown_facts(f"qb {two[2]} kb {two[1]}")
+        assert (one[2], one[0]) in shown and shown[(one[2], one[0])] == t.answers[0][0]
+        # budget: the efficient expert reads the fact back (2 searches + answer) + 1
+        assert efficient_calls(world, t.questions) == 3 and t.meta["max_turns"] == 4
+    for t in tasks:
+        assert t.meta["max_turns"] >= sum(t.meta["hops"]) + 1  # the plain expert always fits
+
+
+@pytest.mark.parametrize("expert", ["scripted", "rational"])
+@pytest.mark.parametrize("policy", ["summary", "full"])
+def test_experts_solve_every_set_within_its_budget(infogap, expert, policy):
+    world, tok = infogap
+    for k in (2, 8):
+        _, trajs = _episodes(world, tok, expert, policy, k=k, n=40, split="train")
+        assert all(t.rewards["em_mean"] == 1.0 and t.info["finish"] == "answer" for t in trajs), (expert, policy, k)
+        assert all(t.info["turns"] <= t_.meta["max_turns"] for t, t_ in
+                   zip(trajs, world.sample_tasks(k, 40, split="train", seed=0)))
+
+
+def test_budget_is_enforced_per_set_unless_the_environment_fixes_one(infogap):
+    world, tok = infogap
+    task = next(t for t in world.sample_tasks(2, 20, split="eval") if t.meta["linked"])
+    assert QAEnv.from_world(world, tok).reset(task).max_turns == task.meta["max_turns"] == 4
+    assert QAEnv.from_world(world, tok, EnvConfig(max_turns=9)).reset(task).max_turns == 9
+    # a wasted call on a linked set leaves the plain expert one call short of answering
+    env = QAEnv.from_world(world, tok)
+    ep = env.reset(task)
+    ep.step(env.encode(" " + world.entities[0]))  # malformed: a format error uses up a turn
+    expert = make_expert("scripted", tok, world.config)
+    while not ep.done:
+        ep.step(expert.act(ep.prompt_ids()))
+    assert ep.finish == "budget" and ep.predictions is None
+
+
+def test_information_gap_share_of_the_plain_experts_calls(infogap):
+    world, tok = infogap
+    rational = make_expert("rational", tok, world.config)
+    _, trajs = _episodes(world, tok, "scripted", "summary", n=100)
+    share = gap_share(information_gap_calls(trajs, rational))
+    assert GAP_SHARE_RANGE[0] <= share <= GAP_SHARE_RANGE[1], share
+    # the gaps sit in linked sets; the replication world's Q2 calls have none
+    rep = World.generate(world_preset("replication"))
+    rtok = build_tokenizer(rep.vocabulary_texts(), kind="word")
+    _, rtrajs = _episodes(rep, rtok, "scripted", "summary", n=100)
+    assert gap_share(information_gap_calls(rtrajs, make_expert("rational", rtok, rep.config))) <= 0.02
+    # the rational expert's own compact episodes note what they see: no gap left
+    _, own = _episodes(world, tok, "rational", "summary", n=100)
+    assert gap_share(information_gap_calls(own, rational)) <= 0.01
+
+
+def test_labels_differ_between_views_at_information_gap_calls(infogap):
+    world, tok = infogap
+    rational = make_expert("rational", tok, world.config)
+    env, trajs = _episodes(world, tok, "scripted", "summary", n=60)
+    tasks = world.sample_tasks(2, 60, split="eval", seed=0)
+    seen = 0
+    for tr, task in zip(trajs, tasks):
+        for t, gap in enumerate(information_gap_calls([tr], rational)[0]):
+            if not gap:
+                continue
+            seen += 1
+            inv = tr.invocations[t]
+            compact = rational.action_text(list(inv.prefix_ids) + list(inv.context_ids))
+            flat = rational.action_text(flattened_prompt(tr, t))
+            attr, _, x = parse_question(task.questions[0])
+            # compact: the fact is gone, so it searches for it; flattened: it reads it back
+            assert compact.endswith(f"<search> qa {x} ka {attr}</search>"), compact
+            assert f"xa {task.answers[0][0]}" in flat and "<search> qa" not in flat, flat
+            assert task.meta["linked"]
+    assert seen >= 15
+
+
+def test_rule_on_text_corrects_from_visible_facts_and_re_searches_otherwise():
+    values = VALUE_SETS["multiword"]
+    qs = ["kalo ka city ?", "kalo kb friend rb job ?"]
+    obs = "kalo : city of kalo is tel aviv . | kalo : friend of kalo is mipu ."
+    # a corrupted entry: kept when nothing visible contradicts it, corrected when a fact does
+    assert rational_action_text(qs, " xb baker xa paris", [], values=values, descending=True).startswith(
+        "<mem> xb baker xa paris</mem><answer>")
+    assert rational_action_text(qs, " xb baker xa paris", [obs], values=values, descending=True).startswith(
+        "<mem> xb baker xa tel aviv</mem><answer>")
+    # a dropped entry: re-searched, or read back; a middle entity: its second hop
+    assert rational_action_text(qs, " xb baker", [], values=values, descending=True) == \
+        "<mem> xb baker xa</mem><search> qa kalo ka city</search>"
+    assert rational_action_text(qs, " xb", [obs], values=values, descending=True) == \
+        "<mem> xb mipu xa tel aviv</mem><search> rb job mipu</search>"
+    # not a value of the attribute: treated as missing
+    assert rational_action_text(qs, " xb baker xa dark red", [], values=values, descending=True).endswith(
+        "<search> qa kalo ka city</search>")
+
+
+def test_perturbed_states_are_recovered_from_the_history_only(infogap):
+    """Corrupt an entry of the notes of every later call: the rule under the full history
+    restores the true value (every noted fact came from an observation it still sees);
+    under compact memory it keeps some corrupted values (what it can no longer check)."""
+    world, tok = infogap
+    rational = make_expert("rational", tok, world.config)
+    tasks = world.sample_tasks(2, 40, split="train", seed=2)
+    kept_wrong = {"summary": 0, "full": 0}
+    states = {"summary": 0, "full": 0}
+    for policy in ("summary", "full"):
+        env, trajs = _episodes(world, tok, "rational", policy, n=40, split="train", seed=2)
+        rng = random.Random(0)
+        for tr, task in zip(trajs, tasks):
+            truth = {i + 1: a[0] for i, a in enumerate(task.answers)}
+            for inv in tr.invocations[1:]:
+                new = perturbed_state(inv.context_ids, tok, world, rng)
+                if new is None:
+                    continue
+                states[policy] += 1
+                text = rational.action_text(list(inv.prefix_ids) + new)
+                for i, vals in _parse_entries(re.search(r"<mem>(.*?)</mem>", text).group(1)):
+                    v = " ".join(vals)
+                    if v in VALUE_SETS["multiword"][parse_question(task.questions[i - 1])[0]] and v != truth[i]:
+                        kept_wrong[policy] += 1
+    assert states["summary"] > 20 and states["full"] > 20
+    assert kept_wrong["full"] == 0
+    assert kept_wrong["summary"] > 0
+
+
+def test_sft_data_of_the_teacher_recipe(infogap):
+    world, tok = infogap
+    specs, cfgs = role_presets(world.config)
+    assert specs == INFOGAP_MODEL_PRESETS and cfgs == INFOGAP_SFT_PRESETS
+    assert cfgs["teacher"].expert == "rational" and cfgs["teacher"].perturb_frac == pytest.approx(0.2)
+    assert set(cfgs["teacher"].policies) == {"summary", "full", FLATTEN_VIEW} and cfgs["teacher"].balance_policies
+    assert cfgs["student"].expert == "scripted" and cfgs["student"].steps == 1000
+    assert SFTConfig().expert == "scripted" and SFTConfig().perturb_frac == 0.0
+    env = QAEnv.from_world(world, tok, EnvConfig())
+    plain, _ = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational")
+    ex, stats = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational",
+                                perturb_frac=0.5)
+    assert stats["expert"] == "rational" and 40 <= stats["perturbed"] <= 140
+    # the perturbed examples replace some sampled calls, the others are as without perturbing
+    same = sum(a == b for a, b in zip(plain, ex))
+    assert same + stats["perturbed"] == len(ex)
+    with pytest.raises(ValueError, match="perturb_frac"):
+        expert_examples(world, env, (2,), 8, perturb_frac=1.0)
+    with pytest.raises(ValueError, match="unknown expert"):
+        make_expert("oracle", tok, world.config)
+    assert expert_options(world.config) == {"descending": True}
+
+
+def test_action_token_roles(infogap):
+    world, tok = infogap
+    env = QAEnv.from_world(world, tok)
+    x = world.entities[0]
+    ids = env.encode(f"<mem> xb blue</mem><search> qa {x} ka city</search>")
+    roles = action_token_roles(ids, env.tokens)
+    assert roles == ["memory"] * 4 + ["search"] * 6
+    ans = env.encode("<mem> xa blue</mem><answer> xa blue</answer>")
+    assert action_token_roles(ans, env.tokens) == ["memory"] * 4 + ["answer"] * 4
+    assert set(action_token_roles(env.encode(f" {x} city"), env.tokens)) == {"other"}
+
+
+def test_flatten_view_examples_are_the_persistent_history_labelled_by_the_rule(infogap):
+    world, tok = infogap
+    env = QAEnv.from_world(world, tok, EnvConfig())
+    rational = make_expert("rational", tok, world.config)
+    ex, stats = expert_examples(world, env, (2,), 60, policies=(FLATTEN_VIEW,), expert="rational", seed=1)
+    assert stats["calls_by_policy"] == {FLATTEN_VIEW: 60}
+    # the states are exactly the flattened histories of compact-memory episodes of the stream
+    _, trajs = _episodes(world, tok, "rational", "summary", n=60, split="train", seed=1000)
+    flat = {tuple(flattened_prompt(tr, t)) for tr in trajs for t in range(len(tr.invocations))}
+    hits = 0
+    for ids, n in ex:
+        assert ids[n:] == rational.act(ids[:n])  # labelled by the rule on that very state
+        hits += tuple(ids[:n]) in flat
+    assert hits > 0
+    # the longest Q16 example fits the teacher's positions
+    _, long = expert_examples(world, env, (16,), 20, policies=(FLATTEN_VIEW,), expert="rational")
+    assert 2048 < long["longest"] <= INFOGAP_MODEL_PRESETS["teacher"].max_position_embeddings

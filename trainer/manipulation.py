@@ -1,0 +1,237 @@
+"""The manipulation check run before any arm: does the teacher care which view it is shown?
+
+If the teacher prefers the same actions under the aligned calls (`memopd`) and the
+flattened history (`persistent`), the two arms get the same distillation target and no
+result of theirs can tell the views apart. `manipulation_check(cfg, bundle)` measures it
+on the SFT student's own rollouts of the training stream (Q2 by default), sampled as in
+training, through the trainer's own code paths: `update.score` gives the teacher's
+states under each layout (and the step-0 advantages), `Actor` (the fused ops) gives
+KL(student ‖ teacher) per token and the actor loss whose gradients are compared; there
+is no second KL here. It reports
+
+- `top1`: the share of action tokens whose teacher top-1 differs between the two views,
+  overall, at information-gap calls (`memopd.env.infogap.information_gap_calls`) and
+  elsewhere, and by token role (memory / search / answer);
+- `kl`: mean KL(s ‖ T_flat), mean KL(s ‖ T_aligned) and their difference;
+- `grad`: the norms of the step-0 gradients of the PPO part of the actor loss and of the
+  OPD term under each view, and the cosine of the two OPD gradients;
+- `opd_coef_matched`: λ such that ‖λ ∇OPD‖ = ‖∇PPO‖ at step 0 (∇OPD: the mean of the two
+  views' norms, so both teacher arms get the same λ);
+- `gate`: passed when the disagreement is at least `GATE_MIN_TOP1` of the action tokens
+  and the cosine below `GATE_MAX_COSINE`; else the arms cannot be told apart.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["manipulation_check", "gate", "format_check", "GATE_MIN_TOP1", "GATE_MAX_COSINE"]
+
+GATE_MIN_TOP1 = 0.10
+GATE_MAX_COSINE = 0.8
+VIEWS = (("aligned", "aligned"), ("flatten", "flatten"))  # (name, teacher layout)
+
+
+def gate(top1_all: float, cosine: float) -> dict:
+    """The gate's verdict on a check's overall disagreement and gradient cosine."""
+    reasons = []
+    if not top1_all >= GATE_MIN_TOP1:
+        reasons.append(f"the teacher's top-1 differs between the views at {100 * top1_all:.1f}% of action tokens "
+                       f"(needs >= {100 * GATE_MIN_TOP1:.0f}%)")
+    if not cosine < GATE_MAX_COSINE:
+        reasons.append(f"the two views' OPD gradients have cosine {cosine:.3f} (needs < {GATE_MAX_COSINE})")
+    return {"min_top1": GATE_MIN_TOP1, "max_cosine": GATE_MAX_COSINE, "passed": not reasons, "reasons": reasons}
+
+
+def _share(x: torch.Tensor, mask: torch.Tensor) -> float | None:
+    n = int(mask.sum())
+    return float(x[mask].float().mean()) if n else None
+
+
+def _grad_vector(params) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                      for p in params])
+
+
+def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 0) -> dict[str, Any]:
+    """The check on `bundle`'s student and teacher (`memopd.env.build.EnvironmentBundle`)
+    with `cfg`'s sampling and loss settings (`TrainConfig`): `tasks` sets of k questions
+    from the training stream, `cfg.group_size` rollouts each. See the module doc."""
+    from memopd.env.infogap import ROLES, action_token_roles, information_gap_calls, make_expert
+    from memopd.env.rollout import HFEngine, rollout
+    from memopd.env.world import WorldConfig
+    from memopd.hf import head_of
+
+    from .loop import resolve_vocab_size
+    from .modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
+    from .ppo import whiten
+    from .update import _pack, score
+
+    student, teacher, env, world = bundle.student, bundle.teacher, bundle.env, bundle.tasks
+    if teacher is None:
+        raise ValueError("the manipulation check needs the teacher loaded")
+    if not isinstance(getattr(world, "config", None), WorldConfig):
+        raise ValueError("the manipulation check runs on the generated world (its information-gap calls)")
+    teacher = teacher.eval().requires_grad_(False)
+    head_of(teacher)
+    head_of(student)
+    scoring = Scoring(cfg.temperature, resolve_vocab_size(cfg, env, student, teacher))
+    sets = world.sample_tasks(k, tasks, split="train", seed=seed)
+    student.eval()
+    engine = HFEngine(student, pad_id=env.tokens.pad, vocab_size=scoring.vocab_size)
+    with torch.no_grad():
+        trajs = rollout(env, engine, sets, group_size=cfg.group_size, temperature=cfg.temperature, seed=seed,
+                        group_prefix="check-")
+    actor = Actor(student, scoring=scoring)
+    critic = Critic(copy.deepcopy(student))
+    ref = copy.deepcopy(student).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    scored = {name: score(actor, critic, ref, teacher, trajs, teacher_layout=layout, max_tokens=cfg.max_tokens,
+                          kl_coef=cfg.kl_coef, gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
+              for name, layout in VIEWS}
+    batch = _pack(trajs, cfg.max_tokens, cfg.action_domain)
+    tb, tt, tk = batch.traj_index, batch.call_index, batch.token_index
+    # per entry: information-gap call, token role
+    expert = make_expert("rational", env.tokenizer, world.config)
+    gaps = information_gap_calls(trajs, expert)
+    roles = [[action_token_roles(inv.action_ids, env.tokens) for inv in tr.invocations] for tr in trajs]
+    gap = torch.tensor([gaps[b][t] for b, t in zip(tb.tolist(), tt.tolist())], dtype=torch.bool)
+    role = [roles[b][t][j] if j < len(roles[b][t]) else "other" for b, t, j in zip(tb.tolist(), tt.tolist(), tk.tolist())]
+    sampled = batch.is_sampled.bool()
+    # the teacher's top-1 under each view, from its head over the scored rows
+    thead = head_of(teacher)
+    V = scoring.vocab_size or int(thead.weight.shape[0])
+    top = {}
+    for name, _ in VIEWS:
+        h = scored[name].teacher_hidden
+        w = thead.weight[:V].to(h.dtype)
+        parts = []
+        for s in range(0, h.shape[0], 1024):
+            z = h[s:s + 1024] @ w.T
+            if thead.bias is not None:
+                z = z + thead.bias[:V].to(z.dtype)
+            parts.append(z.argmax(-1))
+        top[name] = torch.cat(parts).cpu()
+    differ = top["aligned"] != top["flatten"]
+    by_role = {r: _share(differ, sampled & torch.tensor([x == r for x in role], dtype=torch.bool)) for r in ROLES}
+    top1 = {"all": _share(differ, sampled), "gap_calls": _share(differ, sampled & gap),
+            "other_calls": _share(differ, sampled & ~gap), "by_role": {r: v for r, v in by_role.items() if v is not None}}
+    # KL(student || teacher) per token under each view, and the gradients, by micro-batch
+    # as the update runs them (one minibatch: the whole rollout batch)
+    thead_op = head_of(teacher)
+    mbs = batch.micro_batches(cfg.max_tokens)
+    n_act = float(batch.num_actions)
+    n_t = float(batch.teacher_mask.sum())
+    offsets = scored["aligned"].offsets
+    adv = whiten(scored["aligned"].advantages)
+    params = [p for p in student.parameters()]
+    was = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    kl_sum = {name: 0.0 for name, _ in VIEWS}
+    grads = {}
+    student.train()
+    try:
+        for which in ("ppo", "aligned", "flatten"):
+            for p in params:
+                p.grad = None
+            for mb in mbs:
+                gid = offsets[mb.traj_index, mb.call_index] + mb.token_index
+                tm = mb.teacher_mask.to(gid.device)
+                logp_old = scored["aligned"].logp_old[gid]
+                if which == "ppo":
+                    coefs = ActorLossCoefs(cfg.clip_eps, cfg.entropy_coef, 0.0)
+                    ppo = PPOInputs(logp_old, adv[gid], tm, coefs, normalizer=max(n_act, 1.0), kl_normalizer=max(n_t, 1.0))
+                    out = actor(mb, None, None, ppo=ppo)
+                else:
+                    coefs = ActorLossCoefs(cfg.clip_eps, 0.0, 1.0)
+                    ppo = PPOInputs(logp_old, torch.zeros_like(logp_old), tm, coefs, normalizer=max(n_act, 1.0),
+                                    kl_normalizer=max(n_t, 1.0))
+                    out = actor(mb, scored[which].teacher_hidden.index_select(0, gid), thead_op, ppo=ppo)
+                    kl_sum[which] += float((out.kl.detach() * tm.float()).sum())
+                out.loss.backward()
+            grads[which] = _grad_vector(params)
+    finally:
+        for p, r in zip(params, was):
+            p.grad = None
+            p.requires_grad_(r)
+        student.eval()
+    norms = {w: float(g.norm()) for w, g in grads.items()}
+    ga, gf = grads["aligned"], grads["flatten"]
+    cos = float((ga @ gf) / (ga.norm() * gf.norm())) if float(ga.norm()) > 0 and float(gf.norm()) > 0 else math.nan
+    kl = {name: kl_sum[name] / max(n_t, 1.0) for name, _ in VIEWS}
+    kl["flatten_minus_aligned"] = kl["flatten"] - kl["aligned"]
+    opd = 0.5 * (norms["aligned"] + norms["flatten"])
+    calls = sum(len(tr.invocations) for tr in trajs)
+    n_gap = sum(sum(r) for r in gaps)
+    return {
+        "k": k, "sets": tasks, "episodes": len(trajs), "calls": calls, "action_tokens": int(sampled.sum()),
+        "gap_calls": n_gap, "gap_call_share": n_gap / max(calls, 1),
+        "student_em": sum(float(tr.rewards["em_mean"]) for tr in trajs) / max(len(trajs), 1),
+        "top1": top1, "kl": kl,
+        "grad": {"ppo_norm": norms["ppo"], "opd_aligned_norm": norms["aligned"], "opd_flatten_norm": norms["flatten"],
+                 "cosine": cos},
+        "opd_coef_matched": norms["ppo"] / opd if opd > 0 else None,
+        "gate": gate(top1["all"] if top1["all"] is not None else 0.0, cos if not math.isnan(cos) else 1.0),
+    }
+
+
+def format_check(c: dict) -> str:
+    """The check as a few printable lines."""
+    t = c["top1"]
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    roles = ", ".join(f"{r} {pct(v)}" for r, v in t["by_role"].items())
+    g = c["grad"]
+    lam = c["opd_coef_matched"]
+    lines = [
+        f"manipulation check on the SFT student's Q{c['k']} rollouts: {c['episodes']} episodes, {c['calls']} calls, "
+        f"{c['action_tokens']} action tokens, {c['gap_calls']} information-gap calls ({pct(c['gap_call_share'])}); "
+        f"student EM {c['student_em']:.3f}",
+        f"  teacher top-1 aligned vs flattened differs at {pct(t['all'])} of action tokens "
+        f"(information-gap calls {pct(t['gap_calls'])}, other calls {pct(t['other_calls'])}; {roles})",
+        f"  KL(s||T_flat) - KL(s||T_aligned) = {c['kl']['flatten']:.4f} - {c['kl']['aligned']:.4f} = "
+        f"{c['kl']['flatten_minus_aligned']:+.4f}",
+        f"  OPD gradients: cosine {g['cosine']:.3f}, norms aligned {g['opd_aligned_norm']:.4g} / flattened "
+        f"{g['opd_flatten_norm']:.4g}; PPO gradient norm {g['ppo_norm']:.4g} -> matched opd_coef "
+        + ("-" if lam is None else f"{lam:.4g}"),
+        "  gate: " + ("passed" if c["gate"]["passed"] else "FAILED: " + "; ".join(c["gate"]["reasons"])),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m memopd.trainer.manipulation [--tasks N] [--json FILE] KEY=VALUE ...`: the
+    check alone, on the models and world a `memopd train` config names (the same keys:
+    student=, teacher=, world=, group_size=, ...)."""
+    import argparse
+    import json
+
+    from .config import TrainConfig
+    from .loop import prepare
+
+    p = argparse.ArgumentParser(prog="python -m memopd.trainer.manipulation", description=main.__doc__.split("\n")[0])
+    p.add_argument("--tasks", type=int, default=16, help="Q2 sets of the training stream (x group_size rollouts)")
+    p.add_argument("--k", type=int, default=2, help="questions per set (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the check as JSON here")
+    p.add_argument("overrides", nargs="*", help="memopd train settings (key=value)")
+    args = p.parse_args(argv)
+    cfg = TrainConfig.load(None, [*args.overrides, "arm=memopd"])
+    torch.set_num_threads(max(1, cfg.cpu_threads))
+    c = manipulation_check(cfg, prepare(cfg, log=lambda *_: None), k=args.k, tasks=args.tasks, seed=args.seed)
+    print(format_check(c))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(c, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
