@@ -39,8 +39,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import DistillParams, DistillStat, Divergence, LinearHead
-from .fused_distill import _dlogits_terms, _dlse_terms, _jsd_kl_terms
+from .contract import DistillParams, DistillStat, LinearHead
+
+# the divergence math and the DistillStat / Divergence constexprs of the tile kernels
+from .fused_distill import (
+    _AUX,
+    _DLSE,
+    _ENTROPY,
+    _FORWARD_KL,
+    _LSE_S,
+    _LSE_T,
+    _REVERSE_KL,
+    _dlogits_terms,
+    _dlse_terms,
+    _jsd_kl_terms,
+)
 from .lm_head_tiles import (
     ChunkGradients,
     compaction,
@@ -51,14 +64,6 @@ from .lm_head_tiles import (
     store_grad_piece,
 )
 from .runtime import INTERPRET, NEG, or_dummy
-
-_REVERSE_KL = tl.constexpr(int(Divergence.REVERSE_KL))
-_FORWARD_KL = tl.constexpr(int(Divergence.FORWARD_KL))
-_LSE_S = tl.constexpr(int(DistillStat.LSE_S))
-_LSE_T = tl.constexpr(int(DistillStat.LSE_T))
-_DLSE = tl.constexpr(int(DistillStat.DLSE))
-_AUX = tl.constexpr(int(DistillStat.AUX))
-_ENTROPY = tl.constexpr(int(DistillStat.ENTROPY))
 
 
 @triton.jit
