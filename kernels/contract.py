@@ -17,9 +17,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["DistillOutput", "LogProbEntropy", "ActorLossOutput", "Divergence", "DistillStat", "Partial", "ActorStat",
-           "PRECISE_LIMIT", "LinearHead", "head_tensors", "DistillParams", "ActorLossParams", "TRITON_HEAD_DIMS",
-           "TRITON_DTYPES"]
+__all__ = ["DistillOutput", "LogProbEntropy", "LogProbEntropyLoss", "ActorLossOutput", "Divergence", "DistillStat",
+           "Partial", "ActorStat", "PRECISE_LIMIT", "LinearHead", "head_tensors", "DistillParams", "ActorLossParams",
+           "TRITON_HEAD_DIMS", "TRITON_DTYPES"]
 
 # What the packed-attention kernels take (memopd.ops.attention refuses the rest for them).
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -38,6 +38,15 @@ class DistillOutput(NamedTuple):
 class LogProbEntropy(NamedTuple):
     """Result of the teacher-less op: per-token fp32 tensors [N] (0 where masked)."""
 
+    logprobs: Tensor
+    entropy: Tensor
+
+
+class LogProbEntropyLoss(NamedTuple):
+    """Result of the teacher-less op with a declared loss: the scalar loss and the
+    per-token fp32 tensors [N] (0 where masked), all three differentiable."""
+
+    loss: Tensor
     logprobs: Tensor
     entropy: Tensor
 

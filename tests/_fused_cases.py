@@ -110,3 +110,33 @@ class CountMatmuls(SeesInsideOurOps):
         # (below autograd, composite ops such as matmul reach the mode undecomposed)
         self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
                                           torch.ops.aten.matmul)
+
+
+def run_lpe_loss(fn, inp, logprob_weight, entropy_weight, extra=None, **kw):
+    """fused_linear_logprob_entropy_loss on the student of `inp`: (outputs, gradients of
+    out.loss plus the weighted per-token outputs named in `extra`, as `weighted_grads`)."""
+    out = fn(inp["hs"], inp["ws"], inp["y"], logprob_weight=logprob_weight, entropy_weight=entropy_weight,
+             bias=inp["bs"], mask=inp["mask"], **kw)
+    return out, weighted_grads(out, inp, dict({"loss": 1.0}, **(extra or {})))
+
+
+def reference_lpe_loss(inp, logprob_weight, entropy_weight, extra=None, ignore_index=-100, **kw):
+    """The float64 oracle of the declared loss Σ_kept (w_lp·logprobs + w_ent·entropy):
+    reference_linear_logprob_entropy and plain autograd; (outputs, gradients) as
+    `run_lpe_loss`."""
+    from memopd.ops import LogProbEntropyLoss, reference_linear_logprob_entropy
+
+    r = as64(inp)
+    ref = reference_linear_logprob_entropy(r["hs"], r["ws"], r["y"], bias=r["bs"], mask=r["mask"],
+                                           ignore_index=ignore_index, **kw)
+    keep = torch.ones_like(r["y"], dtype=torch.bool) if r["mask"] is None else r["mask"].clone()
+    if ignore_index is not None:
+        keep &= r["y"] != ignore_index
+
+    def term(w, x):
+        w = w.double() if isinstance(w, torch.Tensor) else float(w)
+        return torch.where(keep, w * x, 0.0).sum()
+
+    out = LogProbEntropyLoss(term(logprob_weight, ref.logprobs) + term(entropy_weight, ref.entropy),
+                             ref.logprobs, ref.entropy)
+    return out, weighted_grads(out, r, dict({"loss": 1.0}, **(extra or {})))

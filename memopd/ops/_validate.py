@@ -2,12 +2,13 @@
 entropy, actor loss, packed attention), shared by each op and its reference: tensor
 shapes, dtypes and devices, the temperature, the kept-token mask, the loss reduction, the
 target-range check, the finiteness of hidden states and heads under MEMOPD_DEBUG_CHECKS=1,
-the deprecated `kl_coef=` alias, and the backend choice (memopd.ops.dispatch) of the
+the per-token loss weights of the teacher-less loss, the deprecated `kl_coef=` alias, and the backend choice (memopd.ops.dispatch) of the
 fused lm-head ops.
 """
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from typing import Optional
@@ -227,6 +228,44 @@ def resolve_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_ma
         if not (math.isfinite(x) and x > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {x}")
     return float(clip_high), temperature, V, keep, kl_keep, normalizer, kl_normalizer
+
+
+def token_weight(value, name: str, N: int, device: torch.device, dtype: torch.dtype) -> Optional[Tensor]:
+    """A per-token weight of a declared loss (`fused_linear_logprob_entropy_loss`) as an
+    [N] `dtype` tensor on `device`, or None for the number 0 (that term then costs
+    nothing). A number must be finite; a tensor must be a floating [N] tensor on `device`
+    that does not require grad: the weights are constants of the loss, and a gradient
+    to them would be silently missing, so it is refused rather than detached."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
+        raise TypeError(f"{name} must be a Python float or an [N] floating tensor, got {type(value).__name__}")
+    if not isinstance(value, Tensor):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        return None if value == 0.0 else torch.full((N,), value, device=device, dtype=dtype)
+    if value.dim() != 1 or value.shape[0] != N:
+        raise ValueError(f"{name} must be a Python float or a 1-D tensor of N={N} entries, got shape "
+                         f"{tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device}, the hidden states on {device}: all tensors must be on one device")
+    if value.requires_grad:
+        raise ValueError(f"{name} requires grad, but the loss weights are constants of the declared loss (no "
+                         f"gradient reaches them): pass {name}.detach()")
+    return value.to(dtype).contiguous()
+
+
+def check_weights_finite(weights: dict, keep: Tensor) -> None:
+    """A NaN or inf weight at a kept token makes the loss and every gradient NaN: name the
+    weight and the first such token (masked tokens' weights are never read). Syncs."""
+    for name, w in weights.items():
+        if w is None:
+            continue
+        bad = keep & ~torch.isfinite(w)
+        if bool(bad.any()):
+            raise ValueError(f"{name} holds {int(bad.sum())} non-finite values (NaN or inf) at kept tokens, first "
+                             f"at token {int(bad.nonzero()[0, 0])}: the loss and its gradients would be NaN")
 
 
 def check_target_range(targets: Tensor, keep: Tensor, vocab_size: int) -> None:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..kernels.contract import DistillParams, DistillStat, Divergence, LinearHead, head_tensors
 
-__all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "loss_weight_grads",
+__all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "token_weight_grads",
            "student_outputs", "log1p_or_plain", "kl_from_sums", "stack_stats"]
 
 _TORCH_TOKEN_CHUNK = 1024  # rows of a token block (PyTorch path)
@@ -745,10 +745,12 @@ def _resident_plan(n_rows: int, V: int, H: int, n_heads: int, elem: int, chunk_s
 BlockGrads = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple]
 
 
-def loss_weight_grads(weight: float) -> BlockGrads:
-    """The block gradients of loss = weight · Σ_kept divergence (`torch_forward_with_grads`)."""
-    def grads(rows, div, lp, ent, st):
-        return torch.full_like(div, weight), None, None
+def token_weight_grads(weights: tuple) -> BlockGrads:
+    """The block gradients of a loss whose per-token weights are known before the call,
+    L = Σ_kept g_div·div + g_lp·logprob + g_ent·entropy, `weights` = (g_div, g_lp, g_ent),
+    each [N] or None (`torch_forward_with_grads`): each block takes its rows of them."""
+    def grads(rows, *_outputs):
+        return tuple(None if g is None else g.index_select(0, rows) for g in weights)
     return grads
 
 
@@ -759,8 +761,9 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
 
     `block_grads(rows, div, lp, ent, stats)` gives, for one token block (the kept rows
     `rows` and their outputs), the loss's (dL/d div, dL/d logprob, dL/d entropy) per
-    token, each [n] or None: a fixed weight for a reduced divergence
-    (`loss_weight_grads`), the PPO terms for the actor loss. Each token block's logit
+    token, each [n] or None: weights fixed before the call (`token_weight_grads`: the
+    reduced divergence, the teacher-less log-prob + entropy loss), the PPO terms for the
+    actor loss. Each token block's logit
     chunks are computed once and kept (`_HeadLogits` with a resident buffer): the
     statistics pass reads them, then the gradient pass consumes them, so the call runs
     4 lm-head-sized matmuls (3 without a teacher) instead of the 6 of forward +

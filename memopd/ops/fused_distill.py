@@ -19,14 +19,25 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.contract import DistillOutput, DistillParams, DistillStat, Divergence, LinearHead, LogProbEntropy, Partial
+from ..kernels.contract import (
+    DistillOutput,
+    DistillParams,
+    DistillStat,
+    Divergence,
+    LinearHead,
+    LogProbEntropy,
+    LogProbEntropyLoss,
+    Partial,
+)
 from . import _held_grads as held_grads
 from ._validate import (
     check_target_range,
+    check_weights_finite,
     choose_op_backend,
     keep_mask,
     reduce_loss,
     resolve_check_targets,
+    token_weight,
     validate_distill,
     validate_student_only,
 )
@@ -34,9 +45,9 @@ from .distill_torch import (
     compute_dtype,
     kl_from_sums,
     log1p_or_plain,
-    loss_weight_grads,
     stack_stats,
     student_outputs,
+    token_weight_grads,
     torch_backward,
     torch_forward,
     torch_forward_with_grads,
@@ -46,8 +57,10 @@ from .reference_distill import reference_linear_distill, reference_linear_logpro
 __all__ = [
     "DistillOutput",
     "LogProbEntropy",
+    "LogProbEntropyLoss",
     "fused_linear_distill",
     "fused_linear_logprob_entropy",
+    "fused_linear_logprob_entropy_loss",
     "fused_linear_reverse_kl",
     "reference_linear_distill",
     "reference_linear_logprob_entropy",
@@ -207,42 +220,45 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------
 # gradients in the forward (both back ends): the loss's gradients taken during the sweep
 # ----------------------------------------------------------------------------------
-def _loss_weights_on_device(keep: Tensor, mean: bool) -> Tensor:
-    """dL/d div per token of loss = Σ_kept div (/ n_kept when `mean`), as an [N] fp32
-    tensor made on the device (the count is never read back: no host sync)."""
-    g = torch.ones(keep.shape[0], device=keep.device, dtype=torch.float32)
-    return g.div_(keep.sum(dtype=torch.float32).clamp_min(1.0)) if mean else g
+def _loss_weights_on_device(keep: Tensor, mean: bool, dtype: torch.dtype) -> Tensor:
+    """dL/d div per token of loss = Σ_kept div (/ n_kept when `mean`), as an [N] tensor
+    made on the device (the count is never read back: no host sync)."""
+    g = torch.ones(keep.shape[0], device=keep.device, dtype=dtype)
+    return g.div_(keep.sum(dtype=dtype).clamp_min(1.0)) if mean else g
 
 
 @torch.library.custom_op("memopd::fused_distill_fwd_grad", mutates_args=())
 def _fwd_grad_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, need_dw: bool, need_db: bool,
-                 ht: Tensor, wt: Tensor, bt: Optional[Tensor], targets: Tensor, keep: Tensor,
+                 ht: Optional[Tensor], wt: Optional[Tensor], bt: Optional[Tensor], targets: Tensor, keep: Tensor,
+                 g_div: Optional[Tensor], g_lp: Optional[Tensor], g_ent: Optional[Tensor],
                  temperature: float, vocab_size: int, divergence: int, beta: float, chunk_size: int,
-                 token_chunk: int, mean: bool, check_targets: bool, backend: str
+                 token_chunk: int, check_targets: bool, backend: str
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(divergence, logprobs, entropy, stats, dh, dw, db) of loss = Σ_kept div (/ n_kept
-    when `mean`); absent gradients are empty tensors. `backend` "triton" runs
-    `memopd.kernels.distill_rows.distill_forward_with_grads`, "torch" the PyTorch sweep."""
+    """(divergence, logprobs, entropy, stats, dh, dw, db) of the loss given by per-token
+    weights, L = Σ_kept g_div·div + g_lp·logprob + g_ent·entropy (each [N] in the compute
+    dtype, or None; no teacher: g_div None); absent gradients are empty tensors.
+    `backend` "triton" runs `memopd.kernels.distill_rows.distill_forward_with_grads`,
+    "torch" the PyTorch sweep."""
     if check_targets:
         check_target_range(targets, keep, vocab_size)
     student, teacher = _heads(hs, ws, bs, ht, wt, bt)
     params = DistillParams(temperature, vocab_size, Divergence(divergence), beta, chunk_size, token_chunk)
     need = (need_dh, need_dw, need_db)
+    weights = (g_div, g_lp, g_ent)
     if backend == "triton":
         div, lp, ent, stats, dh, dw, db = _rows_kernels().distill_forward_with_grads(
-            (_loss_weights_on_device(keep, mean), None, None), student, teacher, targets, keep, params, need)
+            weights, student, teacher, targets, keep, params, need)
     else:
-        weight = 1.0 / max(1, int(keep.sum())) if mean else 1.0
         div, lp, ent, stats, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, params,
-                                                                   loss_weight_grads(weight), need)
+                                                                   token_weight_grads(weights), need)
     empty = hs.new_empty((0,))
     return (div, lp, ent, stats, dh if dh is not None else empty, dw if dw is not None else empty,
             db if db is not None else empty)
 
 
 @_fwd_grad_op.register_fake
-def _fwd_grad_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, keep, temperature, vocab_size,
-                   divergence, beta, chunk_size, token_chunk, mean, check_targets, backend):
+def _fwd_grad_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, keep, g_div, g_lp, g_ent,
+                   temperature, vocab_size, divergence, beta, chunk_size, token_chunk, check_targets, backend):
     div, lp, ent, stats = _fwd_fake(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_size, divergence,
                                     beta, chunk_size, token_chunk, "torch", check_targets)
     empty = hs.new_empty((0,))
@@ -251,27 +267,46 @@ def _fwd_grad_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, k
             torch.empty_like(bs) if (need_db and bs is not None) else empty)
 
 
+_WEIGHTED = "weighted"  # the `reduction` of `_DistillGradsInForward` for a loss given by per-token weights
+
+
+def _declared_loss(div: Tensor, lp: Tensor, ent: Tensor, keep: Tensor, weights: tuple, reduction: str) -> Tensor:
+    """The scalar loss whose gradients `_fwd_grad_op` takes: the distillation op's reduced
+    divergence, or (`_WEIGHTED`) Σ_kept of the weighted per-token outputs (a weight at a
+    masked token is never read, so it may be anything)."""
+    if reduction != _WEIGHTED:
+        return reduce_loss(div, keep, reduction)
+    total = lp[:0].sum()  # 0, on the graph of `lp` even when every weight is the number 0
+    for g, x in zip(weights, (div, lp, ent)):
+        if g is not None:
+            total = total + torch.where(keep, g * x, 0.0).sum()
+    return total
+
+
 class _DistillGradsInForward(torch.autograd.Function):
-    """Autograd around `_fwd_grad_op`: the gradients of `loss` were taken in the forward
-    (held by `memopd.ops._held_grads`) and are only scaled here. Gradients that reach the
-    per-token outputs (kl, logprobs, entropy) as well go through the recomputing backward
-    and are added, so every output stays differentiable."""
+    """Autograd around `_fwd_grad_op`: the gradients of the declared loss (the reduced
+    divergence, or the teacher-less weighted log-prob + entropy) were taken in the
+    forward (held by `memopd.ops._held_grads`) and are only scaled here. Gradients that
+    reach the per-token outputs (kl, logprobs, entropy) as well go through the
+    recomputing backward and are added, so every output stays differentiable."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, need: tuple, ht, wt, bt, targets, keep, temperature, vocab_size, divergence,
-                beta, chunk_size, token_chunk, reduction, check_targets, backend):
+    def forward(ctx, hs, ws, bs, need: tuple, ht, wt, bt, targets, keep, g_div, g_lp, g_ent, temperature,
+                vocab_size, divergence, beta, chunk_size, token_chunk, reduction, check_targets, backend):
         div, lp, ent, stats, dh, dw, db = _fwd_grad_op(
-            hs, ws, bs, *need, ht, wt, bt, targets, keep, temperature, vocab_size, divergence, beta, chunk_size,
-            token_chunk, reduction == "mean", check_targets, backend)
+            hs, ws, bs, *need, ht, wt, bt, targets, keep, g_div, g_lp, g_ent, temperature, vocab_size, divergence,
+            beta, chunk_size, token_chunk, check_targets, backend)
         ctx.set_materialize_grads(False)
         ctx.need = need
         ctx.scalars = (temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend)
+        ctx.op_name = ("fused_linear_logprob_entropy_loss" if ht is None else "fused_linear_distill") + \
+            "(gradients='forward')"
         held_grads.hold(ctx, (dh, dw, db), saved=(hs, ws, bs, ht, wt, bt, targets, keep, stats))
-        return reduce_loss(div, keep, reduction), div, lp, ent
+        return _declared_loss(div, lp, ent, keep, (g_div, g_lp, g_ent), reduction), div, lp, ent
 
     @staticmethod
     def backward(ctx, g_loss, g_div, g_lp, g_ent):
-        grads, saved = held_grads.take(ctx, "fused_linear_distill(gradients='forward')")
+        grads, saved = held_grads.take(ctx, ctx.op_name)
         out = [held_grads.scaled(g_loss, g) if need else None for g, need in zip(grads, ctx.need)]
         del grads
         if g_div is not None or g_lp is not None or g_ent is not None:
@@ -390,8 +425,10 @@ def fused_linear_distill(
     need = (grad_on and hs.requires_grad, grad_on and ws.requires_grad,
             grad_on and bs is not None and bs.requires_grad)
     if _gradient_mode(gradients, be, reduction, need) == "forward":
+        keep = keep.contiguous()
+        g_div = _loss_weights_on_device(keep, reduction == "mean", compute_dtype(hs, ht))
         loss, div, lp, ent = _DistillGradsInForward.apply(
-            hs, ws, bs, need, ht, wt, bt, targets.contiguous(), keep.contiguous(), temperature, vocab_size,
+            hs, ws, bs, need, ht, wt, bt, targets.contiguous(), keep, g_div, None, None, temperature, vocab_size,
             int(div_code), beta, int(chunk_size or 0), int(token_chunk_size or 0), reduction, check_targets, be)
         return DistillOutput(loss, div, lp, ent)
     div, lp, ent, _stats = _fwd_op(
@@ -486,3 +523,80 @@ def fused_linear_logprob_entropy(
         int(chunk_size or 0), int(token_chunk_size or 0), be, check_targets)
     return LogProbEntropy(lp, ent)
 
+
+
+def fused_linear_logprob_entropy_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    logprob_weight,
+    entropy_weight,
+    bias: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    ignore_index: Optional[int] = -100,
+    backend: Optional[str] = None,
+    token_chunk_size: Optional[int] = None,
+    check_targets: Optional[bool] = None,
+    gradients: Optional[str] = None,
+) -> LogProbEntropyLoss:
+    """`fused_linear_logprob_entropy` with its loss declared, so that its gradients can be
+    taken in the forward: the teacher-less counterpart of `fused_linear_distill`'s `loss`.
+
+        loss = Σ_kept (logprob_weight[i]·logprobs[i] + entropy_weight[i]·entropy[i])
+
+    e.g. a REINFORCE / GRPO-style `-Σ A·logprobs - c·Σ entropy` is
+    `logprob_weight=-advantages, entropy_weight=-c`. Fold any normalisation into the
+    weights (divide by the global token count for micro-batches and ranks).
+
+    Args:
+        hidden, weight, targets, bias, mask, temperature, vocab_size, chunk_size,
+            ignore_index, backend, token_chunk_size: as in `fused_linear_logprob_entropy`.
+        logprob_weight, entropy_weight: a Python float (0 drops that term and its work)
+            or an [N] floating tensor on the hidden states' device, constants of the loss:
+            a tensor that requires grad is refused (pass it detached). Their entries at
+            masked tokens are never read. A non-finite number is refused always, a
+            non-finite tensor entry at a kept token where `check_targets` is on.
+        check_targets: as in `fused_linear_distill`; also checks the weight tensors.
+        gradients: "forward" / "recompute" / None ("auto"), as in `fused_linear_distill`:
+            "forward" (the default when an input requires grad) takes the loss's
+            gradients in the forward sweep, 3 lm-head-sized matmuls (logits, dH, dW)
+            against the 4 of a forward plus a recomputing backward, and holds the weight
+            gradient from the forward on; "recompute" computes the outputs only and lets
+            the backward recompute the logits (a ZeRO-3 / FSDP head gathered only for
+            the forward: docs/deepspeed.md §4).
+
+    Returns:
+        LogProbEntropyLoss(loss, logprobs, entropy): the scalar loss (fp32, float64 for
+        float64 inputs on the PyTorch path) and the per-token outputs of
+        `fused_linear_logprob_entropy`. All three are differentiable: gradients that
+        reach the per-token outputs as well go through the recomputing backward and are
+        added to the held ones (the cost of a "recompute" backward for them).
+    """
+    temperature, vocab_size = validate_student_only(hidden, weight, bias, targets, mask,
+                                                    temperature, vocab_size)
+    dev = hidden.device
+    be = choose_op_backend("fused_linear_logprob_entropy_loss", backend, dev, hidden.dtype)
+    check_targets = resolve_check_targets(check_targets, dev)
+    keep = keep_mask(targets, mask, ignore_index).contiguous()
+    N, cdt = hidden.shape[0], compute_dtype(hidden)
+    g_lp = token_weight(logprob_weight, "logprob_weight", N, dev, cdt)
+    g_ent = token_weight(entropy_weight, "entropy_weight", N, dev, cdt)
+    if check_targets and not torch.compiler.is_compiling():  # a host sync: eager only
+        check_weights_finite({"logprob_weight": g_lp, "entropy_weight": g_ent}, keep)
+    h, w, y = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    b = None if bias is None else bias.contiguous()
+    grad_on = torch.is_grad_enabled()
+    need = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
+    scalars = (temperature, vocab_size, int(Divergence.REVERSE_KL), 0.5, int(chunk_size or 0),
+               int(token_chunk_size or 0))
+    if _gradient_mode(gradients, be, "sum", need) == "forward":
+        loss, _div, lp, ent = _DistillGradsInForward.apply(h, w, b, need, None, None, None, y, keep, None, g_lp,
+                                                           g_ent, *scalars, _WEIGHTED, check_targets, be)
+    else:
+        div, lp, ent, _stats = _fwd_op(h, w, b, None, None, None, y, keep, *scalars, be, check_targets)
+        loss = _declared_loss(div, lp, ent, keep, (None, g_lp, g_ent), _WEIGHTED)
+    return LogProbEntropyLoss(loss, lp, ent)

@@ -14,13 +14,24 @@ import weakref
 
 import pytest
 import torch
-from _fused_cases import CountMatmuls, LargestTensor, as64, make_inputs, run_lpe, weighted_grads
+from _fused_cases import (
+    CountMatmuls,
+    LargestTensor,
+    as64,
+    make_inputs,
+    reference_lpe_loss,
+    run_lpe,
+    run_lpe_loss,
+    weighted_grads,
+)
 
 from memopd.ops import (
     DistillOutput,
     LogProbEntropy,
+    LogProbEntropyLoss,
     fused_linear_distill,
     fused_linear_logprob_entropy,
+    fused_linear_logprob_entropy_loss,
     fused_linear_reverse_kl,
     reference_linear_distill,
     reference_linear_logprob_entropy,
@@ -725,6 +736,257 @@ def test_lpe_bad_inputs_raise(case):
     if "target" not in case and case != "backend":  # the reference validates the same way
         with pytest.raises(exc, match=match):
             reference_linear_logprob_entropy(a["h"], a["w"], a["y"], **kw)
+
+
+# ----------------------------------------------------------------------------------
+# teacher-less mode with its loss declared: fused_linear_logprob_entropy_loss
+# ----------------------------------------------------------------------------------
+def lpe_weights(seed, N, kind):
+    """(logprob_weight, entropy_weight): per-token tensors, Python floats, or one of each."""
+    g = torch.Generator().manual_seed(seed + 21)
+    adv, ent = torch.randn(N, generator=g), 0.5 * torch.randn(N, generator=g)
+    return {"tensors": (-adv, ent), "floats": (-0.7, -0.01), "mixed": (-adv, -0.01)}[kind]
+
+
+def compare_lpe_loss(seed, inp, weights, kw, extra=None, val_tol=(2e-5, 2e-5), grad_tol=(2e-5, 1e-4), **fused_kw):
+    out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *weights, extra=extra, **kw, **fused_kw)
+    ref, gr = reference_lpe_loss(inp, *weights, extra=extra, **kw)
+    assert isinstance(out, LogProbEntropyLoss) and out.loss.dim() == 0
+    for name in ("loss", "logprobs", "entropy"):
+        assert_close(getattr(out, name), getattr(ref, name), *val_tol, name, seed)
+    for name, a, b in zip(("d_hidden", "d_weight", "d_bias"), g, gr):
+        assert_close(a, b, grad_tol[0] * (b.abs().max().item() + 1e-12), grad_tol[1], name, seed)
+    return out, g
+
+
+LPE_LOSS_CASES = {
+    # ragged N over several token blocks, vocabulary not a multiple of the chunk
+    "ragged": dict(inp=dict(N=37, V=301), kw=dict(temperature=1.3), fused=dict(chunk_size=64, token_chunk_size=10)),
+    # padded lm_head: 128 rows past vocab_size with huge logits (they must get no gradient)
+    "vocab_tail": dict(inp=dict(N=29, V=517), kw=dict(vocab_size=389, temperature=0.7), fused=dict(chunk_size=100),
+                       pad=389),
+    # no bias, hot logits, a one-column chunk edge
+    "no_bias_hot": dict(inp=dict(N=33, V=250, bias=False, scale=1.5), kw=dict(temperature=2.5),
+                        fused=dict(chunk_size=7)),
+    # most rows masked, default blocking
+    "mostly_masked": dict(inp=dict(N=64, V=1000, mask_p=0.8), kw=dict(temperature=0.5), fused={}),
+}
+
+
+@pytest.mark.parametrize("gradients", ["forward", "recompute"])
+@pytest.mark.parametrize("kind", ["tensors", "floats", "mixed"])
+@pytest.mark.parametrize("case", list(LPE_LOSS_CASES))
+def test_lpe_loss_vs_float64(seed, case, kind, gradients):
+    c = LPE_LOSS_CASES[case]
+    inp = make_inputs(seed, **c["inp"])
+    if "pad" in c:
+        inp["y"] = inp["y"] % c["pad"]
+        with torch.no_grad():
+            inp["ws"][c["pad"]:] = 50.0
+            if inp["bs"] is not None:
+                inp["bs"][c["pad"]:] = 100.0
+    N = inp["hs"].shape[0]
+    out, g = compare_lpe_loss(seed, inp, lpe_weights(seed, N, kind), c["kw"], gradients=gradients, **c["fused"])
+    m = inp["mask"]
+    assert (out.logprobs[~m] == 0).all() and (out.entropy[~m] == 0).all(), f"seed={seed}"
+    assert (g[0][~m] == 0).all(), f"masked rows of dH must be 0 (seed={seed})"
+    assert g[0].abs().sum() > 0 and g[1].abs().sum() > 0, f"zero gradient (seed={seed})"
+    if "pad" in c:
+        assert g[1][c["pad"]:].abs().max() == 0, f"padded rows of dW must be 0 (seed={seed})"
+        assert g[2][c["pad"]:].abs().max() == 0, f"padded bias grad must be 0 (seed={seed})"
+
+
+def test_lpe_loss_float64_tight(seed):
+    inp = as64(make_inputs(seed, N=31, V=203))
+    inp["y"] = inp["y"] % 190
+    w = tuple(x.double() for x in lpe_weights(seed, 31, "tensors"))
+    out, g = compare_lpe_loss(seed, inp, w, dict(temperature=0.8, vocab_size=190), val_tol=(1e-11, 1e-10),
+                              grad_tol=(1e-11, 1e-9), chunk_size=50, token_chunk_size=9)
+    assert out.loss.dtype == torch.float64 and g[1].dtype == torch.float64
+
+
+def test_lpe_loss_bf16(seed):
+    inp = make_inputs(seed, N=32, dtype=torch.bfloat16)
+    out, g = compare_lpe_loss(seed, inp, lpe_weights(seed, 32, "mixed"), dict(temperature=1.2),
+                              grad_tol=(1e-2, 1e-2))
+    assert out.loss.dtype == torch.float32 and g[1].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("gradients", ["forward", "recompute"])
+def test_lpe_loss_with_per_token_gradients_too(seed, gradients):
+    """Gradients reaching logprobs / entropy as well as the loss: the held loss gradient
+    plus the recomputed per-token ones, against float64."""
+    inp = make_inputs(seed, N=45, V=257)
+    extra = {"logprobs": rand_w(seed, 45), "entropy": rand_w(seed + 1, 45)}
+    compare_lpe_loss(seed, inp, lpe_weights(seed, 45, "tensors"), dict(temperature=1.2), extra=extra,
+                     gradients=gradients, chunk_size=60)
+
+
+def test_lpe_loss_all_masked(seed):
+    inp = make_inputs(seed, N=24, V=130)
+    N = 24
+    for mask, y in ((torch.zeros(N, dtype=torch.bool), inp["y"]), (None, torch.full_like(inp["y"], -100))):
+        for gradients in ("forward", "recompute"):
+            out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, dict(inp, mask=mask, y=y),
+                                  *lpe_weights(seed, N, "tensors"), gradients=gradients)
+            assert out.loss.item() == 0.0, f"{gradients} (seed={seed})"
+            for t in (out.logprobs, out.entropy, *g):
+                assert torch.isfinite(t).all() and t.abs().max() == 0, f"{gradients} (seed={seed})"
+
+
+def test_lpe_loss_masked_weights_are_never_read(seed):
+    """NaN / inf weights at masked tokens (padding) change nothing; ignore_index masks
+    exactly like mask=."""
+    inp = make_inputs(seed, N=40, V=200)
+    lp_w, ent_w = lpe_weights(seed, 40, "tensors")
+    m = inp["mask"]
+    bad_lp = torch.where(m, lp_w, float("nan"))
+    bad_ent = torch.where(m, ent_w, float("inf"))
+    for gradients in ("forward", "recompute"):
+        a, ga = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, ent_w, gradients=gradients)
+        b, gb = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, bad_lp, bad_ent, gradients=gradients)
+        y_ign = torch.where(m, inp["y"], torch.full_like(inp["y"], -100))
+        c, gc = run_lpe_loss(fused_linear_logprob_entropy_loss, dict(inp, mask=None, y=y_ign), bad_lp, bad_ent,
+                             gradients=gradients)
+        for x, y_, z in zip((a.loss, *ga), (b.loss, *gb), (c.loss, *gc)):
+            assert torch.equal(x, y_) and torch.equal(x, z), f"{gradients} (seed={seed})"
+
+
+def test_lpe_loss_matches_the_per_token_op(seed):
+    """The outputs are those of fused_linear_logprob_entropy; both gradient modes agree
+    to fp32 rounding; a float weight equals the same constant as a tensor, and the
+    number 0 equals a zero tensor (it only drops that term's work)."""
+    inp = make_inputs(seed, N=50, V=333)
+    kw = dict(temperature=1.7, chunk_size=64)
+    lpe = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
+    lp_w, _ = lpe_weights(seed, 50, "tensors")
+    fwd, gf = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, -0.01, gradients="forward", **kw)
+    rec, gr = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, -0.01, gradients="recompute", **kw)
+    auto, ga = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, torch.full((50,), -0.01), **kw)
+    for name in ("logprobs", "entropy"):
+        assert_close(getattr(fwd, name), getattr(lpe, name), 1e-6, 1e-6, name, seed)
+        assert torch.equal(getattr(rec, name), getattr(lpe, name)), f"{name} (seed={seed})"
+    assert_close(fwd.loss, rec.loss, 1e-5, 1e-6, "loss", seed)
+    assert torch.equal(fwd.loss, auto.loss), f"float vs tensor weight (seed={seed})"
+    for x, y_, z in zip(gf, gr, ga):
+        assert_close(x, y_, 1e-5 * y_.abs().max().item(), 1e-5, "forward vs recompute", seed)
+        assert torch.equal(x, z), f"float vs tensor weight grads (seed={seed})"
+    zero, gz = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, 0.0, **kw)
+    zt, gzt = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, torch.zeros(50), **kw)
+    assert torch.equal(zero.loss, zt.loss), seed
+    for x, y_ in zip(gz, gzt):
+        assert_close(x, y_, 1e-7 * y_.abs().max().item(), 1e-6, "weight 0 vs zero tensor", seed)
+    # both weights the number 0: a zero loss that still backpropagates (zeros)
+    none, gn = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, 0.0, 0.0, gradients="recompute", **kw)
+    assert none.loss.item() == 0.0 and all(x.abs().max() == 0 for x in gn), seed
+
+
+@pytest.mark.parametrize("weights", ["both", "logprob", "entropy"])
+def test_lpe_loss_runs_three_matmuls_per_chunk(seed, weights):
+    """Forward mode: logits, dH, dW per chunk, and a backward with no matmul at all;
+    recompute mode: the forward's logits, then the backward's logits, dH and dW."""
+    inp = make_inputs(seed, N=40, V=300)
+    lp_w, ent_w = lpe_weights(seed, 40, "tensors")
+    w = {"both": (lp_w, ent_w), "logprob": (lp_w, 0.0), "entropy": (0.0, ent_w)}[weights]
+    params = [inp["hs"], inp["ws"], inp["bs"]]
+    counts = {}
+    for mode in ("forward", "recompute"):
+        with CountMatmuls() as fwd:
+            out = fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+                                                    entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"],
+                                                    chunk_size=64, gradients=mode)
+        with CountMatmuls() as bwd:
+            torch.autograd.grad(out.loss, params)
+        counts[mode] = (fwd.n, bwd.n)
+    # ceil(300 / 64) = 5 vocabulary chunks, one token block
+    assert counts == {"forward": (3 * 5, 0), "recompute": (5, 3 * 5)}, counts
+
+
+def test_lpe_loss_never_materialises_tokens_by_vocab(seed):
+    N, H, V = 256, 16, 4096
+    inp = make_inputs(seed, N=N, Hs=H, V=V, mask_p=0.1)
+    n_kept = int(inp["mask"].sum())
+    with LargestTensor() as mode:
+        run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *lpe_weights(seed, N, "tensors"), chunk_size=256)
+    assert mode.inner_ops > 100  # the probe sees the chunks inside the custom ops
+    # the [V, H] weight gradient, or one token block's resident logits (<= a quarter of the kept tokens)
+    assert mode.largest <= max(V * H, -(-n_kept // 4) * V) < N * V // 4, (mode.largest, mode.op)
+
+
+def test_lpe_loss_refuses_a_second_backward_and_no_grad_matches(seed):
+    inp = make_inputs(seed, N=30, V=150)
+    w = lpe_weights(seed, 30, "tensors")
+    out, _ = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *w, gradients="forward")
+    again = fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+                                              entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"])
+    again.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="fused_linear_logprob_entropy_loss.*computes its gradients once"):
+        again.loss.backward()
+    with torch.no_grad():
+        ng = fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+                                               entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"])
+    assert ng.loss.grad_fn is None
+    for name in ("loss", "logprobs", "entropy"):
+        assert_close(getattr(ng, name), getattr(out, name), 1e-6, 1e-6, name, seed)
+
+
+def test_lpe_loss_torch_compile_matches_eager(seed):
+    torch._dynamo.reset()
+    inp = make_inputs(seed, N=24, V=130)
+    adv = rand_w(seed, 24)
+
+    def grpo(h, w, b, y, mask):
+        out = fused_linear_logprob_entropy_loss(h, w, y, logprob_weight=-adv, entropy_weight=-0.01, bias=b,
+                                                mask=mask, temperature=1.1)
+        return out.loss, out.logprobs
+
+    args = (inp["hs"], inp["ws"], inp["bs"], inp["y"], inp["mask"])
+    eager, lp_e = grpo(*args)
+    ge = torch.autograd.grad(eager, [inp["hs"], inp["ws"], inp["bs"]])
+    comp, lp_c = torch.compile(grpo, fullgraph=True)(*args)
+    gc = torch.autograd.grad(comp, [inp["hs"], inp["ws"], inp["bs"]])
+    assert_close(comp, eager, 1e-6, 1e-6, "compiled loss", seed)
+    assert_close(lp_c, lp_e, 1e-7, 1e-6, "compiled logprobs", seed)
+    for a, b in zip(gc, ge):
+        assert_close(a, b, 1e-6, 1e-5, "compiled grad", seed)
+
+
+def _lpe_loss_bad_cases():
+    N = 6
+    return {
+        "nan number": (dict(logprob_weight=float("nan")), ValueError, "logprob_weight must be a finite number"),
+        "inf number": (dict(entropy_weight=float("-inf")), ValueError, "entropy_weight must be a finite number"),
+        "nan at a kept token": (dict(logprob_weight=torch.tensor([1.0, float("nan")] + [0.0] * (N - 2))),
+                                ValueError, "logprob_weight holds 1 non-finite .* first at token 1"),
+        "overflows its dtype": (dict(entropy_weight=torch.full((N,), 1e300, dtype=torch.float64)), ValueError,
+                                "entropy_weight holds 6 non-finite"),
+        "too long": (dict(logprob_weight=torch.ones(N + 1)), ValueError, "1-D tensor of N=6 entries"),
+        "2-D": (dict(entropy_weight=torch.ones(N, 1)), ValueError, "1-D tensor of N=6 entries"),
+        "0-D": (dict(logprob_weight=torch.tensor(1.0)), ValueError, "1-D tensor of N=6 entries"),
+        "integer tensor": (dict(logprob_weight=torch.ones(N, dtype=torch.long)), TypeError, "floating tensor"),
+        "bool": (dict(entropy_weight=True), TypeError, "Python float or an \\[N\\] floating tensor"),
+        "string": (dict(logprob_weight="adv"), TypeError, "Python float"),
+        "requires grad": (dict(logprob_weight=torch.ones(N, requires_grad=True)), ValueError,
+                          "requires grad.*logprob_weight.detach\\(\\)"),
+        "other device": (dict(entropy_weight=torch.ones(N, device="meta")), ValueError, "one device"),
+        "gradients mode": (dict(gradients="later"), ValueError, "gradients must be one of"),
+        "target out of range": (dict(targets=torch.full((N,), 20)), ValueError, "out of range"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_lpe_loss_bad_cases()))
+def test_lpe_loss_bad_inputs_raise(case):
+    kw, exc, match = _lpe_loss_bad_cases()[case]
+    kw = dict(dict(logprob_weight=-1.0, entropy_weight=-0.01), **kw)
+    y = kw.pop("targets", torch.randint(0, 20, (6,)))
+    with pytest.raises(exc, match=match):
+        fused_linear_logprob_entropy_loss(torch.randn(6, 8, requires_grad=True), torch.randn(20, 8), y, **kw)
+
+
+def test_lpe_loss_weights_are_required():
+    with pytest.raises(TypeError, match="entropy_weight"):
+        fused_linear_logprob_entropy_loss(torch.randn(6, 8), torch.randn(20, 8), torch.zeros(6, dtype=torch.long),
+                                          logprob_weight=1.0)
 
 
 # ----------------------------------------------------------------------------------

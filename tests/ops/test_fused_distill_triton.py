@@ -29,7 +29,7 @@ import sys
 import _fused_cases as cases
 import pytest
 import torch
-from _fused_cases import as64, run_lpe, weighted_grads
+from _fused_cases import as64, reference_lpe_loss, run_lpe, run_lpe_loss, weighted_grads
 
 _CHILD = os.environ.get("MEMOPD_TRITON_INTERP_CHILD") == "1"
 _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -50,6 +50,7 @@ if IN_PROCESS:
 from memopd.ops import (  # noqa: E402
     fused_linear_distill,
     fused_linear_logprob_entropy,
+    fused_linear_logprob_entropy_loss,
     reference_linear_distill,
     reference_linear_logprob_entropy,
 )
@@ -276,6 +277,99 @@ def test_lpe_float64_refused_on_triton():
     h, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
     with pytest.raises(BackendError, match="float64"):
         fused_linear_logprob_entropy(h, w, torch.zeros(4, dtype=torch.long), backend="triton")
+
+
+# ----------------------------------------------------------------------------------
+# teacher-less mode with its loss declared: fused_linear_logprob_entropy_loss (the
+# forward-grads row kernel without a teacher, or the recomputing kernels)
+# ----------------------------------------------------------------------------------
+def lpe_loss_weights(seed, N):
+    g = torch.Generator().manual_seed(seed + 21)
+    return -torch.randn(N, generator=g), 0.5 * torch.randn(N, generator=g)
+
+
+def check_lpe_loss(seed, inp, weights, kw, extra=None, grad_tol=(3e-5, 2e-4), **triton_kw):
+    out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *weights, extra=extra, backend="triton", **kw,
+                          **triton_kw)
+    ref, gr = reference_lpe_loss(inp, *weights, extra=extra, **kw)
+    for name in ("loss", "logprobs", "entropy"):
+        assert getattr(out, name).dtype == torch.float32
+        assert_close(getattr(out, name), getattr(ref, name), 3e-5, 3e-5, name, seed)
+    for name, a, b in zip(("d_hidden", "d_weight", "d_bias"), g, gr):
+        assert_close(a, b, grad_tol[0] * (b.abs().max().item() + 1e-12), grad_tol[1], name, seed)
+    return out, g
+
+
+@inproc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lpe_loss_vs_float64_and_recompute(seed, dtype):
+    # ragged N = 37 over token chunks of 16, vocab_size = 203 (padded scratch rows) with
+    # 7 padded lm_head rows of huge logits, masked rows first and between, temperature, bias
+    inp = make_inputs(seed, N=37, Hs=24, V=210, dtype=dtype)
+    inp["y"] = inp["y"] % 203
+    inp["mask"][:5] = False
+    with torch.no_grad():
+        inp["ws"][203:] = 30.0
+        inp["bs"][203:] = 60.0
+    half = dtype != torch.float32
+    kw = dict(temperature=1.3, vocab_size=203)
+    w = lpe_loss_weights(seed, 37)
+    fwd, gf = check_lpe_loss(seed, inp, w, kw, grad_tol=(1.5e-2, 1.5e-2) if half else (3e-5, 2e-4),
+                             gradients="forward", token_chunk_size=16)
+    rec, gr = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *w, backend="triton", gradients="recompute", **kw)
+    if not half:
+        for name in ("loss", "logprobs", "entropy"):
+            assert_close(getattr(fwd, name), getattr(rec, name), 2e-6, 2e-5, name + " vs recompute", seed)
+        for name, a, b in zip(("d_hidden", "d_weight", "d_bias"), gf, gr):
+            assert_close(a, b, 2e-6 * b.abs().max().item(), 1e-4, name + " vs recompute", seed)
+    assert gf[1][203:].abs().max() == 0 and gf[2][203:].abs().max() == 0, f"padded rows got gradient (seed={seed})"
+    assert (gf[0][~inp["mask"]] == 0).all() and gf[1].dtype == dtype, f"seed={seed}"
+
+
+@inproc
+def test_lpe_loss_float_weights_and_per_token_gradients_too(seed):
+    # float weights (one of them 0: no entropy term in the kernel), and gradients reaching
+    # logprobs / entropy as well: the held loss gradient plus the recomputing backward's
+    inp = make_inputs(seed, N=30, V=150, bias=False)
+    g = torch.Generator().manual_seed(seed + 5)
+    extra = {"logprobs": torch.randn(30, generator=g), "entropy": torch.randn(30, generator=g)}
+    check_lpe_loss(seed, inp, (-0.7, 0.0), dict(temperature=0.9), gradients="forward")
+    check_lpe_loss(seed, inp, (-0.7, -0.05), dict(temperature=0.9), extra=extra, gradients="forward")
+
+
+@inproc
+def test_lpe_loss_all_masked(seed):
+    inp = make_inputs(seed, N=24, V=130)
+    inp["mask"] = torch.zeros(24, dtype=torch.bool)
+    for gradients in ("forward", "recompute"):
+        out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *lpe_loss_weights(seed, 24), backend="triton",
+                              gradients=gradients)
+        assert out.loss.item() == 0.0, f"{gradients} (seed={seed})"
+        for t in (out.logprobs, out.entropy, *g):
+            assert torch.isfinite(t).all() and t.abs().max() == 0, f"{gradients} (seed={seed})"
+
+
+@inproc
+def test_lpe_loss_launches_three_matmuls_per_chunk_and_the_backward_none(seed, monkeypatch):
+    spy = _Launches(monkeypatch)
+    inp = make_inputs(seed, N=40, V=150)
+    w = lpe_loss_weights(seed, 40)
+
+    def call(**kw):
+        return fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+                                                 entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"],
+                                                 backend="triton", **kw)
+
+    out = call(token_chunk_size=16)  # gradients=None: in the forward; ceil(40 / 16) = 3 chunks
+    assert spy.take() == ["distill_rows.launch_scaled_logits", "lm_head_tiles.launch_dh",
+                          "lm_head_tiles.launch_dw"] * 3
+    out.loss.backward()
+    assert spy.take() == [], "the backward launched kernels: it should only scale"
+    assert inp["hs"].grad is not None and inp["ws"].grad is not None and inp["bs"].grad is not None
+    out = call(gradients="recompute")  # for contrast: a forward, then a backward that recomputes the logits
+    assert spy.take() == ["fused_distill.distill_forward"]
+    out.loss.backward()
+    assert spy.take() == ["fused_distill.distill_backward", "fused_distill.launch_dh", "fused_distill.launch_dw"]
 
 
 # ----------------------------------------------------------------------------------
