@@ -28,15 +28,21 @@ What is measured (forward + backward of the actor-style loss
   - `lpe-train-*`: forward + backward of a PPO-style `-Σ adv·logprobs - 0.01·Σ entropy`
     (gradients to hidden and weight);
   - `lpe-score-*`: forward only under `torch.no_grad()` (rollout scoring).
-  In train mode a third variant, `kl_self`, is the workaround this op replaces: the
-  detached student passed as the "teacher" of `fused_linear_reverse_kl`.
+  In train mode two more variants: `fused_loss`, `fused_linear_logprob_entropy_loss`
+  with the same loss declared (`logprob_weight=-adv, entropy_weight=-0.01`), which takes
+  its gradients in the forward (3 lm-head matmuls against the recomputing op's 4), and
+  `kl_self`, the workaround the teacher-less op replaces: the detached student passed as
+  the "teacher" of `fused_linear_reverse_kl`. (Liger-Kernel's chunked losses have no
+  teacher-less log-prob + entropy loss to set beside them: its chunked GRPO / PPO losses
+  compute log-probs only, inside a clipped-ratio objective.)
   The whole `-k lpe` selection runs in well under a minute on 2 CPU cores.
 * GPU (skipped without CUDA): bf16 at Qwen2.5-3B / 7B lm_head shapes (H = 2048 / 3584,
   V = 151936), N = 4096: ours, the naive op, and Liger's `LigerFusedLinearJSD`
   with jsd_beta=1 (= reverse KL; imported lazily, skipped if absent). Memory is
   `torch.cuda.max_memory_allocated` above the inputs; only the divergence is
   backpropagated there, since Liger computes nothing else. Teacher-less at the 7B
-  shape (bf16, N=4096): the fused op vs the naive one, train and score modes.
+  shape (bf16, N=4096): the fused op vs the naive one, train and score modes, and
+  `fused_loss` in train mode.
 
 Every figure goes into `benchmark.extra_info`; a table with the memory ratio
 (naive / fused) and the time ratio (fused / naive) is printed at the end.
@@ -57,6 +63,7 @@ from _timing import bench_clock, interleaved, record_durations
 from memopd.ops import (
     fused_linear_distill,
     fused_linear_logprob_entropy,
+    fused_linear_logprob_entropy_loss,
     fused_linear_reverse_kl,
     reference_linear_distill,
     reference_linear_logprob_entropy,
@@ -126,6 +133,9 @@ def make_lpe_inputs(N, H, V, device="cpu", dtype=torch.float32, seed=0):
 
 def lpe_step(impl, mode, h, w, y, adv, mask):
     """One PPO-style actor step (mode="train") or one no-grad scoring pass ("score")."""
+    if impl == "fused_loss":  # the same loss, declared to the op (train mode only)
+        out = fused_linear_logprob_entropy_loss(h, w, y, logprob_weight=-adv, entropy_weight=-0.01, mask=mask)
+        return torch.autograd.grad(out.loss, [h, w])
     if mode == "score":
         with torch.no_grad():
             return LPE_IMPLS[impl](h, w, y, mask=mask)
@@ -186,7 +196,7 @@ def _summary(request):
              f"{'time ratio':>12}"]
     for case in sorted({k[0] for k in RESULTS}):
         naive = RESULTS.get((case, "naive"))
-        for impl in ("naive", "fused", "liger", "fused_actor", "kl_self"):
+        for impl in ("naive", "fused", "fused_loss", "liger", "fused_actor", "kl_self"):
             r = RESULTS.get((case, impl))
             if r is None:
                 continue
@@ -198,6 +208,11 @@ def _summary(request):
             spread = f"({r['min_s']:.3f}-{r['max_s']:.3f})" if r.get("min_s") is not None else ""
             lines.append(f"{case:<30}{impl:<12}{r['seconds']:>9.3f}{spread:>16}{r['peak_bytes'] / 2**20:>11.1f}"
                          f"{mr:>11}{tr:>12}{flag}")
+    for case in sorted({k[0] for k in RESULTS}):
+        old, new = RESULTS.get((case, "fused")), RESULTS.get((case, "fused_loss"))
+        if old and new:
+            lines.append(f"{case}: fused_loss / fused time {new['seconds'] / old['seconds']:.2f}x, "
+                         f"peak {new['peak_bytes'] / max(old['peak_bytes'], 1):.2f}x")
     lines.append("mem ratio = naive peak / this peak; time ratio = this time / naive time; CPU cases: "
                  f"{CLOCK} clock, one thread, medians of {ROUNDS} interleaved rounds (min-max)")
     for case, timed in sorted(_TIMED.items()):
@@ -248,15 +263,19 @@ def test_cpu_forward_backward(benchmark, case, impl):
     _record(benchmark, case, impl, mem, timed.times[impl])
 
 
-@pytest.mark.parametrize("impl", ["naive", "fused", "kl_self"])
+LPE_TRAIN_ONLY = ("fused_loss", "kl_self")
+
+
+@pytest.mark.parametrize("impl", ["naive", "fused", *LPE_TRAIN_ONLY])
 @pytest.mark.parametrize("case", list(LPE_CPU_CASES))
 def test_cpu_lpe(benchmark, case, impl):
-    """Teacher-less: naive log_softmax + gather + entropy vs fused_linear_logprob_entropy."""
+    """Teacher-less: naive log_softmax + gather + entropy vs fused_linear_logprob_entropy
+    (and, training, the same loss declared to fused_linear_logprob_entropy_loss)."""
     c = LPE_CPU_CASES[case]
-    if impl == "kl_self" and c["mode"] != "train":
-        pytest.skip("kl_self is only measured in train mode (keeps the CPU run under a minute)")
+    if impl in LPE_TRAIN_ONLY and c["mode"] != "train":
+        pytest.skip(f"{impl} is only measured in train mode (a loss, or the workaround of one)")
     mem = measure_in_subprocess(impl, case)
-    impls = ["naive", "fused", "kl_self"] if c["mode"] == "train" else ["naive", "fused"]
+    impls = ["naive", "fused", *LPE_TRAIN_ONLY] if c["mode"] == "train" else ["naive", "fused"]
     timed = _timed_case(case, impls, lambda: make_lpe_inputs(c["N"], c["H"], c["V"]),
                         lambda impl_, *a: lpe_step(impl_, c["mode"], *a), mode=c["mode"])
     benchmark.group = f"cpu {case}"
@@ -352,10 +371,12 @@ def test_gpu_forward_backward(benchmark, case, impl):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU benchmark: needs a CUDA device")
-@pytest.mark.parametrize("impl", ["naive", "fused"])
+@pytest.mark.parametrize("impl", ["naive", "fused", "fused_loss"])
 @pytest.mark.parametrize("case", list(LPE_GPU_CASES))
 def test_gpu_lpe(benchmark, case, impl):
     c = LPE_GPU_CASES[case]
+    if impl == "fused_loss" and c["mode"] != "train":
+        pytest.skip("fused_loss is a training loss")
     inputs = make_lpe_inputs(c["N"], c["H"], c["V"], device="cuda", dtype=torch.bfloat16)
     _gpu_benchmark(benchmark, case, impl, lambda: lpe_step(impl, c["mode"], *inputs))
 

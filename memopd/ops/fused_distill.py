@@ -1,6 +1,7 @@
 """Fused linear distillation (reverse KL / forward KL / JSD of a student against a frozen
 teacher, plus the student's log-prob and entropy) and its teacher-less mode (log-prob +
-entropy alone), from last hidden states and lm_head weights, never materialising [N, V].
+entropy alone, per token or with a declared weighted loss), from last hidden states and
+lm_head weights, never materialising [N, V].
 
 This module holds the public functions, the `torch.library` custom ops
 (`memopd::fused_distill_fwd` / `memopd::fused_distill_bwd`) with their autograd glue,
@@ -507,7 +508,9 @@ def fused_linear_logprob_entropy(
     Returns:
         LogProbEntropy(logprobs, entropy): fp32 [N] (float64 for float64 inputs on the
         PyTorch path), 0 at masked tokens. Gradients reach hidden, weight and bias from
-        both outputs (masked tokens get none). Under `torch.no_grad()` (or with no input
+        both outputs (masked tokens get none), through a backward that recomputes the
+        logits; a loss known in the forward is cheaper through
+        `fused_linear_logprob_entropy_loss`. Under `torch.no_grad()` (or with no input
         requiring grad) nothing is saved for a backward: memory is the inputs plus
         O(rows × chunk) working tiles.
     """

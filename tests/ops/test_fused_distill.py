@@ -419,15 +419,22 @@ def test_torch_compile_matches_eager(seed):
         return ppo - 0.01 * out.entropy.sum() + 0.1 * out.loss, out.kl
 
     args = (inp["hs"], inp["ws"], inp["bs"], inp["ht"], inp["wt"], inp["y"], inp["mask"])
-    eager, kl_e = actor_loss(*args)
-    ge = torch.autograd.grad(eager, [inp["hs"], inp["ws"], inp["bs"]])
-    compiled = torch.compile(actor_loss, fullgraph=True)
-    comp, kl_c = compiled(*args)
-    gc = torch.autograd.grad(comp, [inp["hs"], inp["ws"], inp["bs"]])
+    compiled_matches_eager(seed, actor_loss, args, [inp["hs"], inp["ws"], inp["bs"]], "kl")
+
+
+def compiled_matches_eager(seed, fn, args, params, what):
+    """`fn(*args)` -> (scalar loss, per-token tensor `what`), compiled with fullgraph=True,
+    against eager: values and gradients to `params`. Returns (compiled fn, eager tensor)."""
+    eager, tok_e = fn(*args)
+    ge = torch.autograd.grad(eager, params)
+    compiled = torch.compile(fn, fullgraph=True)
+    comp, tok_c = compiled(*args)
+    gc = torch.autograd.grad(comp, params)
     assert_close(comp, eager, 1e-6, 1e-6, "compiled loss", seed)
-    assert_close(kl_c, kl_e, 1e-7, 1e-6, "compiled kl", seed)
+    assert_close(tok_c, tok_e, 1e-7, 1e-6, f"compiled {what}", seed)
     for a, b in zip(gc, ge):
         assert_close(a, b, 1e-6, 1e-5, "compiled grad", seed)
+    return compiled, tok_e
 
 
 # ----------------------------------------------------------------------------------
@@ -546,16 +553,28 @@ LPE_CASES = {
 @pytest.mark.parametrize("case", list(LPE_CASES))
 def test_lpe_values_and_grads_vs_float64(seed, case, which):
     c = LPE_CASES[case]
+    inp = lpe_case_inputs(seed, c)
+    N = inp["hs"].shape[0]
+    w = {"logprobs": {"logprobs": rand_w(seed, N)}, "entropy": {"entropy": rand_w(seed, N)},
+         "both": {"logprobs": rand_w(seed, N), "entropy": -0.3 * rand_w(seed + 1, N)}}[which]
+    out, g = compare_lpe(seed, inp, w, c["kw"], fused_kw=c["fused"])
+    check_lpe_case(seed, c, inp, out, g)
+
+
+def lpe_case_inputs(seed, c):
+    """The inputs of an LPE_CASES entry; a padded case gets huge logits in the padded rows."""
     inp = make_inputs(seed, **c["inp"])
     if "pad" in c:
         inp["y"] = inp["y"] % c["pad"]
         with torch.no_grad():
             inp["ws"][c["pad"]:] = 50.0
-            inp["bs"][c["pad"]:] = 100.0
-    N = inp["hs"].shape[0]
-    w = {"logprobs": {"logprobs": rand_w(seed, N)}, "entropy": {"entropy": rand_w(seed, N)},
-         "both": {"logprobs": rand_w(seed, N), "entropy": -0.3 * rand_w(seed + 1, N)}}[which]
-    out, g = compare_lpe(seed, inp, w, c["kw"], fused_kw=c["fused"])
+            if inp["bs"] is not None:
+                inp["bs"][c["pad"]:] = 100.0
+    return inp
+
+
+def check_lpe_case(seed, c, inp, out, g):
+    """fp32 outputs, zeros at masked tokens, no gradient to masked rows or padded lm_head rows."""
     assert out.logprobs.dtype == torch.float32 and out.entropy.dtype == torch.float32
     m = inp["mask"]
     assert (out.logprobs[~m] == 0).all() and (out.entropy[~m] == 0).all(), f"seed={seed}"
@@ -678,15 +697,7 @@ def test_lpe_torch_compile_matches_eager(seed):
         return (pg - 0.01 * out.entropy).sum(), out.logprobs
 
     args = (inp["hs"], inp["ws"], inp["bs"], inp["y"], inp["mask"])
-    eager, lp_e = ppo_loss(*args)
-    ge = torch.autograd.grad(eager, [inp["hs"], inp["ws"], inp["bs"]])
-    compiled = torch.compile(ppo_loss, fullgraph=True)
-    comp, lp_c = compiled(*args)
-    gc = torch.autograd.grad(comp, [inp["hs"], inp["ws"], inp["bs"]])
-    assert_close(comp, eager, 1e-6, 1e-6, "compiled loss", seed)
-    assert_close(lp_c, lp_e, 1e-7, 1e-6, "compiled logprobs", seed)
-    for a, b in zip(gc, ge):
-        assert_close(a, b, 1e-6, 1e-5, "compiled grad", seed)
+    compiled, lp_e = compiled_matches_eager(seed, ppo_loss, args, [inp["hs"], inp["ws"], inp["bs"]], "logprobs")
     with torch.no_grad():  # compiled rollout scoring
         _, lp_s = compiled(*args)
     assert_close(lp_s, lp_e, 1e-7, 1e-6, "compiled no-grad logprobs", seed)
@@ -759,41 +770,17 @@ def compare_lpe_loss(seed, inp, weights, kw, extra=None, val_tol=(2e-5, 2e-5), g
     return out, g
 
 
-LPE_LOSS_CASES = {
-    # ragged N over several token blocks, vocabulary not a multiple of the chunk
-    "ragged": dict(inp=dict(N=37, V=301), kw=dict(temperature=1.3), fused=dict(chunk_size=64, token_chunk_size=10)),
-    # padded lm_head: 128 rows past vocab_size with huge logits (they must get no gradient)
-    "vocab_tail": dict(inp=dict(N=29, V=517), kw=dict(vocab_size=389, temperature=0.7), fused=dict(chunk_size=100),
-                       pad=389),
-    # no bias, hot logits, a one-column chunk edge
-    "no_bias_hot": dict(inp=dict(N=33, V=250, bias=False, scale=1.5), kw=dict(temperature=2.5),
-                        fused=dict(chunk_size=7)),
-    # most rows masked, default blocking
-    "mostly_masked": dict(inp=dict(N=64, V=1000, mask_p=0.8), kw=dict(temperature=0.5), fused={}),
-}
-
-
 @pytest.mark.parametrize("gradients", ["forward", "recompute"])
 @pytest.mark.parametrize("kind", ["tensors", "floats", "mixed"])
-@pytest.mark.parametrize("case", list(LPE_LOSS_CASES))
+@pytest.mark.parametrize("case", list(LPE_CASES))
 def test_lpe_loss_vs_float64(seed, case, kind, gradients):
-    c = LPE_LOSS_CASES[case]
-    inp = make_inputs(seed, **c["inp"])
-    if "pad" in c:
-        inp["y"] = inp["y"] % c["pad"]
-        with torch.no_grad():
-            inp["ws"][c["pad"]:] = 50.0
-            if inp["bs"] is not None:
-                inp["bs"][c["pad"]:] = 100.0
+    # the teacher-less op's cases: ragged N over token blocks, padded vocabulary, no bias
+    # with hot logits, most rows masked
+    c = LPE_CASES[case]
+    inp = lpe_case_inputs(seed, c)
     N = inp["hs"].shape[0]
     out, g = compare_lpe_loss(seed, inp, lpe_weights(seed, N, kind), c["kw"], gradients=gradients, **c["fused"])
-    m = inp["mask"]
-    assert (out.logprobs[~m] == 0).all() and (out.entropy[~m] == 0).all(), f"seed={seed}"
-    assert (g[0][~m] == 0).all(), f"masked rows of dH must be 0 (seed={seed})"
-    assert g[0].abs().sum() > 0 and g[1].abs().sum() > 0, f"zero gradient (seed={seed})"
-    if "pad" in c:
-        assert g[1][c["pad"]:].abs().max() == 0, f"padded rows of dW must be 0 (seed={seed})"
-        assert g[2][c["pad"]:].abs().max() == 0, f"padded bias grad must be 0 (seed={seed})"
+    check_lpe_case(seed, c, inp, out, g)
 
 
 def test_lpe_loss_float64_tight(seed):
@@ -941,14 +928,7 @@ def test_lpe_loss_torch_compile_matches_eager(seed):
         return out.loss, out.logprobs
 
     args = (inp["hs"], inp["ws"], inp["bs"], inp["y"], inp["mask"])
-    eager, lp_e = grpo(*args)
-    ge = torch.autograd.grad(eager, [inp["hs"], inp["ws"], inp["bs"]])
-    comp, lp_c = torch.compile(grpo, fullgraph=True)(*args)
-    gc = torch.autograd.grad(comp, [inp["hs"], inp["ws"], inp["bs"]])
-    assert_close(comp, eager, 1e-6, 1e-6, "compiled loss", seed)
-    assert_close(lp_c, lp_e, 1e-7, 1e-6, "compiled logprobs", seed)
-    for a, b in zip(gc, ge):
-        assert_close(a, b, 1e-6, 1e-5, "compiled grad", seed)
+    compiled_matches_eager(seed, grpo, args, [inp["hs"], inp["ws"], inp["bs"]], "logprobs")
 
 
 def _lpe_loss_bad_cases():
