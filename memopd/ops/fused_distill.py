@@ -562,7 +562,8 @@ def fused_linear_logprob_entropy_loss(
             or an [N] floating tensor on the hidden states' device, constants of the loss:
             a tensor that requires grad is refused (pass it detached). Their entries at
             masked tokens are never read. A non-finite number is refused always, a
-            non-finite tensor entry at a kept token where `check_targets` is on.
+            non-finite tensor entry at a kept token where `check_targets` is on (eager
+            calls: the check reads the tensor back, so a compiled graph skips it).
         check_targets: as in `fused_linear_distill`; also checks the weight tensors.
         gradients: "forward" / "recompute" / None ("auto"), as in `fused_linear_distill`:
             "forward" (the default when an input requires grad) takes the loss's
