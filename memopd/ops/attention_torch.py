@@ -156,6 +156,9 @@ def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None):
 # empty, a row ~5 us, a pair ~0.15 us. A CUDA launch costs more, relative to a pair.
 _CALL_PAIRS = {"cpu": 700, "cuda": 1 << 15}
 _ROW_PAIRS = 40
+# most runs in one call: bounds the planning at O(runs x this); past a few dozen runs a
+# call's fixed cost is a small share of its work anyway
+_MAX_BUCKET_RUNS = 64
 
 
 def _key_ranges(r: Run) -> list[tuple[int, int]]:
@@ -187,7 +190,7 @@ def _buckets(runs: list[Run], key_ranges=_key_ranges, device_type: str = "cpu") 
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         qmax = 0
-        for i in range(j - 1, -1, -1):  # the last group is runs i..j-1; its Lk is lk[i]
+        for i in range(j - 1, max(0, j - _MAX_BUCKET_RUNS) - 1, -1):  # last group: runs i..j-1, Lk lk[i]
             qmax = max(qmax, lq[i])
             c = call + (j - i) * qmax * (lk[i] + _ROW_PAIRS)
             if c >= best[j]:
