@@ -151,6 +151,30 @@ def _jsd_negw(neg_delta: Tensor, beta: float) -> Tensor:
     return neg_delta.clamp_max_(_JSD_CAP).expm1_().mul_(beta).log1p_()
 
 
+def _jsd_negw2_far(s: Tensor, t: Tensor, dlse: Tensor, lse_s: Tensor, lse_t: Tensor, beta: float, wk,
+                   n: int, c: int):
+    """The JSD weight -(δ - u) = log2(β q/p + 1 - β) of one chunk in base 2, for rows where
+    p and q are not close: (weight [n, c] in `t`, Σ p·weight, Σ q·weight in nats); `t`
+    (the teacher logits) is consumed.
+
+    exp2 and log2 of the ratio cost about half of the log1p/expm1 form (`_jsd_negw`); the
+    weight then has absolute rather than relative precision (~2^-24, not 2^-24·|weight|),
+    which is fp32 roundoff of a divergence that is not small. -δ comes from s - t as in
+    `_jsd_negw`, and is capped the same way (no overflow).
+    """
+    cap2 = _JSD_CAP * _LOG2E
+    log2_beta = math.log2(beta) if beta > 0 else -math.inf
+    w2 = torch.sub(s, t, out=wk("d", n, c))
+    # log2(β q / p) = log2 β - δ log2(e), capped: 2^w2 <= 2^cap2 β
+    w2 = torch.add((_LOG2E * dlse + log2_beta)[:, None], w2, alpha=-_LOG2E, out=w2)
+    w2 = w2.clamp_max_(cap2 + log2_beta).exp2_().add_(1.0 - beta).log2_()
+    p = torch.add((-_LOG2E * lse_s)[:, None], s, alpha=_LOG2E, out=wk("x", n, c)).exp2_()
+    q = _centre2(t, lse_t).exp2_()
+    tmp = wk("e", n, c)
+    sp, sq = _rowdot(p, w2, tmp) * _LN2, _rowdot(q, w2, tmp) * _LN2
+    return torch.mul(w2, _LN2, out=t), sp, sq
+
+
 def _precise_dlse(d: Tensor, es: Tensor, et: Tensor, m_s: Tensor, m_t: Tensor,
                   tmp: Optional[Tensor] = None):
     """The difference of the two normalisers at a joint max, with relative precision.
@@ -472,18 +496,26 @@ def _forward_resident(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, di
     if div_code != Divergence.JSD:
         aux = kl_from_sums(div_code, e_d, z_s, z_t, dlse)
         return aux.clamp_min(0.0), lp, ent, stack_stats(lse_s=lse_s, lse_t=lse_t, dlse=dlse, aux=aux, entropy=ent)
-    # JSD: normalised log-probs, -δ = dlse - (s - t); KL(p‖M) = Σ p w, KL(q‖M) = Σ q (w - δ)
+    # JSD: normalised log-probs, -δ = dlse - (s - t); KL(p‖M) = Σ p w, KL(q‖M) = Σ q (w - δ).
+    # The weight -(δ - u) = log M - log p is what the gradient pass needs of the teacher
+    # chunk: it is written over it (`_HeadLogits.jsd_weight`), so that pass does not
+    # recompute it.
     kl_pm = torch.zeros(n, **f)
     kl_qm = (dlse - e_qd).clone()
-    for k, (v0, v1) in enumerate(spans):
-        c = v1 - v0
-        p = torch.add((-_LOG2E * lse_s)[:, None], S[k], alpha=_LOG2E, out=wk("x", n, c)).exp2_()
-        q = torch.add((-_LOG2E * lse_t)[:, None], T[k], alpha=_LOG2E, out=wk("e", n, c)).exp2_()
-        # the weight -(δ - u) is what the gradient pass needs of the teacher chunk: it is
-        # written over it (`_HeadLogits.jsd_weight`), so that pass does not recompute it
-        negw = _jsd_negw(torch.sub(dlse[:, None], torch.sub(S[k], T[k], out=T[k]), out=T[k]), beta)
-        kl_pm -= p.mul_(negw).sum(1)
-        kl_qm -= q.mul_(negw).sum(1)
+    if _any(close):
+        for k, (v0, v1) in enumerate(spans):
+            c = v1 - v0
+            p = torch.add((-_LOG2E * lse_s)[:, None], S[k], alpha=_LOG2E, out=wk("x", n, c)).exp2_()
+            q = torch.add((-_LOG2E * lse_t)[:, None], T[k], alpha=_LOG2E, out=wk("e", n, c)).exp2_()
+            negw = _jsd_negw(torch.sub(dlse[:, None], torch.sub(S[k], T[k], out=T[k]), out=T[k]), beta)
+            kl_pm -= p.mul_(negw).sum(1)
+            kl_qm -= q.mul_(negw).sum(1)
+    else:
+        for k, (v0, v1) in enumerate(spans):
+            c = v1 - v0
+            _, sp, sq = _jsd_negw2_far(S[k], T[k], dlse, lse_s, lse_t, beta, wk, n, c)
+            kl_pm -= sp
+            kl_qm -= sq
     src_t.jsd_weight = True
     div = (beta * kl_qm + (1.0 - beta) * kl_pm).clamp_min(0.0)
     return div, lp, ent, stack_stats(lse_s=lse_s, lse_t=lse_t, dlse=dlse, aux=kl_pm, entropy=ent)
