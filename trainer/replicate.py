@@ -634,6 +634,9 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     log("[info-gap] " + format_check(check))
     del bundle
     paths = {ext: os.path.join(args.out, f"infogap_{name}.{ext}") for ext in ("json", "md", "png")}
+    # the check on its own as soon as it is made: a run stopped during the arms keeps it
+    paths["check.json"] = os.path.join(args.out, f"infogap_{name}.check.json")
+    atomic_write_text(paths["check.json"], json.dumps({"check": check, "endpoints": ENDPOINTS}, indent=1))
     rep: dict = {"protocol": "info-gap", "budget_name": name, "budget": {**budget.__dict__, "seeds": seeds},
                  "endpoints": ENDPOINTS, "check": check, "student": student_dir, "sft_wall_s": round(sft_wall, 1),
                  "arms": list(args.arms),

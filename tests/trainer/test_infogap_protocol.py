@@ -188,12 +188,14 @@ def test_protocol_stops_at_the_gate_and_the_flag_forces_the_arms(sft_dirs, tmp_p
     rep = json.loads((out / "infogap_quick.json").read_text())
     assert not rep["check"]["gate"]["passed"] and rep["arms_run"] is False
     assert not any((out / a).exists() for a in arms)  # no arm ran
+    assert json.loads((out / "infogap_quick.check.json").read_text())["check"] == rep["check"]
     assert "The arms were not run" in (out / "infogap_quick.md").read_text()
     forced = tmp_path / "forced"
     assert compare_main(["--protocol", "info-gap", "--quick", "--force-arms", "--arms", *arms, "--seeds", "0", "1",
                          "--jobs", "2", "--out", str(forced), *tiny]) == 0
     rep = json.loads((forced / "infogap_quick.json").read_text())
     assert rep["arms_run"] and rep["forced"] and rep["opd_coef_source"] == "gradient-norm matched at step 0"
+    assert "**Forced**" in (forced / "infogap_quick.md").read_text()
     assert all(f"opd_coef={rep['opd_coef']:.4g}" in o or not o.startswith("opd_coef") for o in rep["overrides"])
     assert rep["config"]["opd_coef"] == pytest.approx(rep["opd_coef"])
     for arm in arms:
