@@ -17,8 +17,26 @@ is no second KL here. It reports
   OPD term under each view, and the cosine of the two OPD gradients;
 - `opd_coef_matched`: λ such that ‖λ ∇OPD‖ = ‖∇PPO‖ at step 0 (∇OPD: the mean of the two
   views' norms, so both teacher arms get the same λ);
-- `gate`: passed when the disagreement is at least `GATE_MIN_TOP1` of the action tokens
-  and the cosine below `GATE_MAX_COSINE`; else the arms cannot be told apart.
+- `grad_gap_calls`: the same two OPD gradients over the information-gap calls' tokens
+  alone, and their cosine;
+- `ceiling`: the disagreement a perfect imitator of the rational rule would show on the
+  same action tokens (`memopd.env.infogap.view_disagreement_ceiling`, bounds of it);
+- `gate`: passed when, at the information-gap calls, the disagreement is at least
+  `GATE_MIN_TOP1` of their action tokens and the cosine of the two views' OPD gradients
+  over their tokens is below `GATE_MAX_COSINE`; else the arms cannot be told apart.
+
+Why the gate is stated on the information-gap calls (`GATE_STATEMENT`): the rule's two
+views act alike at every other call, so over all action tokens a perfect imitator of the
+rule disagrees on at most the information-gap calls' share of them. On the plain
+expert's held-out Q2 episodes of the `info-gap` world (200 sets, seed 0) that share is
+12.0% of the action tokens, and from the point where the two views' actions part only
+7.1% (1.0% where both views are defined), and on the SFT student's own Q2 samples
+10.5% (1.2%): a gate of 10% over all tokens could be passed at best by a teacher that
+disagrees nearly everywhere the upper bound counts, and the other calls' identical targets
+hold the overall gradient cosine near 1 whatever the teacher does at the gap calls. At
+the information-gap calls the same imitator disagrees on 8.4-59% of their tokens, so
+the thresholds keep their values and are applied there. The overall figures are still
+reported, with their ceiling.
 """
 from __future__ import annotations
 
@@ -28,22 +46,34 @@ from typing import Any
 
 import torch
 
-__all__ = ["manipulation_check", "gate", "format_check", "GATE_MIN_TOP1", "GATE_MAX_COSINE"]
+__all__ = ["manipulation_check", "gate", "format_check", "GATE_MIN_TOP1", "GATE_MAX_COSINE", "GATE_STATEMENT"]
 
 GATE_MIN_TOP1 = 0.10
 GATE_MAX_COSINE = 0.8
+GATE_STATEMENT = ("at the information-gap calls: the teacher's top-1 differs between the aligned and the flattened "
+                  f"views on at least {100 * GATE_MIN_TOP1:.0f}% of their action tokens, and the two views' OPD "
+                  f"gradients over their tokens have cosine below {GATE_MAX_COSINE} (stated on these calls because "
+                  "over all action tokens the rule's own views differ on less than the threshold; see the ceiling)")
 VIEWS = (("aligned", "aligned"), ("flatten", "flatten"))  # (name, teacher layout)
 
 
-def gate(top1_all: float, cosine: float) -> dict:
-    """The gate's verdict on a check's overall disagreement and gradient cosine."""
+def gate(top1_gap: float | None, cosine_gap: float | None) -> dict:
+    """The gate's verdict on a check's disagreement at the information-gap calls and the
+    cosine of the two views' OPD gradients over their tokens (None: the check's rollouts
+    hold no information-gap call, or a gradient is zero)."""
     reasons = []
-    if not top1_all >= GATE_MIN_TOP1:
-        reasons.append(f"the teacher's top-1 differs between the views at {100 * top1_all:.1f}% of action tokens "
-                       f"(needs >= {100 * GATE_MIN_TOP1:.0f}%)")
-    if not cosine < GATE_MAX_COSINE:
-        reasons.append(f"the two views' OPD gradients have cosine {cosine:.3f} (needs < {GATE_MAX_COSINE})")
-    return {"min_top1": GATE_MIN_TOP1, "max_cosine": GATE_MAX_COSINE, "passed": not reasons, "reasons": reasons}
+    if top1_gap is None:
+        reasons.append("the check's rollouts hold no information-gap call")
+    elif not top1_gap >= GATE_MIN_TOP1:
+        reasons.append(f"at the information-gap calls the teacher's top-1 differs between the views at "
+                       f"{100 * top1_gap:.1f}% of action tokens (needs >= {100 * GATE_MIN_TOP1:.0f}%)")
+    if cosine_gap is None or math.isnan(cosine_gap):
+        reasons.append("no cosine of the two views' OPD gradients at the information-gap calls")
+    elif not cosine_gap < GATE_MAX_COSINE:
+        reasons.append(f"at the information-gap calls the two views' OPD gradients have cosine {cosine_gap:.3f} "
+                       f"(needs < {GATE_MAX_COSINE})")
+    return {"statement": GATE_STATEMENT, "min_top1": GATE_MIN_TOP1, "max_cosine": GATE_MAX_COSINE,
+            "passed": not reasons, "reasons": reasons}
 
 
 def _share(x: torch.Tensor, mask: torch.Tensor) -> float | None:
@@ -60,7 +90,13 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     """The check on `bundle`'s student and teacher (`memopd.env.build.EnvironmentBundle`)
     with `cfg`'s sampling and loss settings (`TrainConfig`): `tasks` sets of k questions
     from the training stream, `cfg.group_size` rollouts each. See the module doc."""
-    from memopd.env.infogap import ROLES, action_token_roles, information_gap_calls, make_expert
+    from memopd.env.infogap import (
+        ROLES,
+        action_token_roles,
+        information_gap_calls,
+        make_expert,
+        view_disagreement_ceiling,
+    )
     from memopd.env.rollout import HFEngine, rollout
     from memopd.env.world import WorldConfig
     from memopd.hf import head_of
@@ -134,12 +170,17 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     grads = {}
     student.train()
     try:
-        for which in ("ppo", "aligned", "flatten"):
+        passes = ["ppo", "aligned", "flatten"] + (["aligned_gap", "flatten_gap"] if bool((sampled & gap).any()) else [])
+        for which in passes:
             for p in params:
                 p.grad = None
             for mb in mbs:
                 gid = offsets[mb.traj_index, mb.call_index] + mb.token_index
                 tm = mb.teacher_mask.to(gid.device)
+                if which.endswith("_gap"):  # the OPD term over the information-gap calls' tokens alone
+                    on_gap = torch.tensor([gaps[b][t] for b, t in zip(mb.traj_index.tolist(), mb.call_index.tolist())],
+                                          dtype=torch.bool, device=tm.device)
+                    tm = tm & on_gap
                 logp_old = scored["aligned"].logp_old[gid]
                 if which == "ppo":
                     coefs = ActorLossCoefs(cfg.clip_eps, cfg.entropy_coef, 0.0)
@@ -149,8 +190,10 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
                     coefs = ActorLossCoefs(cfg.clip_eps, 0.0, 1.0)
                     ppo = PPOInputs(logp_old, torch.zeros_like(logp_old), tm, coefs, normalizer=max(n_act, 1.0),
                                     kl_normalizer=max(n_t, 1.0))
-                    out = actor(mb, scored[which].teacher_hidden.index_select(0, gid), thead_op, ppo=ppo)
-                    kl_sum[which] += float((out.kl.detach() * tm.float()).sum())
+                    view = which.removesuffix("_gap")
+                    out = actor(mb, scored[view].teacher_hidden.index_select(0, gid), thead_op, ppo=ppo)
+                    if view == which:
+                        kl_sum[which] += float((out.kl.detach() * tm.float()).sum())
                 out.loss.backward()
             grads[which] = _grad_vector(params)
     finally:
@@ -159,8 +202,12 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
             p.requires_grad_(r)
         student.eval()
     norms = {w: float(g.norm()) for w, g in grads.items()}
-    ga, gf = grads["aligned"], grads["flatten"]
-    cos = float((ga @ gf) / (ga.norm() * gf.norm())) if float(ga.norm()) > 0 and float(gf.norm()) > 0 else math.nan
+
+    def cosine(ga, gf):
+        return float((ga @ gf) / (ga.norm() * gf.norm())) if float(ga.norm()) > 0 and float(gf.norm()) > 0 else math.nan
+
+    cos = cosine(grads["aligned"], grads["flatten"])
+    cos_gap = cosine(grads["aligned_gap"], grads["flatten_gap"]) if "aligned_gap" in grads else None
     kl = {name: kl_sum[name] / max(n_t, 1.0) for name, _ in VIEWS}
     kl["flatten_minus_aligned"] = kl["flatten"] - kl["aligned"]
     opd = 0.5 * (norms["aligned"] + norms["flatten"])
@@ -173,8 +220,11 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
         "top1": top1, "kl": kl,
         "grad": {"ppo_norm": norms["ppo"], "opd_aligned_norm": norms["aligned"], "opd_flatten_norm": norms["flatten"],
                  "cosine": cos},
+        "grad_gap_calls": {"opd_aligned_norm": norms.get("aligned_gap"), "opd_flatten_norm": norms.get("flatten_gap"),
+                           "cosine": cos_gap},
+        "ceiling": view_disagreement_ceiling(trajs, expert),
         "opd_coef_matched": norms["ppo"] / opd if opd > 0 else None,
-        "gate": gate(top1["all"] if top1["all"] is not None else 0.0, cos if not math.isnan(cos) else 1.0),
+        "gate": gate(top1["gap_calls"], cos_gap),
     }
 
 
@@ -199,8 +249,19 @@ def format_check(c: dict) -> str:
         f"  OPD gradients: cosine {g['cosine']:.3f}, norms aligned {g['opd_aligned_norm']:.4g} / flattened "
         f"{g['opd_flatten_norm']:.4g}; PPO gradient norm {g['ppo_norm']:.4g} -> matched opd_coef "
         + ("-" if lam is None else f"{lam:.4g}"),
-        "  gate: " + ("passed" if c["gate"]["passed"] else "FAILED: " + "; ".join(c["gate"]["reasons"])),
     ]
+    gg = c.get("grad_gap_calls")
+    if gg is not None:
+        lines.append("  OPD gradients over the information-gap calls' tokens: cosine "
+                     + ("-" if gg["cosine"] is None else f"{gg['cosine']:.3f}"))
+    ce = c.get("ceiling")
+    if ce is not None:
+        lines.append(f"  ceiling (a perfect imitator of the rule, same action tokens): all tokens {pct(ce['all']['lower'])}"
+                     f"-{pct(ce['all']['upper'])} (information-gap calls' share of the tokens "
+                     f"{pct(ce['all']['gap_tokens'])}); at information-gap calls {pct(ce['gap_calls']['lower'])}"
+                     f"-{pct(ce['gap_calls']['upper'])}")
+    lines.append("  gate (" + c["gate"].get("statement", "overall") + "): "
+                 + ("passed" if c["gate"]["passed"] else "FAILED: " + "; ".join(c["gate"]["reasons"])))
     return "\n".join(lines)
 
 

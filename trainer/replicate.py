@@ -574,6 +574,9 @@ def format_infogap_report(rep: dict) -> str:
                   "could tell them apart (`--force-arms` runs them anyway).", ""]
         return "\n".join(lines) + "\n"
     ks = rep["ks"]
+    if rep.get("forced"):
+        lines += ["**Forced**: the gate failed and the arms were run anyway (`--force-arms`); the check above says "
+                  "how little the two teacher arms' signals may differ, and every comparison below is read with it.", ""]
     lines += [f"opd_coef {rep['opd_coef']:.4g} ({rep['opd_coef_source']}), the same for every teacher arm; "
               f"max_grad_norm {rep['config']['max_grad_norm']}.", "",
               "## Final EM and F1 (mean ± std over seeds), Q2 F1 area, clipped steps", "",
@@ -631,9 +634,14 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     log("[info-gap] " + format_check(check))
     del bundle
     paths = {ext: os.path.join(args.out, f"infogap_{name}.{ext}") for ext in ("json", "md", "png")}
+    # the check on its own as soon as it is made: a run stopped during the arms keeps it
+    paths["check.json"] = os.path.join(args.out, f"infogap_{name}.check.json")
+    atomic_write_text(paths["check.json"], json.dumps({"check": check, "endpoints": ENDPOINTS}, indent=1))
     rep: dict = {"protocol": "info-gap", "budget_name": name, "budget": {**budget.__dict__, "seeds": seeds},
                  "endpoints": ENDPOINTS, "check": check, "student": student_dir, "sft_wall_s": round(sft_wall, 1),
-                 "arms": list(args.arms), "forced": bool(args.force_arms)}
+                 "arms": list(args.arms),
+                 # forced: the arms ran although the gate failed (--force-arms on a passed gate forces nothing)
+                 "forced": bool(args.force_arms and not check["gate"]["passed"])}
     run_arms = check["gate"]["passed"] or args.force_arms
     rep["arms_run"] = bool(run_arms)
     if not run_arms:
@@ -669,7 +677,9 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
             log(f"[info-gap] {a} seed {s}: Q2 F1 area {r['area_f1_q2']:.3f}, " + ", ".join(
                 f"{q} F1 {v['f1_mean']:.3f}" for q, v in r["per_set"].items()))
 
-        todo = [(a, s) for a in args.arms for s in seeds]
+        # seed by seed, every arm of a seed before the next seed: a run stopped early leaves
+        # paired arms behind (`--resume --seeds ...` reports on the seeds it has)
+        todo = [(a, s) for s in seeds for a in args.arms]
         log(f"[info-gap] {len(todo)} runs, {args.jobs} at a time, under {args.out}")
         run_all(todo, args.out, overrides, jobs=args.jobs, overwrite=args.overwrite, resume=args.resume, on_row=on_row)
         bands = {arm: _band(cs, ks) for arm, cs in curves.items()}

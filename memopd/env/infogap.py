@@ -19,6 +19,10 @@ an `Engine` (it acts on prompt ids, as models do), `rational_action_text` the ru
   differently on the call as the agent saw it (compact) and on the flattened history of
   the same episode up to that call: the calls where a teacher that reads what it is shown
   prefers another action under the two views.
+- `view_disagreement_ceiling(trajectories, expert)`: the top-1 disagreement between the
+  views that a *perfect* imitator of the rule would show on those trajectories' action
+  tokens (bounds of it, overall and at information-gap calls): what the manipulation
+  check's disagreement can reach at best.
 - `perturbed_state(...)`: a call's context with one entry of its notes dropped or
   corrupted (the teacher's SFT data holds a share of these, each labelled by the rule
   under that view, so it learns the view-dependent recovery).
@@ -37,7 +41,7 @@ from .protocol import ProtocolTokens, answer_label, letters_index, marker, parse
 from .world import is_value, parse_question
 
 __all__ = ["facts_in", "rational_action_text", "RationalExpert", "efficient_calls", "information_gap_calls",
-           "perturbed_state", "action_token_roles", "ROLES", "EXPERTS", "make_expert"]
+           "perturbed_state", "action_token_roles", "view_disagreement_ceiling", "ROLES", "EXPERTS", "make_expert"]
 
 ROLES = ("memory", "search", "answer", "other")
 EXPERTS = ("scripted", "rational")
@@ -206,6 +210,57 @@ def information_gap_calls(trajectories, expert: RationalExpert) -> list[list[boo
             row.append(compact != expert.action_text(flattened_prompt(tr, t)))
         out.append(row)
     return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def view_disagreement_ceiling(trajectories, expert: RationalExpert) -> dict:
+    """How often a perfect imitator of the rule would change its top-1 between the views
+    on the recorded action tokens, as the manipulation check scores them (teacher-forced
+    on the action the agent took, every action token counted).
+
+    Per call: c, f = the rule's actions on the compact call and on the flattened history
+    (`information_gap_calls`), a = the recorded action. The imitator's next token after
+    a[:j] under a view is the rule's token there while a[:j] follows that view's action
+    (the end of the action counts as a token) and is not defined by the rule once a has
+    left it. Hence
+    - `lower`: positions where both views are defined and differ: at most one per call,
+      where c and f part, if a has followed them that far;
+    - `upper`: every recorded token from the position where c and f part to the end of
+      the action (there the views differ or at least one is undefined), in calls where
+      they part;
+    - `gap_tokens`: the share of action tokens in information-gap calls (no imitator that
+      agrees with itself wherever the rule's views agree can exceed it).
+    Each is given as a share of all action tokens (`all`) and of those in
+    information-gap calls (`gap_calls`, None without such calls)."""
+    n_all = n_gap = low = up = 0
+    for tr in trajectories:
+        for t, inv in enumerate(tr.invocations):
+            a = [int(x) for x in inv.action_ids]
+            c = expert.act(list(inv.prefix_ids) + list(inv.context_ids))
+            f = expert.act(flattened_prompt(tr, t))
+            n_all += len(a)
+            if c == f:
+                continue
+            n_gap += len(a)
+            part = _common_prefix(c, f)  # where the two views' actions part
+            if part <= min(_common_prefix(a, c), _common_prefix(a, f)) and part < len(a):
+                low += 1
+            up += max(0, len(a) - part)
+
+    def share(x, n):
+        return x / n if n else None
+
+    return {"action_tokens": n_all, "gap_call_tokens": n_gap,
+            "all": {"lower": share(low, n_all), "upper": share(up, n_all), "gap_tokens": share(n_gap, n_all)},
+            "gap_calls": {"lower": share(low, n_gap), "upper": share(up, n_gap)}}
 
 
 def gap_share(flags: list[list[bool]]) -> float:

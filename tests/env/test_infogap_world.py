@@ -19,6 +19,7 @@ from memopd.env.infogap import (
     make_expert,
     perturbed_state,
     rational_action_text,
+    view_disagreement_ceiling,
 )
 from memopd.env.sft import FLATTEN_VIEW, INFOGAP_MODEL_PRESETS, INFOGAP_SFT_PRESETS, SFTConfig, expert_examples, role_presets
 from memopd.env.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
@@ -237,3 +238,60 @@ def test_flatten_view_examples_are_the_persistent_history_labelled_by_the_rule(i
     # the longest Q16 example fits the teacher's positions
     _, long = expert_examples(world, env, (16,), 20, policies=(FLATTEN_VIEW,), expert="rational")
     assert 2048 < long["longest"] <= INFOGAP_MODEL_PRESETS["teacher"].max_position_embeddings
+
+
+class _StubRule:
+    """A rule given as a table prompt -> action ids (what `view_disagreement_ceiling` asks)."""
+
+    def __init__(self, table):
+        self.table = {tuple(k): list(v) for k, v in table.items()}
+
+    def act(self, prompt):
+        return self.table[tuple(prompt)]
+
+
+def test_ceiling_counts_the_parting_token_and_the_tokens_after_it():
+    from memopd.records import Invocation, Trajectory
+
+    calls = [Invocation([1], [2], [10, 11, 12, 13]),  # first call: both views see the same prompt
+             Invocation([1], [3], [10, 11, 20, 21, 22]),  # follows the compact action; the views part at 2
+             Invocation([1], [4], [40, 41, 42])]  # has left both views' actions before they part
+    tr = Trajectory(calls)
+    rule = _StubRule({
+        (1, 2): [10, 11, 12, 13],
+        (1, 3): [10, 11, 20, 21, 22], tuple(flattened_prompt(tr, 1)): [10, 11, 30, 31],
+        (1, 4): [10, 11, 12], tuple(flattened_prompt(tr, 2)): [10, 11, 50],
+    })
+    got = view_disagreement_ceiling([tr], rule)
+    assert got["action_tokens"] == 12 and got["gap_call_tokens"] == 8
+    assert got["all"] == {"lower": pytest.approx(1 / 12), "upper": pytest.approx(4 / 12), "gap_tokens": pytest.approx(8 / 12)}
+    assert got["gap_calls"] == {"lower": pytest.approx(1 / 8), "upper": pytest.approx(4 / 8)}
+    # the end of an action is a token: the compact action stops where the flattened one and the recorded one go on
+    ends = Trajectory([Invocation([1], [2], [7]), Invocation([1], [3], [10, 11, 12])])
+    rule = _StubRule({(1, 2): [7], (1, 3): [10, 11], tuple(flattened_prompt(ends, 1)): [10, 11, 12]})
+    got = view_disagreement_ceiling([ends], rule)
+    assert got["all"]["lower"] == pytest.approx(1 / 4) and got["all"]["upper"] == pytest.approx(1 / 4)
+    # the views part past the end of the recorded action: no recorded token can tell them apart
+    short = Trajectory([Invocation([1], [2], [7]), Invocation([1], [3], [10, 11])])
+    rule = _StubRule({(1, 2): [7], (1, 3): [10, 11, 12], tuple(flattened_prompt(short, 1)): [10, 11, 13]})
+    got = view_disagreement_ceiling([short], rule)
+    assert got["all"]["lower"] == 0.0 and got["all"]["upper"] == 0.0 and got["gap_call_tokens"] == 2
+    assert view_disagreement_ceiling([], rule)["gap_calls"] == {"lower": None, "upper": None}
+
+
+def test_ceiling_of_the_plain_experts_episodes_is_below_the_gate_overall_and_above_it_at_gap_calls(infogap):
+    """The figures the manipulation check's gate statement rests on (trainer/manipulation.py):
+    over all action tokens of the plain expert's held-out Q2 episodes even the upper bound
+    stays below the gate's 10%, at the information-gap calls it is far above it."""
+    from memopd.trainer.manipulation import GATE_MIN_TOP1
+
+    world, tok = infogap
+    rational = make_expert("rational", tok, world.config)
+    _, trajs = _episodes(world, tok, "scripted", "summary", n=100)
+    got = view_disagreement_ceiling(trajs, rational)
+    flags = information_gap_calls(trajs, rational)
+    gap_tokens = sum(len(inv.action_ids) for tr, f in zip(trajs, flags) for inv, g in zip(tr.invocations, f) if g)
+    assert got["gap_call_tokens"] == gap_tokens > 0  # the same calls as information_gap_calls
+    a, g = got["all"], got["gap_calls"]
+    assert 0 < a["lower"] < a["upper"] < a["gap_tokens"] and a["upper"] < GATE_MIN_TOP1
+    assert 0 < g["lower"] < GATE_MIN_TOP1 < g["upper"] < 1

@@ -85,6 +85,11 @@ def test_gate_thresholds():
     g = gate(0.2, GATE_MAX_COSINE)
     assert not g["passed"] and "cosine" in g["reasons"][0]
     assert len(gate(0.0, 1.0)["reasons"]) == 2
+    # no information-gap call in the check's rollouts, or no gradient there: the gate cannot pass
+    assert gate(None, None)["reasons"] == ["the check's rollouts hold no information-gap call",
+                                          "no cosine of the two views' OPD gradients at the information-gap calls"]
+    assert not gate(0.5, math.nan)["passed"]
+    assert "information-gap calls" in gate(0.5, 0.1)["statement"]
 
 
 def _bundle(student, teacher, **over):
@@ -148,6 +153,10 @@ def test_check_disagreement_matches_plain_forwards(sft_dirs):
     lam = c["opd_coef_matched"]
     assert lam * 0.5 * (c["grad"]["opd_aligned_norm"] + c["grad"]["opd_flatten_norm"]) == pytest.approx(
         c["grad"]["ppo_norm"], rel=1e-9)
+    # the gate reads the information-gap calls' figures; the ceiling counts the same action tokens
+    assert c["gate"] == gate(c["top1"]["gap_calls"], c["grad_gap_calls"]["cosine"])
+    assert c["ceiling"]["action_tokens"] == n
+    assert (c["gap_calls"] > 0) == (c["ceiling"]["gap_call_tokens"] > 0) == (c["grad_gap_calls"]["cosine"] is not None)
     # the student is left as it was: no gradients, the same requires_grad flags
     assert all(p.grad is None for p in bundle.student.parameters())
 
@@ -162,6 +171,8 @@ def test_check_on_a_teacher_blind_to_the_context_fails_the_gate(sft_dirs, tmp_pa
     assert c["kl"]["flatten_minus_aligned"] == pytest.approx(0.0, abs=1e-6)
     assert c["grad"]["cosine"] == pytest.approx(1.0, abs=1e-6)
     assert not c["gate"]["passed"] and len(c["gate"]["reasons"]) == 2
+    assert c["grad_gap_calls"]["cosine"] is None or c["grad_gap_calls"]["cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert all("information-gap" in r for r in c["gate"]["reasons"])
 
 
 @pytest.mark.slow
@@ -177,12 +188,14 @@ def test_protocol_stops_at_the_gate_and_the_flag_forces_the_arms(sft_dirs, tmp_p
     rep = json.loads((out / "infogap_quick.json").read_text())
     assert not rep["check"]["gate"]["passed"] and rep["arms_run"] is False
     assert not any((out / a).exists() for a in arms)  # no arm ran
+    assert json.loads((out / "infogap_quick.check.json").read_text())["check"] == rep["check"]
     assert "The arms were not run" in (out / "infogap_quick.md").read_text()
     forced = tmp_path / "forced"
     assert compare_main(["--protocol", "info-gap", "--quick", "--force-arms", "--arms", *arms, "--seeds", "0", "1",
                          "--jobs", "2", "--out", str(forced), *tiny]) == 0
     rep = json.loads((forced / "infogap_quick.json").read_text())
     assert rep["arms_run"] and rep["forced"] and rep["opd_coef_source"] == "gradient-norm matched at step 0"
+    assert "**Forced**" in (forced / "infogap_quick.md").read_text()
     assert all(f"opd_coef={rep['opd_coef']:.4g}" in o or not o.startswith("opd_coef") for o in rep["overrides"])
     assert rep["config"]["opd_coef"] == pytest.approx(rep["opd_coef"])
     for arm in arms:
