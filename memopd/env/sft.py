@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -365,10 +366,18 @@ def _collate(examples, batch, pad_id: int):
 
 def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, *, pad_id: int = 0,
               progress: bool = True, desc: str = "sft", position: int | None = None,
-              groups: Sequence[Any] | None = None) -> dict[str, Any]:
+              groups: Sequence[Any] | None = None, resume_file: str | None = None,
+              resume_key: str = "") -> dict[str, Any]:
     """Train `model` in place on action tokens only; returns loss/accuracy/time stats.
     `groups` (a label per example, e.g. its memory policy): each batch holds one group's
     examples and the groups take turns step by step (`_batches`).
+
+    `resume_file`: the training state (model, optimizer, schedule, RNG, running stats) is
+    written there atomically about once a minute and at the end, and a later call with the
+    same `resume_key` (what identifies the job: data, config, model) continues from it, so
+    a killed build loses at most a minute. The continuation is exact: the batches are
+    replayed from the seed and the result equals an uninterrupted run bitwise. A state
+    written for another key is ignored. The caller removes the file once the model is saved.
 
     Right padding without an attention mask is exact here: causal attention never lets
     a real token see the pads that come after it, and pads carry no loss.
@@ -382,13 +391,36 @@ def train_sft(model, examples: Sequence[tuple[list[int], int]], cfg: SFTConfig, 
         torch.set_num_threads(cfg.threads)
     try:
         return _train(model, examples, cfg, pad_id=pad_id, progress=progress, desc=desc, position=position,
-                      groups=groups)
+                      groups=groups, resume_file=resume_file, resume_key=resume_key)
     finally:
         torch.set_num_threads(old_threads)
 
 
+RESUME_SAVE_EVERY_S = 60.0  # wall seconds between two writes of an SFT resume state
+
+
+def _load_resume_state(path: str | None, key: str) -> dict[str, Any] | None:
+    """The resume state at `path` written for `key`, or None (no file, another job, or a
+    file that does not load: training then starts from the beginning)."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        return None  # a damaged state only costs the steps it held
+    return state if isinstance(state, dict) and state.get("key") == key else None
+
+
+def _save_resume_state(path: str, state: dict[str, Any]) -> None:
+    from memopd.files import atomic_file
+
+    with atomic_file(path, what=f"SFT resume state {path}") as tmp:
+        torch.save(state, tmp)
+
+
 def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc: str,
-           position: int | None, groups: Sequence[Any] | None = None) -> dict[str, Any]:
+           position: int | None, groups: Sequence[Any] | None = None, resume_file: str | None = None,
+           resume_key: str = "") -> dict[str, Any]:
     from memopd.optim import build_lr_lambda, build_optimizer
 
     rng = random.Random(cfg.seed)
@@ -407,7 +439,29 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
     t0, c0 = time.time(), time.process_time()
     ema_loss, ema_acc, tokens = None, None, 0
     history = []
-    for step in range(cfg.steps):
+    start, wall0, cpu0 = 0, 0.0, 0.0  # steps, wall and CPU seconds of the runs this one continues
+    state = _load_resume_state(resume_file, resume_key)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        torch.set_rng_state(state["torch_rng"])
+        start, ema_loss, ema_acc, tokens = state["step"], state["ema_loss"], state["ema_acc"], state["tokens"]
+        history, wall0, cpu0 = list(state["history"]), state["wall_s"], state["cpu_s"]
+        for _ in range(start):  # the batch stream is a function of the seed alone: replay it
+            next(batches)
+        if bar is not None:
+            bar.update(start)
+
+    def save_state(done: int) -> None:
+        _save_resume_state(resume_file, {
+            "key": resume_key, "step": done, "model": model.state_dict(), "opt": opt.state_dict(),
+            "sched": sched.state_dict(), "torch_rng": torch.get_rng_state(), "ema_loss": ema_loss,
+            "ema_acc": ema_acc, "tokens": tokens, "history": history,
+            "wall_s": wall0 + time.time() - t0, "cpu_s": cpu0 + time.process_time() - c0})
+
+    saved_at = time.time()
+    for step in range(start, cfg.steps):
         ids, labels = _collate(examples, next(batches), pad_id)
         logits = model(input_ids=ids).logits[:, :-1].float()
         tgt = labels[:, 1:]
@@ -430,6 +484,9 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
         if bar is not None:
             bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}")
             bar.update(1)
+        if resume_file and (step == cfg.steps - 1 or time.time() - saved_at >= RESUME_SAVE_EVERY_S):
+            save_state(step + 1)
+            saved_at = time.time()
     if bar is not None:
         bar.close()
     model.eval()
@@ -438,8 +495,9 @@ def _train(model, examples, cfg: SFTConfig, *, pad_id: int, progress: bool, desc
         "final_loss": ema_loss,
         "final_action_token_acc": ema_acc,
         "tokens_seen": tokens,
-        "wall_s": round(time.time() - t0, 2),
-        "cpu_s": round(time.process_time() - c0, 2),
+        "wall_s": round(wall0 + time.time() - t0, 2),
+        "cpu_s": round(cpu0 + time.process_time() - c0, 2),
+        "resumed_from_step": start,
         "history": history,
     }
 
@@ -553,18 +611,25 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[memopd sft] {role}: {n_params / 1e6:.2f}M params, {cfg.warmup_copy_steps} copy warm-up + "
         f"{cfg.steps} SFT steps of {cfg.batch_tokens} tokens", flush=True)
+    # a killed build resumes each phase where its last state left it (`train_sft`); the key
+    # is everything that decides the training, so a state of other settings is not used
+    resume_key = json.dumps({k: job[k] for k in ("role", "world", "env", "sft", "spec")}, sort_keys=True,
+                            default=str)
+    resume_files = {phase: f"{out}.resume-{phase}.pt" for phase in ("warmup", "sft")}
     warm = None
     if cfg.warmup_copy_steps > 0:
         wex = copy_warmup_examples(len(tokenizer), 20000, first_id=len(SPECIAL_TOKENS), max_len=cfg.warmup_copy_len,
                                    seed=cfg.seed, bos_id=tokenizer.bos_token_id)
         wcfg = SFTConfig(**{**cfg.to_json(), "ks": cfg.ks, "policies": cfg.policies, "steps": cfg.warmup_copy_steps})
         warm = train_sft(model, wex, wcfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
-                         desc=f"copy warm-up {role}", position=job.get("position"))
+                         desc=f"copy warm-up {role}", position=job.get("position"),
+                         resume_file=resume_files["warmup"], resume_key=resume_key)
     groups = None
     if cfg.balance_policies:
         groups = [p for p, n in dstats["calls_by_policy"].items() for _ in range(n)]
     stats = train_sft(model, examples, cfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
-                      desc=f"sft {role}", position=job.get("position"), groups=groups)
+                      desc=f"sft {role}", position=job.get("position"), groups=groups,
+                      resume_file=resume_files["sft"], resume_key=resume_key)
     if warm is not None:
         stats["warmup"] = {k: v for k, v in warm.items() if k != "history"}
         stats["cpu_s"] = round(stats["cpu_s"] + warm["cpu_s"], 2)
@@ -585,6 +650,9 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
         "sft_history": stats["history"],
     }
     save_checkpoint(model, tokenizer, out, meta)
+    for f in resume_files.values():
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
     log(f"[memopd sft] {role}: saved to {out} (loss {stats['final_loss']:.3f}, action-token acc "
         f"{stats['final_action_token_acc']:.3f}, {stats['cpu_s']:.0f} s CPU, {stats['wall_s']:.0f} s wall)",
         flush=True)

@@ -158,6 +158,7 @@ def test_balanced_sft_groups_examples_by_their_policy(tmp_path, monkeypatch):
             assert g == "full"
     assert any(search in ids[:n] for ids, n in seen["examples"][20:])
     assert read_env_meta(tmp_path / "teacher")["sft"]["data"]["calls_by_policy"] == {"summary": 20, "full": 20}
+    assert not list(tmp_path.glob("*.resume-*")), "the resume states go once the checkpoint is saved"
 
 
 def test_tiny_sft_cache_and_eval(tmp_path, capsys):
@@ -223,3 +224,62 @@ def test_eval_expert_and_errors(tmp_path, capsys):
     assert "not a memopd env checkpoint" in capsys.readouterr().err
     with pytest.raises(UserError, match="--expert"):
         eval_main([])  # a checkpoint or --expert is required
+
+
+def test_a_killed_sft_resumes_exactly(world_tokenizer, tmp_path, monkeypatch):
+    """A training stopped mid-way (here: an interrupt at step 5 of 9, the state written at
+    every step) and started again with the same resume key ends bitwise equal to an
+    uninterrupted one, with the same running stats; a state of another key is ignored."""
+    import torch
+
+    from memopd.env import sft
+
+    tok = world_tokenizer
+    spec = ModelSpec(16, 1, 2, 1, 32, max_position_embeddings=128)
+    examples = copy_warmup_examples(len(tok), 64, first_id=20, max_len=8, max_gap=4, bos_id=tok.bos_token_id)
+    cfg = SFTConfig(steps=9, warmup=3, lr=1e-2, batch_tokens=128, threads=None)
+    want_model = make_model(spec, tok, seed=0)
+    want = train_sft(want_model, examples, cfg, pad_id=tok.pad_token_id, progress=False)
+
+    monkeypatch.setattr(sft, "RESUME_SAVE_EVERY_S", 0.0)
+    state = str(tmp_path / "role.resume-sft.pt")
+    calls = {"n": 0}
+    collate = sft._collate
+
+    def interrupted(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return collate(*a, **k)
+
+    monkeypatch.setattr(sft, "_collate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(make_model(spec, tok, seed=0), examples, cfg, pad_id=tok.pad_token_id, progress=False,
+                  resume_file=state, resume_key="job")
+    monkeypatch.setattr(sft, "_collate", collate)
+    assert torch.load(state, weights_only=True)["step"] == 5
+
+    got_model = make_model(spec, tok, seed=0)
+    got = train_sft(got_model, examples, cfg, pad_id=tok.pad_token_id, progress=False, resume_file=state,
+                    resume_key="job")
+    assert got["resumed_from_step"] == 5 and want["resumed_from_step"] == 0
+    for k in ("final_loss", "final_action_token_acc", "tokens_seen", "history"):
+        assert got[k] == want[k], k
+    for name, w in want_model.state_dict().items():
+        assert torch.equal(got_model.state_dict()[name], w), name
+    # the finished state (step 9) belongs to "job": another job starts from the beginning
+    other = train_sft(make_model(spec, tok, seed=0), examples, cfg, pad_id=tok.pad_token_id, progress=False,
+                      resume_file=state, resume_key="another job")
+    assert other["resumed_from_step"] == 0 and other["history"] == want["history"]
+
+
+def test_a_damaged_sft_resume_state_starts_over(world_tokenizer, tmp_path):
+    tok = world_tokenizer
+    spec = ModelSpec(16, 1, 2, 1, 32, max_position_embeddings=128)
+    examples = copy_warmup_examples(len(tok), 64, first_id=20, max_len=8, max_gap=4, bos_id=tok.bos_token_id)
+    cfg = SFTConfig(steps=3, warmup=1, lr=1e-2, batch_tokens=128, threads=None)
+    state = tmp_path / "role.resume-sft.pt"
+    state.write_bytes(b"not a torch file")
+    got = train_sft(make_model(spec, tok, seed=0), examples, cfg, pad_id=tok.pad_token_id, progress=False,
+                    resume_file=str(state), resume_key="job")
+    assert got["resumed_from_step"] == 0 and got["steps"] == 3
