@@ -327,6 +327,12 @@ _GRADS_IN_FORWARD_INPUTS = len(inspect.signature(_DistillGradsInForward.forward)
 GRADIENT_MODES = ("auto", "forward", "recompute")
 
 
+def _grads_needed(h: Tensor, w: Tensor, b: Optional[Tensor]) -> tuple[bool, bool, bool]:
+    """(dh, dw, db) wanted by autograd from this call of a fused op."""
+    on = torch.is_grad_enabled()
+    return on and h.requires_grad, on and w.requires_grad, on and b is not None and b.requires_grad
+
+
 def _gradient_mode(gradients: Optional[str], backend: str, reduction: str, need: tuple) -> str:
     """'forward' or 'recompute' for one call (`fused_linear_distill`'s `gradients`); the
     same rule on both back ends. "recompute" is only ever chosen explicitly or when
@@ -422,9 +428,7 @@ def fused_linear_distill(
     wt = teacher_weight.contiguous()
     bs = None if student_bias is None else student_bias.contiguous()
     bt = None if teacher_bias is None else teacher_bias.contiguous()
-    grad_on = torch.is_grad_enabled()
-    need = (grad_on and hs.requires_grad, grad_on and ws.requires_grad,
-            grad_on and bs is not None and bs.requires_grad)
+    need = _grads_needed(hs, ws, bs)
     if _gradient_mode(gradients, be, reduction, need) == "forward":
         keep = keep.contiguous()
         g_div = _loss_weights_on_device(keep, reduction == "mean", compute_dtype(hs, ht))
@@ -514,17 +518,26 @@ def fused_linear_logprob_entropy(
         requiring grad) nothing is saved for a backward: memory is the inputs plus
         O(rows × chunk) working tiles.
     """
-    temperature, vocab_size = validate_student_only(hidden, weight, bias, targets, mask,
-                                                    temperature, vocab_size)
-    be = choose_op_backend("fused_linear_logprob_entropy", backend, hidden.device, hidden.dtype)
-    check_targets = resolve_check_targets(check_targets, hidden.device)
-    keep = keep_mask(targets, mask, ignore_index)
-    b = None if bias is None else bias.contiguous()
-    _div, lp, ent, _stats = _fwd_op(
-        hidden.contiguous(), weight.contiguous(), b, None, None, None, targets.contiguous(),
-        keep.contiguous(), temperature, vocab_size, int(Divergence.REVERSE_KL), 0.5,
-        int(chunk_size or 0), int(token_chunk_size or 0), be, check_targets)
+    h, w, b, y, keep, scalars, be, check_targets = _student_only_call(
+        "fused_linear_logprob_entropy", hidden, weight, bias, targets, mask, temperature, vocab_size, chunk_size,
+        ignore_index, backend, token_chunk_size, check_targets)
+    _div, lp, ent, _stats = _fwd_op(h, w, b, None, None, None, y, keep, *scalars, be, check_targets)
     return LogProbEntropy(lp, ent)
+
+
+def _student_only_call(op: str, hidden, weight, bias, targets, mask, temperature, vocab_size, chunk_size,
+                       ignore_index, backend, token_chunk_size, check_targets) -> tuple:
+    """The checked, contiguous inputs of a teacher-less op call: (hidden, weight, bias,
+    targets, keep, the `_fwd_op` scalars from temperature to token_chunk, backend,
+    check_targets)."""
+    temperature, vocab_size = validate_student_only(hidden, weight, bias, targets, mask, temperature, vocab_size)
+    be = choose_op_backend(op, backend, hidden.device, hidden.dtype)
+    check_targets = resolve_check_targets(check_targets, hidden.device)
+    keep = keep_mask(targets, mask, ignore_index).contiguous()
+    b = None if bias is None else bias.contiguous()
+    scalars = (temperature, vocab_size, int(Divergence.REVERSE_KL), 0.5, int(chunk_size or 0),
+               int(token_chunk_size or 0))
+    return hidden.contiguous(), weight.contiguous(), b, targets.contiguous(), keep, scalars, be, check_targets
 
 
 
@@ -580,23 +593,15 @@ def fused_linear_logprob_entropy_loss(
         reach the per-token outputs as well go through the recomputing backward and are
         added to the held ones (the cost of a "recompute" backward for them).
     """
-    temperature, vocab_size = validate_student_only(hidden, weight, bias, targets, mask,
-                                                    temperature, vocab_size)
-    dev = hidden.device
-    be = choose_op_backend("fused_linear_logprob_entropy_loss", backend, dev, hidden.dtype)
-    check_targets = resolve_check_targets(check_targets, dev)
-    keep = keep_mask(targets, mask, ignore_index).contiguous()
-    N, cdt = hidden.shape[0], compute_dtype(hidden)
+    h, w, b, y, keep, scalars, be, check_targets = _student_only_call(
+        "fused_linear_logprob_entropy_loss", hidden, weight, bias, targets, mask, temperature, vocab_size,
+        chunk_size, ignore_index, backend, token_chunk_size, check_targets)
+    N, dev, cdt = h.shape[0], h.device, compute_dtype(h)
     g_lp = token_weight(logprob_weight, "logprob_weight", N, dev, cdt)
     g_ent = token_weight(entropy_weight, "entropy_weight", N, dev, cdt)
     if check_targets and not torch.compiler.is_compiling():  # a host sync: eager only
         check_weights_finite({"logprob_weight": g_lp, "entropy_weight": g_ent}, keep)
-    h, w, y = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-    b = None if bias is None else bias.contiguous()
-    grad_on = torch.is_grad_enabled()
-    need = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
-    scalars = (temperature, vocab_size, int(Divergence.REVERSE_KL), 0.5, int(chunk_size or 0),
-               int(token_chunk_size or 0))
+    need = _grads_needed(h, w, b)
     if _gradient_mode(gradients, be, "sum", need) == "forward":
         loss, _div, lp, ent = _DistillGradsInForward.apply(h, w, b, need, None, None, None, y, keep, None, g_lp,
                                                            g_ent, *scalars, _WEIGHTED, check_targets, be)
