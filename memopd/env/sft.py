@@ -162,14 +162,15 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 # a teacher trained on the rational rule under compact memory, the full history and the
 # persistent history the flatten layout scores (the `persistent` arm's teacher state; its
 # longest Q16 examples, 2,700 tokens measured, set the positions), with a fifth of its calls
-# perturbed (the view-dependent recovery), 8,000 steps for the three views; and a student
+# perturbed (the view-dependent recovery), 16,000 steps for the three views (8,000 gave a
+# teacher at held-out Q2 EM 0.61 that ignored the history: docs/replication.md); and a student
 # with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
 INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
     "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
     "student": REPLICATION_MODEL_PRESETS["student"],
 }
 INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
-    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=8000, batch_tokens=2560,
+    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=16000, batch_tokens=2560,
                        policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2),
     "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
 }
