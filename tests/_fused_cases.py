@@ -29,6 +29,27 @@ def make_inputs(seed, N=40, Hs=24, Ht=20, V=301, Vt=None, dtype=torch.float32, b
                 bt=cast(bt), y=y, mask=mask)
 
 
+def far_inputs(seed, N=24, V=96, close_rows=0, dtype=torch.float32):
+    """Logits given directly (identity heads): on each row the teacher's favourite token
+    gets, from the student, e^-85 to e^-200 of the teacher's probability (log q - log p
+    beyond 80 nats, where a capped e^{-δ} would distort the JSD); `close_rows` rows get a
+    teacher equal to the student up to 1e-3 noise instead (the precise path's rows)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(N, V, generator=g, dtype=torch.float64)
+    t = torch.randn(N, V, generator=g, dtype=torch.float64)
+    fav = torch.randint(0, V, (N,), generator=g)
+    gap = 85.0 + 115.0 * torch.rand(N, generator=g, dtype=torch.float64)
+    rows = torch.arange(N)
+    t[rows, fav] += 6.0
+    s[rows, fav] -= gap
+    if close_rows:
+        t[:close_rows] = s[:close_rows] + 1e-3 * torch.randn(close_rows, V, generator=g, dtype=torch.float64)
+    eye = torch.eye(V, dtype=torch.float64)
+    cast = lambda x: x.to(dtype).clone()  # noqa: E731 - fresh tensors, never shared between roles
+    return dict(hs=cast(s).requires_grad_(), ws=cast(eye).requires_grad_(), bs=None, ht=cast(t), wt=cast(eye),
+                bt=None, y=torch.randint(0, V, (N,), generator=g), mask=torch.ones(N, dtype=torch.bool))
+
+
 def as64(inp):
     """Same values in float64 (fresh leaves) for the reference."""
     return {k: (v.detach().double().requires_grad_(v.requires_grad)

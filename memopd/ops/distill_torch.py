@@ -133,7 +133,7 @@ _SQRT_E = math.exp(0.5)
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 _CLOSE_KL = 1e-2  # full-row mode: rows whose plain KL estimate is below this get the precise dlse
-_JSD_CAP = 80.0  # -δ clamp of the JSD's expm1 (weights there are < e^-80: no effect, no overflow)
+_JSD_CAP = 80.0  # -δ past which the JSD weight is taken in its far form (e^{-δ} would overflow)
 
 
 def _any(flags: Tensor) -> bool:
@@ -145,10 +145,29 @@ def _jsd_negw(neg_delta: Tensor, beta: float) -> Tensor:
     """In place: -δ -> -(δ - u(δ)) = log1p(β expm1(-δ)), u = log(β + (1-β) e^δ) = log M - log q.
 
     δ - u = -log(β e^{-δ} + 1 - β) exactly; the log1p/expm1 form keeps relative precision
-    where δ is tiny (p ≈ q) and cannot overflow (-δ is capped at 80, where the entry's
-    weight p = q e^{δ} < e^-80 q makes the cap invisible).
+    where δ is tiny (p ≈ q). Where -δ > _JSD_CAP (the teacher's probability of an entry is
+    more than e^80 times the student's) e^{-δ} would overflow: there the weight is
+    -δ + log β + log1p((1-β)/β · e^δ) instead, so the weight, and with it KL(q‖M), stays
+    exact whatever the gap (`_far_weights`).
     """
-    return neg_delta.clamp_max_(_JSD_CAP).expm1_().mul_(beta).log1p_()
+    far = _far_weights(neg_delta, _JSD_CAP, math.log(beta), (1.0 - beta) / beta, bits=False)
+    if far is None:  # the max reduction stands in for the clamp, which would change nothing
+        return neg_delta.expm1_().mul_(beta).log1p_()
+    neg_delta.clamp_max_(_JSD_CAP).expm1_().mul_(beta).log1p_()
+    return torch.where(far[0], far[1], neg_delta, out=neg_delta)
+
+
+def _far_weights(x: Tensor, cap: float, log_beta: float, ratio: float, bits: bool):
+    """For the entries of x (-δ in nats, or in bits with `bits`) beyond `cap`: (mask, their
+    exact JSD weight x + log β + log(1 + ratio·e^-x)), or None where no entry is (the
+    usual case, found by one max reduction)."""
+    if x.numel() == 0 or not _any(x.amax() > cap):
+        return None
+    if bits:
+        hi = torch.exp2(-x).mul_(ratio).add_(1.0).log2_()
+    else:
+        hi = torch.exp(-x).mul_(ratio).log1p_()
+    return x > cap, hi.add_(x).add_(log_beta)
 
 
 def _jsd_negw2_far(s: Tensor, t: Tensor, dlse: Tensor, lse_s: Tensor, lse_t: Tensor, beta: float, wk,
@@ -160,14 +179,20 @@ def _jsd_negw2_far(s: Tensor, t: Tensor, dlse: Tensor, lse_s: Tensor, lse_t: Ten
     exp2 and log2 of the ratio cost about half of the log1p/expm1 form (`_jsd_negw`); the
     weight then has absolute rather than relative precision (~2^-24, not 2^-24·|weight|),
     which is fp32 roundoff of a divergence that is not small. -δ comes from s - t as in
-    `_jsd_negw`, and is capped the same way (no overflow).
+    `_jsd_negw`, and entries past the same cap are computed apart (no overflow, exact).
     """
     cap2 = _JSD_CAP * _LOG2E
     log2_beta = math.log2(beta) if beta > 0 else -math.inf
     w2 = torch.sub(s, t, out=wk("d", n, c))
     # log2(β q / p) = log2 β - δ log2(e), capped: 2^w2 <= 2^cap2 β
     w2 = torch.add((_LOG2E * dlse + log2_beta)[:, None], w2, alpha=-_LOG2E, out=w2)
-    w2 = w2.clamp_max_(cap2 + log2_beta).exp2_().add_(1.0 - beta).log2_()
+    # beyond the cap the weight is log2(β q/p) + log2(1 + (1-β) p / (β q)), computed apart
+    far = _far_weights(w2, cap2 + log2_beta, 0.0, 1.0 - beta, bits=True)
+    if far is None:
+        w2 = w2.exp2_().add_(1.0 - beta).log2_()
+    else:
+        w2 = w2.clamp_max_(cap2 + log2_beta).exp2_().add_(1.0 - beta).log2_()
+        w2 = torch.where(far[0], far[1], w2, out=w2)
     p = torch.add((-_LOG2E * lse_s)[:, None], s, alpha=_LOG2E, out=wk("x", n, c)).exp2_()
     q = _centre2(t, lse_t).exp2_()
     tmp = wk("e", n, c)

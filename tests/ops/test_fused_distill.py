@@ -18,6 +18,7 @@ from _fused_cases import (
     CountMatmuls,
     LargestTensor,
     as64,
+    far_inputs,
     make_inputs,
     reference_lpe_loss,
     run_lpe,
@@ -171,6 +172,26 @@ def test_close_distributions_fp32(seed, divergence):
     for a, b, r in zip(g, g32, g64):
         ours, naive = (a.double() - r).abs().max().item(), (b.double() - r).abs().max().item()
         assert ours <= 2 * naive + 1e-5 * r.abs().max().item(), (ours, naive, seed)
+
+
+@pytest.mark.parametrize("divergence", DIVS)
+@pytest.mark.parametrize("close_rows", [0, 5])
+@pytest.mark.parametrize("gradients", ["forward", "recompute"])
+def test_far_distributions(seed, divergence, close_rows, gradients):
+    """Student and teacher more than 80 nats apart on the teacher's favourite token: the
+    divergence (the JSD is at most log 2 here) and its gradients match float64, in the
+    fast path for rows that are not close and in the precise one (`close_rows`)."""
+    w = {"loss": 1.0, "kl": rand_w(seed, 24)}
+    kw = dict(divergence=divergence, chunk_size=32)
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-5)):
+        inp = far_inputs(seed, close_rows=close_rows, dtype=dtype)
+        if gradients == "forward":
+            compare(seed, inp, {"loss": 1.0}, kw, (tol, tol), (tol, 10 * tol), fused_kw=dict(gradients=gradients))
+        else:
+            compare(seed, inp, w, kw, (tol, tol), (tol, 10 * tol), fused_kw=dict(gradients=gradients))
+    if divergence == "jsd":
+        out, _ = run(fused_linear_distill, far_inputs(seed, close_rows=close_rows), grads=False, **kw)
+        assert out.kl.max().item() <= 0.6932, f"JSD above log 2: {out.kl.max().item():.4f} (seed={seed})"
 
 
 def test_close_distributions_bf16(seed):
