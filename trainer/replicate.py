@@ -84,24 +84,14 @@ BUDGETS = {
 # statistics
 # ----------------------------------------------------------------------------------
 def paired_bootstrap(a, b, *, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict:
-    """Mean difference a − b and its percentile bootstrap interval.
+    """Mean difference a − b and its percentile bootstrap interval, resampling the sets only
+    (the paper protocol's intervals): `bootstrap_seeds_sets` with the seeds held fixed.
 
     `a`, `b`: [seeds, sets] per-set scores of two arms on the same held-out sets and
     seeds. Each draw resamples the sets with replacement and applies the same draw to
     both arms and to every seed (the pairing); the statistic is the mean over seeds and
     drawn sets. Seeds are not resampled: their spread is reported as the std."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if a.ndim != 2 or a.shape != b.shape or a.size == 0:
-        raise ValueError(f"paired_bootstrap needs two [seeds, sets] arrays of one shape, got {a.shape} and {b.shape}")
-    if not 0 < level < 1 or draws < 1:
-        raise ValueError(f"level must be in (0, 1) and draws >= 1, got {level}, {draws}")
-    per_set = (a - b).mean(axis=0)  # equal seeds per set: the mean over seeds first changes nothing
-    idx = np.random.default_rng(seed).integers(0, per_set.size, size=(draws, per_set.size))
-    stats = per_set[idx].mean(axis=1)
-    lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return {"diff": float(per_set.mean()), "lo": float(lo), "hi": float(hi), "level": level, "draws": draws,
-            "seed": seed, "seeds": a.shape[0], "sets": a.shape[1]}
+    return bootstrap_seeds_sets(a, b, draws=draws, seed=seed, level=level, resample_seeds=False)
 
 
 def relative_change(new: float, base: float) -> float | None:
@@ -441,25 +431,30 @@ INFOGAP_BUDGETS = {
 
 
 def bootstrap_seeds_sets(a, b, *, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED,
-                         level: float = BOOTSTRAP_LEVEL) -> dict:
+                         level: float = BOOTSTRAP_LEVEL, resample_seeds: bool = True) -> dict:
     """Mean difference a − b and its percentile bootstrap interval, resampling seeds and
     sets. `a`, `b`: [seeds, sets] scores of two arms, row s of both from seed s, column j
     from set j (a [seeds] vector is one score per seed). Each draw resamples the seeds and
     the sets with replacement and applies both draws to both arms: the pairing by seed
     and by set. The statistic is the mean over the drawn seeds and sets, computed from the
-    draw counts (w_seeds · (a − b) · w_sets / (S · N))."""
+    draw counts (w_seeds · (a − b) · w_sets / (S · N)). `resample_seeds=False` keeps every
+    seed in every draw (`paired_bootstrap`)."""
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    if a.ndim == 1:
+    if a.ndim == 1 and resample_seeds:  # one score per seed (without seeds to resample: no sets either)
         a, b = a[:, None], b[:, None] if b.ndim == 1 else b
     if a.ndim != 2 or a.shape != b.shape or a.size == 0:
-        raise ValueError(f"bootstrap_seeds_sets needs two [seeds, sets] arrays of one shape, got {a.shape} and {b.shape}")
+        name = "bootstrap_seeds_sets" if resample_seeds else "paired_bootstrap"
+        raise ValueError(f"{name} needs two [seeds, sets] arrays of one shape, got {a.shape} and {b.shape}")
     if not 0 < level < 1 or draws < 1:
         raise ValueError(f"level must be in (0, 1) and draws >= 1, got {level}, {draws}")
     d = a - b
     S, N = d.shape
     rng = np.random.default_rng(seed)
-    ws = np.stack([np.bincount(r, minlength=S) for r in rng.integers(0, S, size=(draws, S))]).astype(np.float64)
+    if resample_seeds:
+        ws = np.stack([np.bincount(r, minlength=S) for r in rng.integers(0, S, size=(draws, S))]).astype(np.float64)
+    else:
+        ws = np.ones((draws, S))
     wn = np.stack([np.bincount(r, minlength=N) for r in rng.integers(0, N, size=(draws, N))]).astype(np.float64)
     stats = np.einsum("ds,sn,dn->d", ws, d, wn) / (S * N)
     lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
