@@ -220,7 +220,12 @@ class _Batch:
     # kernels' top-left causal mask on each run's rows (padding rows, which see padding
     # keys too, are dropped in the forward and weigh 0 in the backward)
     causal: bool
-    lse_rows: Tensor  # q_rows with padding rows pointing at the extra +inf row T of the backward's lse
+    lse_rows: Tensor  # q_rows with padding rows pointing at the extra row T (the backward's +inf lse row,
+    # and the row the forward's and backward's outputs dump padding rows into)
+    # (start, stop) when the call's query / key rows are one contiguous range of tokens (one
+    # run, no padding): the operands are then views, not gathered copies
+    q_span: tuple[int, int] | None = None
+    k_span: tuple[int, int] | None = None
     additive: dict = field(default_factory=dict, compare=False)  # dtype -> the mask as 0 / -inf, built once
 
 
@@ -258,10 +263,8 @@ class _CpuPlan:
     batches: list[_Batch]
     prefixes: list[_Prefix]
     pre_tokens: Tensor | None  # concatenated rows of `prefixes`
-    # row `where[t]` of the batches' padded outputs, concatenated, is token t's; tokens no
-    # batch computes (`blind`) are zero
-    where: Tensor | None
-    blind: Tensor | None
+    blind: Tensor | None  # tokens no batch computes (they see nothing): their rows are zero
+    tokens: int  # T
 
 
 @dataclass(frozen=True)
@@ -301,8 +304,14 @@ def _make_batches(runs: list[Run], key_ranges, T: int, dev) -> list[_Batch]:
         real = (torch.arange(Lq, device=dev).view(1, Lq) < lq_t.view(n, 1)).flatten()
         keep = real.nonzero().squeeze(1)
         causal = all(lk_ == lq_ and r.seg_start == r.start for r, lk_, lq_ in zip(bucket, lk, lq))
+        q_span = k_span = None
+        if n == 1:
+            q_span = (bucket[0].start, bucket[0].stop)
+            if Lk and keys[0] == list(range(keys[0][0], keys[0][0] + Lk)):
+                k_span = (keys[0][0], keys[0][0] + Lk)
         batches.append(_Batch(n, Lq, Lk, q_rows.flatten(), k_rows.flatten(), mask.unsqueeze(1), keep,
-                              q_rows.flatten().index_select(0, keep), causal, torch.where(real, q_rows.flatten(), T)))
+                              q_rows.flatten().index_select(0, keep), causal, torch.where(real, q_rows.flatten(), T),
+                              q_span, k_span))
     return batches
 
 
@@ -321,16 +330,12 @@ def _cpu_plan(runs: list[Run], T: int, dev) -> _CpuPlan:
         rows = [i for r in sorted(rs, key=lambda r: r.start) for i in range(r.start, r.stop)]
         first = rows[0] if rows[-1] - rows[0] + 1 == len(rows) else None
         prefixes.append(_Prefix(lo, hi, torch.tensor(rows, device=dev), first))
-    where = torch.zeros(T, dtype=torch.long, device=dev)
     seen = torch.zeros(T, dtype=torch.bool, device=dev)
-    offset = 0
     for b in batches:
-        where[b.tokens] = b.keep + offset
         seen[b.tokens] = True
-        offset += b.n * b.lq
     blind = (~seen).nonzero().squeeze(1)
-    return _CpuPlan(batches, prefixes, torch.cat([p.rows for p in prefixes]) if prefixes else None, where,
-                    blind if blind.numel() else None)
+    return _CpuPlan(batches, prefixes, torch.cat([p.rows for p in prefixes]) if prefixes else None,
+                    blind if blind.numel() else None, T)
 
 
 def _build_plan(seg_start: Tensor, prefix_start: Tensor, prefix_end: Tensor) -> _TorchPlan:
@@ -430,12 +435,16 @@ def _fused_cpu_ok(q: Tensor, k: Tensor, v: Tensor, plan: _TorchPlan) -> bool:
 
 def _bucket_qkv(q: Tensor, k: Tensor, v: Tensor, b: _Batch):
     """q [n, Hq, Lq, D] and k, v [n, Hkv, Lk, D] of one padded call."""
-    return _padded(q, b.q_rows, b.n, b.lq), _padded(k, b.k_rows, b.n, b.lk), _padded(v, b.k_rows, b.n, b.lk)
+    return (_padded(q, b.q_rows, b.n, b.lq, b.q_span), _padded(k, b.k_rows, b.n, b.lk, b.k_span),
+            _padded(v, b.k_rows, b.n, b.lk, b.k_span))
 
 
-def _padded(x: Tensor, rows: Tensor, n: int, length: int) -> Tensor:
+def _padded(x: Tensor, rows: Tensor, n: int, length: int, span: tuple[int, int] | None = None) -> Tensor:
     """The rows `rows` of x [T, H, ...] as [n, H, length, ...] (the memory layout the fused
-    CPU kernels use for their own outputs: [n, length, H, ...])."""
+    CPU kernels use for their own outputs: [n, length, H, ...]); a view of x where the rows
+    are the contiguous `span`."""
+    if span is not None:
+        return x[span[0] : span[1]].unsqueeze(0).transpose(1, 2)
     return x.index_select(0, rows).view(n, length, *x.shape[1:]).transpose(1, 2)
 
 
@@ -452,14 +461,17 @@ def _kernel_mask(b: _Batch, like: Tensor) -> dict:
     return dict(is_causal=False, attn_mask=mask)
 
 
-def _gather_rows(plan: _CpuPlan, parts: list[Tensor]) -> Tensor:
-    """Token rows from the batches' padded rows (each [n * Lq, ...], in plan order): one
-    copy (two with several batches) instead of a zero fill and a scatter per batch."""
-    src = parts[0] if len(parts) == 1 else torch.cat(parts)
-    out = src.index_select(0, plan.where)
+def _scatter_rows(plan: _CpuPlan, parts: list[Tensor]) -> Tensor:
+    """Token rows [T, ...] from the batches' padded rows (each [n * Lq, ...], in plan order):
+    one copy of each, every padding row dumped into an extra row T that the result (a view
+    of the first T rows) leaves out; rows no batch computes are zero."""
+    T = plan.tokens
+    out = parts[0].new_empty((T + 1, *parts[0].shape[1:]))
     if plan.blind is not None:
         out.index_fill_(0, plan.blind, 0)
-    return out
+    for b, part in zip(plan.batches, parts):
+        out.index_copy_(0, b.lse_rows, part)
+    return out[:T]
 
 
 def _prefix_rows(x: Tensor, p: _Prefix) -> Tensor:
@@ -483,7 +495,7 @@ def _fused_cpu_forward(q, k, v, plan: _TorchPlan, scale):
         # both come in the memory layout [n, Lq, H(, D)]: these reshapes are views
         outs.append(ob.transpose(1, 2).reshape(b.n * b.lq, Hq, D))
         lses.append(lb.transpose(1, 2).reshape(b.n * b.lq, Hq))
-    out, lse = _gather_rows(cp, outs), _gather_rows(cp, lses).to(lse_dtype(q))
+    out, lse = _scatter_rows(cp, outs), _scatter_rows(cp, lses).to(lse_dtype(q))
     if cp.prefixes:
         o_pre, l_pre = [], []
         for p in cp.prefixes:
@@ -516,12 +528,18 @@ def _fused_cpu_backward(dout, q, k, v, out, lse, plan: _TorchPlan, scale):
     dqs = []
     for b in cp.batches:
         lb = lse_rows.index_select(0, b.lse_rows).view(b.n, b.lq, Hq).transpose(1, 2)
-        gq, gk, gv = _CPU_FLASH_BWD(_padded(dout, b.q_rows, b.n, b.lq), *_bucket_qkv(q, k, v, b),
-                                    _padded(out, b.q_rows, b.n, b.lq), lb, 0.0, **_kernel_mask(b, q), scale=scale)
+        gq, gk, gv = _CPU_FLASH_BWD(_padded(dout, b.q_rows, b.n, b.lq, b.q_span), *_bucket_qkv(q, k, v, b),
+                                    _padded(out, b.q_rows, b.n, b.lq, b.q_span), lb, 0.0, **_kernel_mask(b, q),
+                                    scale=scale)
         dqs.append(gq.transpose(1, 2).reshape(b.n * b.lq, Hq, D))
-        dk.index_add_(0, b.k_rows, gk.transpose(1, 2).reshape(b.n * b.lk, *k.shape[1:]))
-        dv.index_add_(0, b.k_rows, gv.transpose(1, 2).reshape(b.n * b.lk, *v.shape[1:]))
-    dq = _gather_rows(cp, dqs)
+        gk, gv = gk.transpose(1, 2).reshape(b.n * b.lk, *k.shape[1:]), gv.transpose(1, 2).reshape(b.n * b.lk, *v.shape[1:])
+        if b.k_span is not None:
+            dk[b.k_span[0] : b.k_span[1]] += gk
+            dv[b.k_span[0] : b.k_span[1]] += gv
+        else:
+            dk.index_add_(0, b.k_rows, gk)
+            dv.index_add_(0, b.k_rows, gv)
+    dq = _scatter_rows(cp, dqs)
     if cp.prefixes:
         dq_pre = []
         for p in cp.prefixes:

@@ -60,3 +60,26 @@ def test_split_calls_match_the_oracle(dtype, case):
         assert_close(name, a, b, dtype)
     if cp.blind is not None:
         assert (got[0][cp.blind] == 0).all() and (got[1][cp.blind] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lone_runs_read_their_rows_in_place(dtype):
+    """A call far longer than the others gets a batch of its own, whose operands are views
+    of the token rows (no gathered copy) and whose key gradients are added to a slice:
+    output and gradients still equal the oracle's, and so do those of the batched calls."""
+    from memopd.layout import SegmentKind
+
+    P, C = SegmentKind.PREFIX, SegmentKind.CALL
+    lengths = [(P, 20, -1), (C, 160, 0), (C, 9, 0), (C, 11, 0), (C, 10, 0), (C, 140, -1), (C, 5, -1), (C, 6, -1)]
+    cu = [0]
+    for _, n, _ in lengths:
+        cu.append(cu[-1] + n)
+    meta = AttentionMeta.from_segments(cu, [link for *_, link in lengths], [kind for kind, *_ in lengths])
+    cp = pa_mod._plan_of(meta.seg_start, meta.prefix_start, meta.prefix_end).cpu
+    lone = [b for b in cp.batches if b.q_span is not None]
+    assert len(lone) >= 2 and all(b.k_span is not None for b in lone), [(b.n, b.lq) for b in cp.batches]
+    assert any(b.q_span is None for b in cp.batches), "the short calls should share a padded batch"
+    q, k, v, do = make_inputs(meta.num_tokens, 4, 2, 16, dtype, 3)
+    got = _run(q, k, v, do, meta)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle(q, k, v, do, meta)):
+        assert_close(name, a, b, dtype)
