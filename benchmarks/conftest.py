@@ -31,7 +31,7 @@ import pytest
 from _timing import apply_threads, load_average
 
 PACKING_RECORDS = pytest.StashKey[list]()
-SPEEDUP_TARGET = 1.63  # aligned_shared over independent, on every configuration
+SPEEDUP_TARGET = 2.0  # aligned_shared over independent, on every configuration: the project's aim (the paper reports up to 1.63x)
 LAYOUTS = ("independent", "aligned", "aligned_shared")
 HERE = Path(__file__).resolve().parent
 
