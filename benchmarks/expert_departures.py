@@ -25,7 +25,7 @@ def first_departures(model_dir: str, k: int, n: int, seed: int = 0, *, expert_na
     import torch
 
     from memopd.env.evaluate import agent_engine, load_agent_env
-    from memopd.env.infogap import action_token_roles, make_expert
+    from memopd.env.infogap import _common_prefix, action_token_roles, make_expert
     from memopd.env.protocol import ProtocolTokens
     from memopd.env.qa import QAEnv
     from memopd.env.rollout import rollout
@@ -51,13 +51,12 @@ def first_departures(model_dir: str, k: int, n: int, seed: int = 0, *, expert_na
             want_ids = expert.act(list(tr.prefix_ids) + list(inv.context_ids))
             want, got = words(want_ids), words(inv.action_ids)
             if want != got:
-                j = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+                j = _common_prefix(want, got)
                 w = want[j] if j < len(want) else "<end>"
                 g = got[j] if j < len(got) else "<end>"
                 kinds["label or tag" if is_decision(w) or is_decision(g) else "value or query"] += 1
                 got_ids = [int(x) for x in inv.action_ids]
-                i = next((i for i, (a, b) in enumerate(zip(want_ids, got_ids)) if a != b),
-                         min(len(want_ids), len(got_ids)))
+                i = _common_prefix(want_ids, got_ids)
                 role_of = action_token_roles(want_ids, tokens)
                 roles[role_of[i] if i < len(role_of) else "end"] += 1
                 if len(shown) < examples:

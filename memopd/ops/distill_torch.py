@@ -159,8 +159,8 @@ def _jsd_negw(neg_delta: Tensor, beta: float) -> Tensor:
 
 def _far_weights(x: Tensor, cap: float, log_beta: float, ratio: float, bits: bool):
     """For the entries of x (-δ in nats, or in bits with `bits`) beyond `cap`: (mask, their
-    exact JSD weight x + log β + log(1 + ratio·e^-x)), or None where no entry is (the
-    usual case, found by one max reduction)."""
+    exact JSD weight x + log β + log(1 + ratio·e^-x), in base 2 with `bits`), or None where
+    no entry is (the usual case, found by one max reduction)."""
     if x.numel() == 0 or not _any(x.amax() > cap):
         return None
     if bits:

@@ -185,10 +185,8 @@ def test_far_distributions(seed, divergence, close_rows, gradients):
     kw = dict(divergence=divergence, chunk_size=32)
     for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-5)):
         inp = far_inputs(seed, close_rows=close_rows, dtype=dtype)
-        if gradients == "forward":
-            compare(seed, inp, {"loss": 1.0}, kw, (tol, tol), (tol, 10 * tol), fused_kw=dict(gradients=gradients))
-        else:
-            compare(seed, inp, w, kw, (tol, tol), (tol, 10 * tol), fused_kw=dict(gradients=gradients))
+        weights = {"loss": 1.0} if gradients == "forward" else w
+        compare(seed, inp, weights, kw, (tol, tol), (tol, 10 * tol), fused_kw=dict(gradients=gradients))
     if divergence == "jsd":
         out, _ = run(fused_linear_distill, far_inputs(seed, close_rows=close_rows), grads=False, **kw)
         assert out.kl.max().item() <= 0.6932, f"JSD above log 2: {out.kl.max().item():.4f} (seed={seed})"

@@ -80,6 +80,8 @@ def test_lone_runs_read_their_rows_in_place(dtype):
     assert len(lone) >= 2 and all(b.k_span is not None for b in lone), [(b.n, b.lq) for b in cp.batches]
     assert any(b.q_span is None for b in cp.batches), "the short calls should share a padded batch"
     q, k, v, do = make_inputs(meta.num_tokens, 4, 2, 16, dtype, 3)
-    got = _run(q, k, v, do, meta)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle(q, k, v, do, meta)):
-        assert_close(name, a, b, dtype)
+    # the views then meet the incoming gradient as it comes: contiguous, strided, expanded
+    for grad in (do, do.transpose(0, 1).contiguous().transpose(0, 1), torch.ones(()).expand_as(do)):
+        got = _run(q, k, v, grad, meta)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle(q, k, v, grad.contiguous(), meta)):
+            assert_close(name, a, b, dtype)
