@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import pickle
 import random
@@ -666,10 +665,6 @@ def _stop_pool(ex) -> None:
     (it has no public way to end a running task before Python 3.14)."""
     procs = list((getattr(ex, "_processes", None) or {}).values())
     ex.shutdown(wait=False, cancel_futures=True)
-    # and any child the pool had started but not yet listed (an interrupt while it spawned
-    # its workers): multiprocessing joins live non-daemon children at exit, which would
-    # wait for that role's whole training
-    procs += [c for c in multiprocessing.active_children() if c not in procs]
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -761,6 +756,7 @@ def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs
         jobs = min(len(todo), os.cpu_count() or 1)
     t0 = time.time()
     if jobs > 1 and len(todo) > 1:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         from memopd.progress import BarRelay
