@@ -109,8 +109,11 @@ def test_ctrl_c_to_the_parent_stops_both_roles_at_once(tmp_path):
            "--teacher-steps", "100000", "--student-steps", "100000", "--copy-warmup-steps", "0", "--threads", "1",
            "--jobs", "2", "--no-progress"]
     with open(log, "w") as f:
+        # SIGINT at its default in the child: a suite started as a background job inherits
+        # it ignored (so does Python then), and the signal this test sends would never arrive
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": str(REPO)},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     workers: set[int] = set()
     while len(workers) < 2 or "expert data" not in log.read_text():
