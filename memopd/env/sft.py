@@ -122,6 +122,11 @@ class SFTConfig:
     # share of each (policy, k)'s calls replaced by a perturbed state (an entry of the
     # notes dropped or corrupted) labelled by the expert under that view
     perturb_frac: float = 0.0
+    # each round of expert episodes (at most REDRAW_ROUND_SETS sets) played in a copy of the
+    # world with its attribute values drawn afresh (`World.with_redrawn_values`): a value can
+    # then only be read from the context, never recalled. Trained on the one world, a
+    # teacher recalls the training facts and so fails on held-out ones (docs/replication.md)
+    redraw_values: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -163,7 +168,9 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 # persistent history the flatten layout scores (the `persistent` arm's teacher state; its
 # longest Q16 examples, 2,700 tokens measured, set the positions), with a fifth of its calls
 # perturbed (the view-dependent recovery), 16,000 steps for the three views (8,000 gave a
-# teacher at held-out Q2 EM 0.61 that ignored the history: docs/replication.md); and a student
+# teacher at held-out Q2 EM 0.61 that ignored the history: docs/replication.md), its episodes
+# played in worlds of redrawn values (on the one world it recalled the training facts and
+# failed on held-out ones: docs/replication.md, "The third teacher"); and a student
 # with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
 INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
     "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
@@ -171,7 +178,8 @@ INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
     "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=16000, batch_tokens=2560,
-                       policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2),
+                       policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2,
+                       redraw_values=True),
     "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
 }
 
@@ -219,9 +227,15 @@ def sft_examples(trajectories) -> list[tuple[list[int], int]]:
     return out
 
 
+# Sets per round of expert episodes when each round has its own redrawn world: small
+# enough that a value is shared by few episodes.
+REDRAW_ROUND_SETS = 64
+
+
 def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
                     split: str = "train", policies: Sequence[str] = (), expert: str = "scripted",
-                    perturb_frac: float = 0.0) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
+                    perturb_frac: float = 0.0, redraw_values: bool = False,
+                    ) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
     """SFT examples from expert episodes: `calls_per_k` calls for each k (and for each
     memory policy of `policies`, if given; else `env`'s own policy).
 
@@ -234,7 +248,9 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     the expert on that state. `expert`: "scripted" or "rational" (`infogap.make_expert`);
     `perturb_frac`: the share of sampled calls whose context gets one entry of its notes
     dropped or corrupted (`infogap.perturbed_state`), the action then being the expert's
-    on that state under the same view (`stats["perturbed"]` counts them).
+    on that state under the same view (`stats["perturbed"]` counts them). `redraw_values`:
+    each round of at most `REDRAW_ROUND_SETS` sets is played in its own
+    `world.with_redrawn_values` copy (`stats["worlds"]` counts them).
     """
     from .infogap import flattened_prompt, make_expert, perturbed_state
 
@@ -254,17 +270,25 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     rng = random.Random(f"sft-{seed}")
     prng = random.Random(f"sft-perturb-{seed}")  # its own stream: unperturbed data as without it
     examples: list[tuple[list[int], int]] = []
-    stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "perturbed": 0, "expert": expert}
+    stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "perturbed": 0, "expert": expert,
+                             "worlds": 0}
     for view, e in envs:
         first = len(examples)
         for k in ks:
             pool: list[tuple[list[int], int]] = []
             states: list[tuple[list[int], list[int]]] = []  # (prefix, context) of each pooled call
             chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
+            if redraw_values:
+                chunk = min(chunk, REDRAW_ROUND_SETS)
             rnd = 0
             while len(pool) < calls_per_k:
-                tasks = world.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
-                trajs = rollout(e, engine, tasks, temperature=0.0)
+                w, play = world, e
+                if redraw_values:  # the sets' answers are those of the copy they are played in
+                    w = world.with_redrawn_values(f"{seed}-{view}-{k}-{rnd}")
+                    play = QAEnv.from_world(w, env.tokenizer, e.config)
+                    stats["worlds"] += 1
+                tasks = w.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
+                trajs = rollout(play, engine, tasks, temperature=0.0)
                 bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
                 if bad:
                     raise RuntimeError(f"the {expert} expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
@@ -531,7 +555,7 @@ CHECKPOINT_VERSION = 2
 _PRE_EXISTING = {
     "world": {"seed", "n_entities", "attributes", "relations", "distractors_per_entity", "two_hop_frac"},
     "sft_config": {f for f in SFTConfig.__dataclass_fields__
-                   if f not in ("policies", "balance_policies", "expert", "perturb_frac")},
+                   if f not in ("policies", "balance_policies", "expert", "perturb_frac", "redraw_values")},
 }
 
 
@@ -602,7 +626,8 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     tokenizer = build_tokenizer(world.vocabulary_texts(), kind="word")
     env = QAEnv.from_world(world, tokenizer, env_config)
     examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed, policies=cfg.policies,
-                                       expert=cfg.expert, perturb_frac=cfg.perturb_frac)
+                                       expert=cfg.expert, perturb_frac=cfg.perturb_frac,
+                                       redraw_values=cfg.redraw_values)
     if dstats["longest"] > spec.max_position_embeddings:
         raise DataError(f"{role}: an SFT example has {dstats['longest']} tokens, beyond the model's "
                         f"{spec.max_position_embeddings} positions")

@@ -282,6 +282,21 @@ class World:
                 pairs, round(len(pairs) * config.heldout_frac)))
         return world
 
+    def with_redrawn_values(self, seed: str | int) -> "World":
+        """A copy of this world whose attribute values are drawn afresh (from the same value
+        sets, by `seed`) and whose corpus states them; names, relations, held-out facts and so
+        the question streams stay as they are. SFT data played in such copies cannot be
+        answered from a memorised fact, only from what the context shows
+        (`SFTConfig.redraw_values`)."""
+        rng = random.Random(f"memopd-redraw-{self.config.seed}-{seed}")
+        facts = dict(self.facts)
+        for x in self.entities:
+            for a in self.config.attributes:
+                facts[(x, a)] = rng.choice(self.values[a])
+        world = World(self.config, list(self.entities), facts, heldout=self.heldout)
+        world._build_corpus(rng)
+        return world
+
     def _build_corpus(self, rng: random.Random) -> None:
         docs: list[Document] = []
         for x in self.entities:
