@@ -284,10 +284,10 @@ class World:
 
     def with_redrawn_values(self, seed: str | int) -> "World":
         """A copy of this world whose attribute values are drawn afresh (from the same value
-        sets, by `seed`) and whose corpus states them; names, relations, held-out facts and so
-        the question streams stay as they are. SFT data played in such copies cannot be
-        answered from a memorised fact, only from what the context shows
-        (`SFTConfig.redraw_values`)."""
+        sets, by `seed`) and whose corpus states them; names, relations and held-out facts stay,
+        so each split asks the same questions (the linked pairs of its sets follow the copy's
+        own searches). SFT data played in such copies cannot be answered from a memorised
+        fact, only from what the context shows (`SFTConfig.redraw_values`)."""
         rng = random.Random(f"memopd-redraw-{self.config.seed}-{seed}")
         facts = dict(self.facts)
         for x in self.entities:

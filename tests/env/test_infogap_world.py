@@ -193,7 +193,8 @@ def test_sft_data_of_the_teacher_recipe(infogap):
     assert cfgs["teacher"].expert == "rational" and cfgs["teacher"].perturb_frac == pytest.approx(0.2)
     assert set(cfgs["teacher"].policies) == {"summary", "full", FLATTEN_VIEW} and cfgs["teacher"].balance_policies
     assert cfgs["student"].expert == "scripted" and cfgs["student"].steps == 1000
-    assert SFTConfig().expert == "scripted" and SFTConfig().perturb_frac == 0.0
+    assert cfgs["teacher"].redraw_values and not cfgs["student"].redraw_values
+    assert SFTConfig().expert == "scripted" and SFTConfig().perturb_frac == 0.0 and not SFTConfig().redraw_values
     env = QAEnv.from_world(world, tok, EnvConfig())
     plain, _ = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational")
     ex, stats = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational",
@@ -295,3 +296,46 @@ def test_ceiling_of_the_plain_experts_episodes_is_below_the_gate_overall_and_abo
     a, g = got["all"], got["gap_calls"]
     assert 0 < a["lower"] < a["upper"] < a["gap_tokens"] and a["upper"] < GATE_MIN_TOP1
     assert 0 < g["lower"] < GATE_MIN_TOP1 < g["upper"] < 1
+
+
+def test_a_redrawn_world_keeps_its_questions_and_changes_its_values(infogap):
+    world, _ = infogap
+    copy = world.with_redrawn_values("a")
+    attrs = set(world.config.attributes)
+    assert copy.entities == world.entities and copy.heldout == world.heldout
+    assert all(copy.facts[f] == v for f, v in world.facts.items() if f[1] not in attrs)  # relations kept
+    changed = [f for f, v in world.facts.items() if f[1] in attrs and copy.facts[f] != v]
+    assert len(changed) > 0.5 * len(world.entities) * len(attrs)
+    assert all(copy.facts[f] in copy.values[f[1]] for f in changed)
+    # the corpus states the new values, in the tokenizer's vocabulary
+    docs = {d.id: d for d in copy.documents}
+    x, a = changed[0]
+    assert copy.facts[(x, a)] in docs[copy.support_doc[(x, a)]].text
+    vocab = {w for t in world.vocabulary_texts() for w in t.split()}
+    assert {w for t in copy.vocabulary_texts() for w in t.split()} <= vocab
+    # the same questions in every split (the held-out facts are still only eval answers),
+    # answered by the copy's facts; the linked pairs follow the copy's searches
+    for split in ("train", "eval"):
+        assert copy.questions(split) == world.questions(split)
+        theirs = copy.sample_tasks(2, 40, split=split, seed=3)
+        for t in theirs:
+            for q, ans in zip(t.questions, t.answers):
+                attr, rel, x = parse_question(q)
+                assert ans == [copy.answer(attr, x, rel)]
+        assert [t.answers for t in world.sample_tasks(2, 40, split=split, seed=3)] != [t.answers for t in theirs]
+    assert world.with_redrawn_values("a").facts == copy.facts
+    assert world.with_redrawn_values("b").facts != copy.facts
+
+
+def test_sft_data_from_redrawn_worlds_is_the_rule_played_in_each_copy(infogap):
+    world, tok = infogap
+    env = QAEnv.from_world(world, tok, EnvConfig())
+    # the expert must be perfect in every copy, or expert_examples raises
+    one, plain = expert_examples(world, env, (2,), 150, policies=("summary", FLATTEN_VIEW), expert="rational")
+    many, stats = expert_examples(world, env, (2,), 150, policies=("summary", FLATTEN_VIEW), expert="rational",
+                                  redraw_values=True)
+    assert plain["worlds"] == 0 and stats["worlds"] >= 2 * 2  # more than one copy per view at 150 calls
+    assert stats["calls_by_policy"] == plain["calls_by_policy"]
+    assert sum(a != b for a, b in zip(one, many)) > len(many) // 2
+    # every action quotes only values the copy's corpus may show: the words stay in the vocabulary
+    assert all(i < len(tok) for ids, _ in many for i in ids)
