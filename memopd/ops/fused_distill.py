@@ -164,19 +164,17 @@ def _bwd_op(g_div: Optional[Tensor], g_lp: Optional[Tensor], g_ent: Optional[Ten
         dh, dw, db = _kernels().distill_backward(grads, student, teacher, targets, keep, stats, params, need)
     else:
         dh, dw, db = torch_backward(grads, student, teacher, targets, keep, stats, params, need)
-    empty = hs.new_empty((0,))
-    return (dh if dh is not None else empty, dw if dw is not None else empty,
-            db if db is not None else empty)
+    # one fresh empty per absent gradient: outputs of a custom op may not alias each other
+    return tuple(g if g is not None else hs.new_empty((0,)) for g in (dh, dw, db))
 
 
 @_bwd_op.register_fake
 def _bwd_fake(g_div, g_lp, g_ent, hs, ws, bs, ht, wt, bt, targets, keep, stats, temperature,
               vocab_size, divergence, beta, need_dh, need_dw, need_db, chunk_size, token_chunk,
               backend):
-    empty = hs.new_empty((0,))
-    return (torch.empty_like(hs) if need_dh else empty,
-            torch.empty_like(ws) if need_dw else empty,
-            torch.empty_like(bs) if (need_db and bs is not None) else empty)
+    return (torch.empty_like(hs) if need_dh else hs.new_empty((0,)),
+            torch.empty_like(ws) if need_dw else hs.new_empty((0,)),
+            torch.empty_like(bs) if (need_db and bs is not None) else hs.new_empty((0,)))
 
 
 def _setup_context(ctx, inputs, output):
@@ -252,9 +250,9 @@ def _fwd_grad_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, ne
     else:
         div, lp, ent, stats, dh, dw, db = torch_forward_with_grads(student, teacher, targets, keep, params,
                                                                    token_weight_grads(weights), need)
-    empty = hs.new_empty((0,))
-    return (div, lp, ent, stats, dh if dh is not None else empty, dw if dw is not None else empty,
-            db if db is not None else empty)
+    # one fresh empty per absent gradient: a custom op's outputs may not alias each other
+    # (a frozen lm_head, with no bias, has two of them)
+    return (div, lp, ent, stats) + tuple(g if g is not None else hs.new_empty((0,)) for g in (dh, dw, db))
 
 
 @_fwd_grad_op.register_fake
@@ -262,10 +260,9 @@ def _fwd_grad_fake(hs, ws, bs, need_dh, need_dw, need_db, ht, wt, bt, targets, k
                    temperature, vocab_size, divergence, beta, chunk_size, token_chunk, check_targets, backend):
     div, lp, ent, stats = _fwd_fake(hs, ws, bs, ht, wt, bt, targets, keep, temperature, vocab_size, divergence,
                                     beta, chunk_size, token_chunk, "torch", check_targets)
-    empty = hs.new_empty((0,))
-    return (div, lp, ent, stats, torch.empty_like(hs) if need_dh else empty,
-            torch.empty_like(ws) if need_dw else empty,
-            torch.empty_like(bs) if (need_db and bs is not None) else empty)
+    return (div, lp, ent, stats, torch.empty_like(hs) if need_dh else hs.new_empty((0,)),
+            torch.empty_like(ws) if need_dw else hs.new_empty((0,)),
+            torch.empty_like(bs) if (need_db and bs is not None) else hs.new_empty((0,)))
 
 
 _WEIGHTED = "weighted"  # the `reduction` of `_DistillGradsInForward` for a loss given by per-token weights
