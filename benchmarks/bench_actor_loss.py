@@ -9,6 +9,8 @@ weight), in three groups, each with its own naive baseline and peer:
     composed     fused_linear_reverse_kl(reduction="none") + PPO surrogate + entropy bonus
                  (the trainer's path before fused_linear_actor_loss)
     fused_actor  memopd.ops.fused_linear_actor_loss
+    fused_actor_plain_ops  the same with its elementwise work in PyTorch ops
+                 (MEMOPD_NATIVE_CHUNKS=0: the path before the C++ core's chunk kernels)
     liger_grpo   Liger's chunked LigerFusedLinearGRPOLoss (PPO clip surrogate; its KL is the
                  per-token k3 estimate to a reference model, not a full-vocabulary KL, and it
                  has no entropy term), torch.compile'd; skipped without liger-kernel
@@ -16,6 +18,7 @@ weight), in three groups, each with its own naive baseline and peer:
     naive_rkl    reference_linear_reverse_kl (materialising)
     fused_rkl    fused_linear_reverse_kl (gradients taken in the forward, the CPU default)
     fused_rkl_recompute  the same with gradients="recompute" (the backward recomputes)
+    fused_rkl_plain_ops  fused_rkl with its elementwise work in PyTorch ops (as above)
     liger_rkl    Liger's chunked LigerFusedLinearJSDLoss with beta=1 (reverse KL),
                  torch.compile'd as Liger ships it; skipped without liger-kernel
   JSD (beta = 0.5): the generalised JSD of TRL's GKD
@@ -62,8 +65,8 @@ SHAPES = {
 }
 # group -> (its naive baseline, the contenders of the group, the peer its fused op is held to)
 GROUPS = {
-    "actor": ("naive", ("composed", "fused_actor", "liger_grpo"), "liger_rkl"),
-    "reverse_kl": ("naive_rkl", ("fused_rkl", "fused_rkl_recompute", "liger_rkl"), "liger_rkl"),
+    "actor": ("naive", ("composed", "fused_actor", "fused_actor_plain_ops", "liger_grpo"), "liger_rkl"),
+    "reverse_kl": ("naive_rkl", ("fused_rkl", "fused_rkl_recompute", "fused_rkl_plain_ops", "liger_rkl"), "liger_rkl"),
     "jsd": ("naive_jsd", ("fused_jsd", "liger_jsd"), "liger_jsd"),
 }
 CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names))
@@ -89,6 +92,9 @@ def step_fn(name):
     """A function (hs, ws, ht, wt, y, adv, old) -> None that runs forward + backward."""
     from memopd.ops import fused_linear_actor_loss, fused_linear_reverse_kl, reference_actor_loss
 
+    if name.endswith("_plain_ops"):  # read at each call (memopd.ops._native_chunks.usable)
+        os.environ["MEMOPD_NATIVE_CHUNKS"] = "0"
+        name = name[: -len("_plain_ops")]
     if name == "naive":
         def run(hs, ws, ht, wt, y, adv, old):
             reference_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss.backward()

@@ -1,7 +1,8 @@
 """The PyTorch implementation of the fused distillation op and of its teacher-less mode
 (log-prob + entropy): blocked over kept tokens and vocabulary chunks, never [N, V]. It
-runs on CPU tensors and on any device with backend="torch"; the algorithm, the blocking
-and the costs are in docs/design.md §6.2.
+runs on CPU tensors and on any device with backend="torch"; on CPU float32 the
+elementwise work of the resident path runs in the C++ core (`_native_chunks`). The
+algorithm, the blocking and the costs are in docs/design.md §6.2.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.contract import DistillParams, DistillStat, Divergence, LinearHead, head_tensors
+from . import _native_chunks
 
 __all__ = ["compute_dtype", "torch_forward", "torch_backward", "torch_forward_with_grads", "token_weight_grads",
            "student_outputs", "log1p_or_plain", "kl_from_sums", "stack_stats"]
@@ -471,8 +473,14 @@ def _forward_resident(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, di
         e_d = torch.zeros(n, **f)  # Σ e^{s - m_s} (s - t) (reverse KL) or Σ e^{t - m_t} (s - t)
     z_s = torch.zeros(n, **f)
     a_s = torch.zeros(n, **f)
+    native = _native_chunks.usable(h, *S, *(T or ()))
     for k, (v0, v1) in enumerate(spans):
         c = v1 - v0
+        if native:  # the sums below in one pass of the C++ core
+            _native_chunks.softmax_sums(S[k], None if T is None else T[k], m_s, None if T is None else m_t, z_s, a_s,
+                                        None if T is None else z_t, None if T is None else e_d,
+                                        weight_teacher=div_code != Divergence.REVERSE_KL)
+            continue
         x = torch.add((-_LOG2E * m_s)[:, None], S[k], alpha=_LOG2E, out=wk("x", n, c))  # log2 e · (s - m_s)
         es = torch.exp2(x, out=wk("e", n, c))
         z_s += es.sum(1)
@@ -647,6 +655,15 @@ def _chunk_dlogits(s: Tensor, t: Optional[Tensor], y: Tensor, v0: int, v1: int, 
     A, B, D, glp = coef
     lse_s, lse_t, dlse = st[DistillStat.LSE_S], st[DistillStat.LSE_T], st[DistillStat.DLSE]
     n, c = s.shape
+    mode = None  # the C++ core takes the reverse KL, a given JSD weight, and no divergence term
+    if D is None:
+        mode = _native_chunks.MODE_NONE
+    elif t_is_jsd_weight or div_code == Divergence.REVERSE_KL:
+        mode = _native_chunks.MODE_GIVEN if t_is_jsd_weight else _native_chunks.MODE_DIFF
+    if mode is not None and _native_chunks.usable(s, None if D is None else t, lse_s):
+        ds = _native_chunks.dlogits(s, None if D is None else t, lse_s.contiguous(), _row_vector(A.expand(n, 1)),
+                                    _row_vector(B), _row_vector(D), mode)
+        return _add_target_term(ds, y, v0, v1, glp)
     X = q = None
     if D is not None and t_is_jsd_weight:
         X = t
@@ -676,9 +693,19 @@ def _chunk_dlogits(s: Tensor, t: Optional[Tensor], y: Tensor, v0: int, v1: int, 
         ds.mul_(p)
         if q is not None:
             ds.addcmul_(D, q.add_(p, alpha=-_SQRT_E).relu_())
+    return _add_target_term(ds, y, v0, v1, glp)
+
+
+def _row_vector(v: Optional[Tensor]) -> Optional[Tensor]:
+    """An [n, 1] coefficient as the contiguous [n] vector the C++ core reads."""
+    return None if v is None else v.reshape(-1).contiguous()
+
+
+def _add_target_term(ds: Tensor, y: Tensor, v0: int, v1: int, glp: Optional[Tensor]) -> Tensor:
+    """ds += g_lp at each row's target column, where the target falls in [v0, v1)."""
     if glp is not None:
         in_c = (y >= v0) & (y < v1)
-        col = (y - v0).clamp(0, c - 1)[:, None]
+        col = (y - v0).clamp(0, ds.shape[1] - 1)[:, None]
         ds.scatter_add_(1, col, torch.where(in_c, glp, 0.0)[:, None])
     return ds
 

@@ -1,0 +1,76 @@
+"""The C++ core's CPU kernels for one [rows, chunk] block of float32 logits
+(csrc/logit_chunks.cpp), as the PyTorch path of the fused losses calls them: the forward's
+softmax sums in one pass and dL/ds in one more, in place of about ten elementwise PyTorch
+passes and their temporaries (docs/design.md §6.2).
+
+`usable(...)` says whether a call may take them: CPU float32 contiguous tensors, a built
+`memopd._C` that has them, and `MEMOPD_NATIVE_CHUNKS` not set to 0 (the switch the tests
+and benchmarks use to compare both). Anything else keeps the PyTorch ops, which compute
+the same sums.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["usable", "softmax_sums", "dlogits", "MODE_NONE", "MODE_DIFF", "MODE_GIVEN"]
+
+MODE_NONE, MODE_DIFF, MODE_GIVEN = 0, 1, 2  # X of dlogits: none, s - t, t itself
+
+try:
+    from memopd import _C
+
+    _HAVE = hasattr(_C, "softmax_sums") and hasattr(_C, "dlogits")
+except ImportError:  # a source tree whose core is not built: the PyTorch ops do the work
+    _C = None
+    _HAVE = False
+
+
+def usable(*tensors: Optional[Tensor]) -> bool:
+    if not _HAVE or os.environ.get("MEMOPD_NATIVE_CHUNKS", "1") == "0":
+        return False
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+               for t in tensors)
+
+
+def _ptr(t: Optional[Tensor], n: int) -> int:
+    """A row vector's data pointer after checking it holds n float32 values (0 for None)."""
+    if t is None:
+        return 0
+    if t.numel() != n or t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"native chunk kernel: a per-row vector must be {n} contiguous CPU float32 values, "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return t.data_ptr()
+
+
+def _block(s: Tensor, t: Optional[Tensor]) -> tuple[int, int]:
+    if s.dim() != 2 or not usable(s, t) or (t is not None and t.shape != s.shape):
+        raise ValueError("native chunk kernel: s (and t) must be one contiguous CPU float32 [rows, chunk] block, "
+                         f"got {tuple(s.shape)}" + ("" if t is None else f" and {tuple(t.shape)}"))
+    return s.shape[0], s.shape[1]
+
+
+def softmax_sums(s: Tensor, t: Optional[Tensor], m_s: Tensor, m_t: Optional[Tensor], z_s: Tensor, a_s: Tensor,
+                 z_t: Optional[Tensor], e_d: Optional[Tensor], *, weight_teacher: bool) -> None:
+    """Adds to the [n] sums, for the [n, c] block s (and t): z_s Σ e^{s - m_s}, a_s Σ
+    log2(e)(s - m_s) e^{s - m_s}; with t, z_t Σ e^{t - m_t} and e_d Σ w (s - t), w =
+    e^{t - m_t} if `weight_teacher` else e^{s - m_s}."""
+    n, c = _block(s, t)
+    _C.softmax_sums(s.data_ptr(), 0 if t is None else t.data_ptr(), n, c, _ptr(m_s, n), _ptr(m_t, n),
+                    _ptr(z_s, n), _ptr(a_s, n), _ptr(z_t, n), _ptr(e_d, n), bool(weight_teacher),
+                    torch.get_num_threads())
+
+
+def dlogits(s: Tensor, t: Optional[Tensor], lse_s: Tensor, a: Tensor, b: Optional[Tensor], d: Optional[Tensor],
+            mode: int) -> Tensor:
+    """In place over the [n, c] block s, returned: p (a + b log2 p + d X) with p = e^{s -
+    lse_s} and X none (MODE_NONE), s - t (MODE_DIFF) or t (MODE_GIVEN); a, b, d per row."""
+    n, c = _block(s, t)
+    if (mode == MODE_NONE) != (t is None and d is None):
+        raise ValueError("native chunk kernel: t and d go with a mode that has X, and only with one")
+    _C.dlogits(s.data_ptr(), 0 if t is None else t.data_ptr(), n, c, _ptr(lse_s, n), _ptr(a, n), _ptr(b, n),
+               _ptr(d, n), int(mode), torch.get_num_threads())
+    return s

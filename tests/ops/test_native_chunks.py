@@ -1,0 +1,174 @@
+"""The C++ core's logit-chunk kernels (csrc/logit_chunks.cpp through
+memopd/ops/_native_chunks.py) against float64, in both compiled copies (AVX2+FMA and the
+portable one), with masked entries, ragged chunk widths, one row and several threads; and
+the fused ops with the kernels switched off (MEMOPD_NATIVE_CHUNKS=0), so that the PyTorch
+elementwise path the kernels replace stays tested as well."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from memopd.ops import _native_chunks as nc
+
+pytestmark = pytest.mark.skipif(not nc._HAVE, reason="memopd._C was built without the logit-chunk kernels")
+
+LOG2E = 1.0 / math.log(2.0)
+SHAPES = [(1, 1), (3, 7), (5, 256), (9, 257), (17, 1000), (64, 4099)]
+
+
+@pytest.fixture(params=["auto", "base"])
+def isa(request):
+    used = nc._C.set_logit_chunks_isa(request.param)
+    yield used
+    nc._C.set_logit_chunks_isa("auto")
+
+
+def _block(seed, n, c, masked=True):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, c, generator=g) * 4
+    t = s + torch.randn(n, c, generator=g) * 2
+    if masked and c > 2:  # 300 nats below the row's max: below 2^-126, exactly nothing
+        s[:, -1] = s.amax(1) - 300.0
+        t[:, -2] = t.amax(1) - 300.0
+    return s, t
+
+
+def _ref_sums(s, t, m_s, m_t, weight_teacher):
+    s64, t64 = s.double(), t.double()
+    xs = s64 - m_s.double()[:, None]
+    es = torch.exp(xs)
+    et = torch.exp(t64 - m_t.double()[:, None])
+    return es.sum(1), (LOG2E * xs * es).sum(1), et.sum(1), ((s64 - t64) * (et if weight_teacher else es)).sum(1)
+
+
+@pytest.mark.parametrize("n,c", SHAPES)
+@pytest.mark.parametrize("weight_teacher", [False, True])
+def test_softmax_sums_match_float64(isa, seed, n, c, weight_teacher):
+    s, t = _block(seed, n, c)
+    m_s, m_t = s.amax(1), t.amax(1)
+    got = [torch.full((n,), 0.25) for _ in range(4)]  # the kernel adds to what is there
+    nc.softmax_sums(s, t, m_s, m_t, *got, weight_teacher=weight_teacher)
+    for name, a, r in zip(("z_s", "a_s", "z_t", "e_d"), got, _ref_sums(s, t, m_s, m_t, weight_teacher)):
+        err = ((a.double() - 0.25) - r).abs().max().item()
+        scale = 1.0 + r.abs().max().item()
+        assert err <= 2e-6 * scale, f"{name} [{isa}] {n}x{c}: err {err:.2e} (scale {scale:.1f}, seed={seed})"
+    only = [torch.zeros(n), torch.zeros(n)]
+    nc.softmax_sums(s, None, m_s, None, only[0], only[1], None, None, weight_teacher=False)
+    assert torch.equal(only[0] + 0.25, got[0]) and torch.equal(only[1] + 0.25, got[1]), "teacher-less sums differ"
+
+
+@pytest.mark.parametrize("n,c", SHAPES)
+@pytest.mark.parametrize("mode", [nc.MODE_NONE, nc.MODE_DIFF, nc.MODE_GIVEN])
+def test_dlogits_match_float64(isa, seed, n, c, mode):
+    s, t = _block(seed, n, c)
+    g = torch.Generator().manual_seed(seed + 1)
+    lse = torch.logsumexp(s.double(), 1).float()
+    a, b, d = (torch.randn(n, generator=g) for _ in range(3))
+    p = torch.exp(s.double() - lse.double()[:, None])
+    x = {nc.MODE_NONE: 0.0, nc.MODE_DIFF: s.double() - t.double(), nc.MODE_GIVEN: t.double()}[mode]
+    ref = p * (a.double()[:, None] + b.double()[:, None] * LOG2E * (s.double() - lse.double()[:, None])
+               + d.double()[:, None] * x)
+    out = s.clone()
+    ret = nc.dlogits(out, None if mode == nc.MODE_NONE else t, lse, a, b, None if mode == nc.MODE_NONE else d, mode)
+    assert ret is out, "dlogits works in place"
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2e-6 * (1.0 + ref.abs().max().item()), f"[{isa}] {n}x{c} mode {mode}: err {err:.2e} (seed={seed})"
+    if c > 2:
+        assert (out[:, -1] == 0).all(), "a column 300 nats below the max got a gradient"
+
+
+def test_threads_split_rows_without_changing_a_bit(seed):
+    s, t = _block(seed, 300, 2048)
+    m_s, m_t = s.amax(1), t.amax(1)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            z = [torch.zeros(300) for _ in range(4)]
+            nc.softmax_sums(s, t, m_s, m_t, *z, weight_teacher=False)
+            ds = nc.dlogits(s.clone(), t, torch.logsumexp(s, 1), z[0], z[1], z[2], nc.MODE_DIFF)
+            outs.append((z, ds))
+    finally:
+        torch.set_num_threads(before)
+    for z, ds in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(z, outs[0][0])) and torch.equal(ds, outs[0][1])
+
+
+def test_bad_blocks_are_refused_by_name():
+    s = torch.zeros(4, 8)
+    v = torch.zeros(4)
+    with pytest.raises(ValueError, match="float32"):
+        nc.softmax_sums(s.double(), None, v, None, v, v, None, None, weight_teacher=False)
+    with pytest.raises(ValueError, match="contiguous"):
+        nc.dlogits(torch.zeros(8, 4).t(), None, v, v, None, None, nc.MODE_NONE)
+    with pytest.raises(ValueError, match="per-row vector must be 4"):
+        nc.softmax_sums(s, None, torch.zeros(3), None, v, v, None, None, weight_teacher=False)
+    with pytest.raises(ValueError, match="mode"):
+        nc.dlogits(s, None, v, v, None, v, nc.MODE_DIFF)
+    with pytest.raises(ValueError, match="'auto' or 'base'"):
+        nc._C.set_logit_chunks_isa("avx512")
+    assert not nc.usable(s.double()) and not nc.usable(torch.zeros(8, 4).t()) and nc.usable(s, None)
+
+
+def test_the_switch_turns_the_kernels_off(monkeypatch):
+    assert nc.usable(torch.zeros(2, 2))
+    monkeypatch.setenv("MEMOPD_NATIVE_CHUNKS", "0")
+    assert not nc.usable(torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_the_fused_ops_agree_with_float64_on_both_paths(monkeypatch, seed, native):
+    """The ops whose elementwise work the kernels take (reverse KL, the teacher-less
+    log-prob + entropy loss, the JSD's resident pass, the actor loss) on each path."""
+    from memopd.ops import (
+        fused_linear_actor_loss,
+        fused_linear_distill,
+        fused_linear_logprob_entropy_loss,
+        reference_actor_loss,
+        reference_linear_distill,
+    )
+
+    monkeypatch.setenv("MEMOPD_NATIVE_CHUNKS", native)
+    g = torch.Generator().manual_seed(seed)
+    N, H, V = 37, 24, 301
+    hs, ws = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    ht, wt = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    y = torch.randint(0, V, (N,), generator=g)
+    adv, old = torch.randn(N, generator=g), -torch.rand(N, generator=g) * 3 - 2
+
+    def grads(fn, dtype):
+        h, w = hs.to(dtype).clone().requires_grad_(), ws.to(dtype).clone().requires_grad_()
+        out = fn(h, w, ht.to(dtype), wt.to(dtype))
+        out.loss.backward()
+        return [out.loss.detach().double(), h.grad.double(), w.grad.double()]
+
+    cases = {
+        "reverse_kl": lambda op: lambda h, w, a, b: op(h, w, a, b, y, divergence="reverse_kl", chunk_size=64),
+        "jsd": lambda op: lambda h, w, a, b: op(h, w, a, b, y, divergence="jsd", beta=0.3, chunk_size=64),
+    }
+    for name, make in cases.items():
+        got, ref = grads(make(fused_linear_distill), torch.float32), grads(make(reference_linear_distill), torch.float64)
+        for what, a, r in zip(("loss", "dh", "dw"), got, ref):
+            err = (a - r).abs().max().item()
+            assert err <= 2e-5 * (1 + r.abs().max().item()), f"{name} {what} native={native}: {err:.2e} (seed={seed})"
+    coef = dict(clip_eps=0.2, entropy_coef=0.01, teacher_kl_coef=0.5)
+    got = grads(lambda h, w, a, b: fused_linear_actor_loss(h, w, y, adv, old, teacher_hidden=a, teacher_weight=b, **coef),
+                torch.float32)
+    ref = grads(lambda h, w, a, b: reference_actor_loss(h, w, y, adv.double(), old.double(), teacher_hidden=a,
+                                                        teacher_weight=b, **coef), torch.float64)
+    for what, a, r in zip(("loss", "dh", "dw"), got, ref):
+        err = (a - r).abs().max().item()
+        assert err <= 2e-5 * (1 + r.abs().max().item()), f"actor {what} native={native}: {err:.2e} (seed={seed})"
+    h = hs.clone().requires_grad_()
+    lpe = fused_linear_logprob_entropy_loss(h, ws, y, logprob_weight=-1.0 / N, entropy_weight=0.02)
+    lpe.loss.backward()
+    h64 = hs.double().requires_grad_()
+    logits = h64 @ ws.double().t()
+    logp = torch.log_softmax(logits, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    (-(logp.gather(1, y[:, None])[:, 0]).sum() / N + 0.02 * ent.sum()).backward()
+    err = (h.grad.double() - h64.grad).abs().max().item()
+    assert err <= 2e-5 * (1 + h64.grad.abs().max().item()), f"logprob+entropy dh native={native}: {err:.2e}"
