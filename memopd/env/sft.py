@@ -127,11 +127,16 @@ class SFTConfig:
     # then only be read from the context, never recalled. Trained on the one world, a
     # teacher recalls the training facts and so fails on held-out ones (docs/replication.md)
     redraw_values: bool = False
+    # experts that, beside `expert`, play episodes in every view whose states `expert` then
+    # labels (e.g. ("scripted",): the plain expert's kind of state, the one the student
+    # visits and OPD scores, where its notes miss a fact the history shows)
+    state_players: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["ks"] = list(self.ks)
         d["policies"] = list(self.policies)
+        d["state_players"] = list(self.state_players)
         return d
 
 
@@ -167,19 +172,20 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 # a teacher trained on the rational rule under compact memory, the full history and the
 # persistent history the flatten layout scores (the `persistent` arm's teacher state; its
 # longest Q16 examples, 2,700 tokens measured, set the positions), with a fifth of its calls
-# perturbed (the view-dependent recovery), 16,000 steps for the three views (8,000 gave a
-# teacher at held-out Q2 EM 0.61 that ignored the history: docs/replication.md), its episodes
-# played in worlds of redrawn values (on the one world it recalled the training facts and
-# failed on held-out ones: docs/replication.md, "The third teacher"); and a student
+# perturbed (the view-dependent recovery), its episodes played in worlds of redrawn values
+# (on the one world it recalled the training facts and failed on held-out ones), as many
+# states again from the plain expert's episodes labelled by the rule (the student's kind of
+# state, which OPD scores), 4,000 steps (where the third teacher peaked): docs/replication.md,
+# "The third teacher" and "The fourth teacher"; and a student
 # with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
 INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
     "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
     "student": REPLICATION_MODEL_PRESETS["student"],
 }
 INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
-    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=16000, batch_tokens=2560,
+    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=4000, batch_tokens=2560,
                        policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2,
-                       redraw_values=True),
+                       redraw_values=True, state_players=("scripted",)),
     "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
 }
 
@@ -234,7 +240,7 @@ REDRAW_ROUND_SETS = 64
 
 def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
                     split: str = "train", policies: Sequence[str] = (), expert: str = "scripted",
-                    perturb_frac: float = 0.0, redraw_values: bool = False,
+                    perturb_frac: float = 0.0, redraw_values: bool = False, state_players: Sequence[str] = (),
                     ) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
     """SFT examples from expert episodes: `calls_per_k` calls for each k (and for each
     memory policy of `policies`, if given; else `env`'s own policy).
@@ -250,7 +256,9 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     dropped or corrupted (`infogap.perturbed_state`), the action then being the expert's
     on that state under the same view (`stats["perturbed"]` counts them). `redraw_values`:
     each round of at most `REDRAW_ROUND_SETS` sets is played in its own
-    `world.with_redrawn_values` copy (`stats["worlds"]` counts them).
+    `world.with_redrawn_values` copy (`stats["worlds"]` counts them). `state_players`:
+    experts whose episodes give `calls_per_k` more calls per view and k, each state
+    labelled by `expert` (`calls_by_policy` key "VIEW@PLAYER").
     """
     from .infogap import flattened_prompt, make_expert, perturbed_state
 
@@ -265,15 +273,19 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
                      answer_words=env.answer_words)
 
     views = list(policies) or [env.config.policy]
-    envs = [(v, env_of(v)) for v in views]
     engine = make_expert(expert, env.tokenizer, world.config)
+    players = [(expert, engine)] + [(p, make_expert(p, env.tokenizer, world.config)) for p in state_players
+                                    if p != expert]
+    envs = [(v, env_of(v), name, player) for name, player in players for v in views]
     rng = random.Random(f"sft-{seed}")
     prng = random.Random(f"sft-perturb-{seed}")  # its own stream: unperturbed data as without it
     examples: list[tuple[list[int], int]] = []
     stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "perturbed": 0, "expert": expert,
                              "worlds": 0}
-    for view, e in envs:
+    for view, e, player_name, player in envs:
         first = len(examples)
+        own = player is engine  # the labelling expert's own episodes: their recorded actions are its labels
+        tag = "" if own else f"-{player_name}"
         for k in ks:
             pool: list[tuple[list[int], int]] = []
             states: list[tuple[list[int], list[int]]] = []  # (prefix, context) of each pooled call
@@ -284,14 +296,14 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
             while len(pool) < calls_per_k:
                 w, play = world, e
                 if redraw_values:  # the sets' answers are those of the copy they are played in
-                    w = world.with_redrawn_values(f"{seed}-{view}-{k}-{rnd}")
+                    w = world.with_redrawn_values(f"{seed}-{view}-{k}-{rnd}{tag}")
                     play = QAEnv.from_world(w, env.tokenizer, e.config)
                     stats["worlds"] += 1
                 tasks = w.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
-                trajs = rollout(play, engine, tasks, temperature=0.0)
+                trajs = rollout(play, player, tasks, temperature=0.0)
                 bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
                 if bad:
-                    raise RuntimeError(f"the {expert} expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
+                    raise RuntimeError(f"the {player_name} expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
                 if view == FLATTEN_VIEW:
                     # each call as the flatten layout shows it, labelled by the expert on that state
                     for t in trajs:
@@ -299,9 +311,15 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
                             state = flattened_prompt(t, c)
                             pool.append((state + engine.act(state), len(state)))
                             states.append((inv.prefix_ids, state[len(inv.prefix_ids):]))
-                else:
+                elif own:
                     pool += sft_examples(trajs)
                     states += [(inv.prefix_ids, inv.context_ids) for t in trajs for inv in t.invocations]
+                else:  # another player's states, labelled by the expert
+                    for t in trajs:
+                        for inv in t.invocations:
+                            state = list(inv.prefix_ids) + list(inv.context_ids)
+                            pool.append((state + engine.act(state), len(state)))
+                            states.append((inv.prefix_ids, inv.context_ids))
                 stats["episodes"] += len(trajs)
                 rnd += 1
             # sampling indices draws exactly what sampling the pool itself would
@@ -315,7 +333,7 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
                         ex = (state + engine.act(state), len(state))
                         stats["perturbed"] += 1
                 examples.append(ex)
-        stats["calls_by_policy"][view] = len(examples) - first
+        stats["calls_by_policy"][view if own else f"{view}@{player_name}"] = len(examples) - first
     stats["calls"] = len(examples)
     stats["tokens"] = sum(len(e[0]) for e in examples)
     stats["action_tokens"] = sum(len(e[0]) - e[1] for e in examples)
@@ -555,7 +573,7 @@ CHECKPOINT_VERSION = 2
 _PRE_EXISTING = {
     "world": {"seed", "n_entities", "attributes", "relations", "distractors_per_entity", "two_hop_frac"},
     "sft_config": {f for f in SFTConfig.__dataclass_fields__
-                   if f not in ("policies", "balance_policies", "expert", "perturb_frac", "redraw_values")},
+                   if f not in ("policies", "balance_policies", "expert", "perturb_frac", "redraw_values", "state_players")},
 }
 
 
@@ -617,7 +635,8 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
             print(*a, **k)
     world_config = WorldConfig.from_json(job["world"])
     env_config = EnvConfig(**job["env"])
-    cfg = SFTConfig(**{**job["sft"], "ks": tuple(job["sft"]["ks"]), "policies": tuple(job["sft"].get("policies", ()))})
+    cfg = SFTConfig(**{**job["sft"], "ks": tuple(job["sft"]["ks"]), "policies": tuple(job["sft"].get("policies", ())),
+                       "state_players": tuple(job["sft"].get("state_players", ()))})
     spec = ModelSpec(**job["spec"])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -627,7 +646,7 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     env = QAEnv.from_world(world, tokenizer, env_config)
     examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed, policies=cfg.policies,
                                        expert=cfg.expert, perturb_frac=cfg.perturb_frac,
-                                       redraw_values=cfg.redraw_values)
+                                       redraw_values=cfg.redraw_values, state_players=cfg.state_players)
     if dstats["longest"] > spec.max_position_embeddings:
         raise DataError(f"{role}: an SFT example has {dstats['longest']} tokens, beyond the model's "
                         f"{spec.max_position_embeddings} positions")
@@ -646,7 +665,8 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     if cfg.warmup_copy_steps > 0:
         wex = copy_warmup_examples(len(tokenizer), 20000, first_id=len(SPECIAL_TOKENS), max_len=cfg.warmup_copy_len,
                                    seed=cfg.seed, bos_id=tokenizer.bos_token_id)
-        wcfg = SFTConfig(**{**cfg.to_json(), "ks": cfg.ks, "policies": cfg.policies, "steps": cfg.warmup_copy_steps})
+        wcfg = SFTConfig(**{**cfg.to_json(), "ks": cfg.ks, "policies": cfg.policies, "state_players": cfg.state_players,
+                            "steps": cfg.warmup_copy_steps})
         warm = train_sft(model, wex, wcfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
                          desc=f"copy warm-up {role}", position=job.get("position"),
                          resume_file=resume_files["warmup"], resume_key=resume_key)

@@ -194,6 +194,7 @@ def test_sft_data_of_the_teacher_recipe(infogap):
     assert set(cfgs["teacher"].policies) == {"summary", "full", FLATTEN_VIEW} and cfgs["teacher"].balance_policies
     assert cfgs["student"].expert == "scripted" and cfgs["student"].steps == 1000
     assert cfgs["teacher"].redraw_values and not cfgs["student"].redraw_values
+    assert cfgs["teacher"].state_players == ("scripted",) and cfgs["student"].state_players == ()
     assert SFTConfig().expert == "scripted" and SFTConfig().perturb_frac == 0.0 and not SFTConfig().redraw_values
     env = QAEnv.from_world(world, tok, EnvConfig())
     plain, _ = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational")
@@ -339,3 +340,22 @@ def test_sft_data_from_redrawn_worlds_is_the_rule_played_in_each_copy(infogap):
     assert sum(a != b for a, b in zip(one, many)) > len(many) // 2
     # every action quotes only values the copy's corpus may show: the words stay in the vocabulary
     assert all(i < len(tok) for ids, _ in many for i in ids)
+
+
+def test_states_of_another_player_are_labelled_by_the_rule(infogap):
+    world, tok = infogap
+    env = QAEnv.from_world(world, tok, EnvConfig())
+    rule, plain = make_expert("rational", tok, world.config), make_expert("scripted", tok, world.config)
+    alone, _ = expert_examples(world, env, (2,), 60, policies=("summary", FLATTEN_VIEW), expert="rational")
+    both, stats = expert_examples(world, env, (2,), 60, policies=("summary", FLATTEN_VIEW), expert="rational",
+                                  state_players=("scripted",))
+    assert stats["calls_by_policy"] == {"summary": 60, FLATTEN_VIEW: 60, "summary@scripted": 60,
+                                        f"{FLATTEN_VIEW}@scripted": 60}
+    assert both[:120] == alone  # the rule's own episodes are drawn as without the other player
+    others = both[120:]
+    assert all(ids[n:] == rule.act(ids[:n]) for ids, n in others)
+    # on the plain expert's states the rule acts otherwise at some calls (the states differ too)
+    assert any(plain.act(ids[:n]) != ids[n:] for ids, n in others[:60])
+    # the same question sets, so first calls coincide; the later states are the other player's
+    seen = {tuple(ids[:n]) for ids, n in alone}
+    assert sum(tuple(ids[:n]) in seen for ids, n in others) < len(others) // 2
