@@ -14,7 +14,15 @@ import torch
 from _launch import REPO, run_worker
 
 WORKER = REPO / "tests" / "_dist_worker_trainer.py"
-ATOL = 1e-4  # Adam's first steps amplify float-order noise in tiny gradients
+# Adam's first steps amplify float-order noise in tiny gradients: an element whose
+# gradient is near zero moves by a share of lr (1e-2) that the noise decides. With the C++
+# chunk kernels' summation order one of 1,024 q_proj elements of the ZeRO-3 run landed at
+# 1.09e-4 from the single process (1.00e-4 allowed before). A rank's or micro-batch's data
+# missing changes the gradient's direction and the weights by a share of lr far above this
+# bound; a gradient scale error, which Adam hides from the weights, is caught by the
+# grad-norm metrics compared below.
+ATOL = 2e-4
+MOVED = 1e-2  # the largest weight change the two steps make must exceed this
 METRICS = ("train/pg_loss", "train/vf_loss", "train/entropy", "train/kl_teacher", "train/clip_frac",
            "train/actor_grad_norm", "train/critic_grad_norm", "rollout/reward_mean", "rollout/action_tokens",
            "rollout/episodes", "train/kl_penalty_mean")
@@ -44,7 +52,7 @@ def test_two_ranks_equal_one_process(runs, name):
 
     init = make_models()[0].state_dict()
     moved = max((one["actor"][f"lm.{k}"] - v).abs().max().item() for k, v in init.items())
-    assert moved > 100 * ATOL  # the comparison is not vacuous
+    assert moved > MOVED  # the comparison is not vacuous
     for part in ("actor", "critic"):
         assert set(got[part]) == set(one[part])
         for k, ref in one[part].items():
