@@ -11,3 +11,8 @@ so the ops can use them anywhere. Import the kernel modules only where Triton is
 available; on CPU they run through `TRITON_INTERPRET=1`, which must be set before the
 first kernel module is imported.
 """
+
+if __name__ == "kernels":  # the repository root is on sys.path: not memopd.kernels
+    from memopd._root_names import hand_over
+
+    hand_over(__name__, __path__[0])

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import importlib
 
+if __name__ == "trainer":  # the repository root is on sys.path: not memopd.trainer
+    from memopd._root_names import hand_over
+
+    hand_over(__name__, __path__[0])
+
 _LAZY = {
     "TrainConfig": "config", "ARMS": "config", "ConfigError": "config",
     "Trainer": "loop", "train": "loop", "prepare": "loop",

@@ -106,6 +106,34 @@ def test_imports_from_the_repository_root():
         assert Path(got["triton"]).resolve() == REPO / "kernels" / "fused_distill.py"
 
 
+@pytest.mark.parametrize("name", ["kernels", "trainer"])
+def test_bare_root_names_go_to_the_installed_package_of_that_name(tmp_path, name):
+    """From the repository root, `import kernels` must not find memopd's kernels/:
+    transformers >= 5.25 imports Hugging Face's `kernels` distribution by that name. An
+    installed package of the name (here a stand-in behind the root on sys.path) wins; with
+    none, the ImportError names the mix-up."""
+    other = tmp_path / "site" / name
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("MARK = 'the installed one'\n")
+    code = f"import {name}, memopd.{name} as ours; print({name}.MARK, ours.__name__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(tmp_path / "site")  # after '' (the root): the shadowing order
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["the", "installed", "one", f"memopd.{name}"]
+
+
+
+def test_a_bare_root_name_with_no_installed_package_names_the_mix_up(tmp_path):
+    from memopd._root_names import hand_over
+
+    folder = tmp_path / "memopd_no_such_package"
+    folder.mkdir()
+    with pytest.raises(ImportError, match=r"is memopd's own \(import it as memopd.memopd_no_such_package\)"):
+        hand_over("memopd_no_such_package", str(folder))
+    assert "memopd_no_such_package" not in sys.modules
+
+
 class _InstalledCopy:
     """An installed distribution whose file list maps names to the given real files."""
 
