@@ -12,7 +12,11 @@ available; on CPU they run through `TRITON_INTERPRET=1`, which must be set befor
 first kernel module is imported.
 """
 
-if __name__ == "kernels":  # the repository root is on sys.path: not memopd.kernels
-    from memopd._root_names import hand_over
+if __name__ == "kernels":  # the repository root is on sys.path: this is not memopd.kernels
+    # only the standard library here: transformers imports this name while it initialises
+    import os as _os
+    import runpy as _runpy
 
-    hand_over(__name__, __path__[0])
+    _runpy.run_path(_os.path.join(_os.path.dirname(__path__[0]), "memopd", "_root_names.py"))["hand_over"](
+        __name__, __path__[0], keep_if_missing=True)
+    del _os, _runpy

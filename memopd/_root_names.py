@@ -6,7 +6,8 @@ pytest` from a checkout, a plain `import kernels` finds that folder first and sh
 installed top-level package of the same name: transformers >= 5.25 imports Hugging Face's
 `kernels` distribution at `import transformers.activations`, and would get memopd's folder
 and fail with "cannot import name 'CUDAProperties'". Each root package's `__init__` calls
-`hand_over` when it is imported under its bare name.
+`hand_over` when it is imported under its bare name; the `kernels/` one then only holds
+its docstring, so as a stand-in it is empty.
 """
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ import os
 import sys
 
 
-def hand_over(name: str, folder: str) -> None:
+def hand_over(name: str, folder: str, *, keep_if_missing: bool) -> None:
     """Replace the bare-name module `name` (memopd's root `folder`, imported by mistake) in
     sys.modules by the same name found on sys.path outside the checkout, and run it; the
-    import statement then returns that module. ImportError, naming the mix-up, when no
-    other package of that name is installed."""
+    import statement then returns that module. With no other package of that name: keep
+    the bare module as an empty stand-in when `keep_if_missing` (transformers probes for
+    `kernels` by importing it, and takes a module without a version for "not installed"),
+    else ImportError naming the mix-up."""
     root = os.path.dirname(os.path.abspath(folder))
     elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
     spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
     if spec is None or spec.loader is None:
+        if keep_if_missing:
+            return
         raise ImportError(
             f"no installed top-level package {name!r}: {folder} is memopd's own "
             f"(import it as memopd.{name}); it is only visible as {name!r} because the "

@@ -14,7 +14,7 @@ import importlib
 if __name__ == "trainer":  # the repository root is on sys.path: not memopd.trainer
     from memopd._root_names import hand_over
 
-    hand_over(__name__, __path__[0])
+    hand_over(__name__, __path__[0], keep_if_missing=False)
 
 _LAZY = {
     "TrainConfig": "config", "ARMS": "config", "ConfigError": "config",
