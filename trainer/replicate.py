@@ -32,6 +32,7 @@ Outputs: OUT/infogap_{full,quick}.{json,md,png}.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -42,7 +43,7 @@ import numpy as np
 
 __all__ = ["Budget", "BUDGETS", "paired_bootstrap", "relative_change", "per_set_scores", "audit_student",
            "run_protocol", "InfoGapBudget", "INFOGAP_BUDGETS", "INFOGAP_ARMS", "ENDPOINTS", "bootstrap_seeds_sets",
-           "minimal_detectable_effect", "curve_area", "clipped_step_fraction", "run_infogap_protocol"]
+           "minimal_detectable_effect", "student_t_quantile", "curve_area", "clipped_step_fraction", "run_infogap_protocol"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 AUDIT_VARIANTS = ("aligned", "flatten", "positions_broken")
@@ -470,14 +471,56 @@ def minimal_detectable_effect(per_seed_diffs, *, alpha: float = MDE_ALPHA, power
     probability `power` over `seeds` seeds (default: as many as given), taking the spread
     of the per-seed differences given as the truth: (t_{1-α/2} + t_{power}) · sd / √n with
     n − 1 degrees of freedom. None with fewer than two seeds."""
-    from scipy.stats import t as student_t
-
     d = np.asarray(per_seed_diffs, dtype=np.float64)
     n = int(seeds if seeds is not None else d.size)
     if d.size < 2 or n < 2:
         return None
     sd = float(d.std(ddof=1))
-    return float((student_t.ppf(1 - alpha / 2, n - 1) + student_t.ppf(power, n - 1)) * sd / np.sqrt(n))
+    return float((student_t_quantile(1 - alpha / 2, n - 1) + student_t_quantile(power, n - 1)) * sd / np.sqrt(n))
+
+
+def student_t_cdf(x: float, df: int) -> float:
+    """P(T <= x) for Student's t with an integer `df` >= 1, in closed form (the finite
+    series in θ = atan(x/√df) of Abramowitz & Stegun 26.7.3-4), so that the replication's
+    statistics need no scipy."""
+    if int(df) != df or df < 1:
+        raise ValueError(f"student_t_cdf: df must be a positive integer, got {df!r}")
+    df = int(df)
+    theta = math.atan(x / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2 == 0:  # A = sinθ (1 + ½cos²θ + (1·3)/(2·4) cos⁴θ + ... up to cos^(df-2)θ)
+        term, total = 1.0, 1.0
+        for k in range(2, df - 1, 2):
+            term *= c2 * (k - 1) / k
+            total += term
+        a = s * total
+    else:  # A = (2/π)(θ + sinθ cosθ (1 + (2/3)cos²θ + ... up to cos^(df-3)θ)); df = 1: 2θ/π
+        total = 0.0
+        if df > 1:
+            term, total = 1.0, 1.0
+            for k in range(3, df - 1, 2):
+                term *= c2 * (k - 1) / k
+                total += term
+        a = 2 / math.pi * (theta + s * math.cos(theta) * total)
+    return 0.5 + 0.5 * a
+
+
+def student_t_quantile(p: float, df: int) -> float:
+    """The x with P(T <= x) = p for Student's t with an integer `df` >= 1 (bisection on
+    `student_t_cdf` to float precision)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"student_t_quantile: p must lie in (0, 1), got {p!r}")
+    if p < 0.5:
+        return -student_t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while student_t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
 def curve_area(points) -> float:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memopd.trainer.manipulation import GATE_MAX_COSINE, GATE_MIN_TOP1, gate
-from memopd.trainer.replicate import bootstrap_seeds_sets, curve_area, minimal_detectable_effect
+from memopd.trainer.replicate import bootstrap_seeds_sets, curve_area, minimal_detectable_effect, student_t_quantile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,15 +56,38 @@ def test_bootstrap_pairs_by_seed():
     assert per_seed["sets"] == 1 and per_seed["lo"] < per_seed["diff"] < per_seed["hi"]
 
 
+# Student's t quantiles from printed tables (df: p = 0.975, 0.8), to the tables' digits
+T_TABLE = {1: (12.7062, 1.3764), 2: (4.3027, 1.0607), 4: (2.7764, 0.9410), 7: (2.3646, 0.8960),
+           11: (2.2010, 0.8755), 30: (2.0423, 0.8538)}
+
+
+@pytest.mark.parametrize("df", sorted(T_TABLE))
+def test_student_t_quantile_matches_the_tables(df):
+    """The replication's t quantiles are computed in closed form (no scipy): they match the
+    printed tables, are odd around p = 0.5, and invert the CDF."""
+    from memopd.trainer.replicate import student_t_cdf
+
+    for p, want in zip((0.975, 0.8), T_TABLE[df]):
+        assert student_t_quantile(p, df) == pytest.approx(want, abs=6e-5)
+        assert student_t_quantile(1 - p, df) == pytest.approx(-student_t_quantile(p, df), abs=1e-12)
+        assert student_t_cdf(student_t_quantile(p, df), df) == pytest.approx(p, abs=1e-12)
+    assert student_t_quantile(0.5, df) == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="df must be a positive integer"):
+        student_t_cdf(1.0, 0)
+    with pytest.raises(ValueError, match="p must lie in"):
+        student_t_quantile(1.0, df)
+
+
 def test_minimal_detectable_effect_has_its_power():
     """A true effect equal to the MDE is detected by the two-sided paired t-test in about
     80% of simulated experiments with that many seeds."""
-    from scipy.stats import ttest_1samp
-
     rng = np.random.default_rng(11)
     sd, n = 0.05, 5
     mde = minimal_detectable_effect(rng.normal(0, sd, size=400), seeds=n)  # the spread, estimated from many seeds
-    hits = sum(ttest_1samp(rng.normal(mde, sd, size=n), 0.0).pvalue < 0.05 for _ in range(3000))
+    critical = student_t_quantile(0.975, n - 1)
+    samples = rng.normal(mde, sd, size=(3000, n))
+    t_stats = samples.mean(1) / (samples.std(1, ddof=1) / np.sqrt(n))
+    hits = int((np.abs(t_stats) > critical).sum())
     assert 0.75 <= hits / 3000 <= 0.86
     d = rng.normal(0.01, 0.04, size=5)
     assert minimal_detectable_effect(d, seeds=12) < minimal_detectable_effect(d, seeds=8) < minimal_detectable_effect(d)
