@@ -175,15 +175,16 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 # perturbed (the view-dependent recovery), its episodes played in worlds of redrawn values
 # (on the one world it recalled the training facts and failed on held-out ones), as many
 # states again from the plain expert's episodes labelled by the rule (the student's kind of
-# state, which OPD scores), 4,000 steps (where the third teacher peaked): docs/replication.md,
-# "The third teacher" and "The fourth teacher"; and a student
+# state, which OPD scores), 8,000 steps (about 0.8 passes over its data, the exposure at
+# which the third teacher peaked): docs/replication.md, "The third teacher" to "The fifth
+# teacher"; and a student
 # with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
 INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
     "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
     "student": REPLICATION_MODEL_PRESETS["student"],
 }
 INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
-    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=4000, batch_tokens=2560,
+    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=8000, batch_tokens=2560,
                        policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2,
                        redraw_values=True, state_players=("scripted",)),
     "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
