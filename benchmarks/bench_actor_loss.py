@@ -1,8 +1,8 @@
-"""Benchmark: the fused losses (PPO actor loss, reverse KL, JSD) against the code they
+"""Benchmark: the fused losses (PPO actor loss, reverse KL, forward KL, JSD) against the code they
 replace and against Liger-Kernel's chunked losses, side by side.
 
 Contenders (CPU, fp32, forward + backward, gradients to the student hidden states and
-weight), in three groups, each with its own naive baseline and peer:
+weight), in four groups, each with its own naive baseline and peer:
 
   actor loss: PPO surrogate + entropy bonus + full-vocabulary reverse KL to a frozen teacher
     naive        logits materialised, log_softmax, the loss in PyTorch (reference_actor_loss)
@@ -21,6 +21,8 @@ weight), in three groups, each with its own naive baseline and peer:
     fused_rkl_plain_ops  fused_rkl with its elementwise work in PyTorch ops (as above)
     liger_rkl    Liger's chunked LigerFusedLinearJSDLoss with beta=1 (reverse KL),
                  torch.compile'd as Liger ships it; skipped without liger-kernel
+  forward KL: the mean KL(teacher || student) over the tokens
+    naive_fkl, fused_fkl, liger_fkl  (the same three roles; Liger's beta=0 is this KL)
   JSD (beta = 0.5): the generalised JSD of TRL's GKD
     naive_jsd, fused_jsd, liger_jsd  (the same three roles)
 
@@ -67,6 +69,7 @@ SHAPES = {
 GROUPS = {
     "actor": ("naive", ("composed", "fused_actor", "fused_actor_plain_ops", "liger_grpo"), "liger_rkl"),
     "reverse_kl": ("naive_rkl", ("fused_rkl", "fused_rkl_recompute", "fused_rkl_plain_ops", "liger_rkl"), "liger_rkl"),
+    "forward_kl": ("naive_fkl", ("fused_fkl", "liger_fkl"), "liger_fkl"),
     "jsd": ("naive_jsd", ("fused_jsd", "liger_jsd"), "liger_jsd"),
 }
 CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names))
@@ -109,22 +112,24 @@ def step_fn(name):
             pg, _ = policy_loss(d.logprobs, old, adv, COEF["clip_eps"])
             n = y.shape[0]
             ((pg.sum() - COEF["entropy_coef"] * d.entropy.sum()) / n + COEF["teacher_kl_coef"] * d.kl.sum() / n).backward()
-    elif name in ("naive_rkl", "naive_jsd", "fused_rkl", "fused_rkl_recompute", "fused_jsd"):
+    elif name in ("naive_rkl", "naive_fkl", "naive_jsd", "fused_rkl", "fused_rkl_recompute", "fused_fkl", "fused_jsd"):
         from memopd.ops import fused_linear_distill, reference_linear_distill
 
         op = reference_linear_distill if name.startswith("naive") else fused_linear_distill
-        kw = dict(divergence="jsd", beta=0.5) if name.endswith("jsd") else dict(divergence="reverse_kl")
+        kw = {"jsd": dict(divergence="jsd", beta=0.5), "fkl": dict(divergence="forward_kl")}.get(
+            name.rsplit("_", 1)[-1], dict(divergence="reverse_kl"))
         if name == "fused_rkl_recompute":
             kw["gradients"] = "recompute"
 
         def run(hs, ws, ht, wt, y, adv, old):
             op(hs, ws, ht, wt, y, **kw).loss.backward()
-    elif name in ("liger_rkl", "liger_jsd"):
+    elif name in ("liger_rkl", "liger_fkl", "liger_jsd"):
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
-        # Liger's beta weighs the teacher like TRL's: 1 = reverse KL, 0.5 = the symmetric JSD
+        # Liger's beta weighs the teacher like TRL's: 1 = reverse KL, 0 = forward KL, 0.5 = the
+        # symmetric JSD
         loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0,
-                                       beta=1.0 if name == "liger_rkl" else 0.5, compiled=True)
+                                       beta={"liger_rkl": 1.0, "liger_fkl": 0.0}.get(name, 0.5), compiled=True)
 
         def run(hs, ws, ht, wt, y, adv, old):
             loss(hs, ws, ht, wt, y).backward()
