@@ -39,6 +39,8 @@ __all__ = [
     "REPLICATION_SFT_PRESETS",
     "INFOGAP_MODEL_PRESETS",
     "INFOGAP_SFT_PRESETS",
+    "gap_continuation",
+    "gap_examples",
     "role_presets",
     "ENV_META_FILE",
     "make_model",
@@ -131,6 +133,14 @@ class SFTConfig:
     # labels (e.g. ("scripted",): the plain expert's kind of state, the one the student
     # visits and OPD scores, where its notes miss a fact the history shows)
     state_players: tuple[str, ...] = ()
+    # with expert "rational": each sampled call of the flatten view at which the rule acts
+    # otherwise on the compact call (an information-gap call) is added this many more
+    # times as it is, and as many times as its *continuation*: the flattened state and the
+    # compact call's memory span as the prompt, the rule's own search or answer on the
+    # flattened state as the label. OPD scores the teacher on the student's tokens, so at
+    # such a call the teacher reads on after a memory span that is not its own; the rule's
+    # next step there still follows from what the history shows (docs/replication.md)
+    gap_copies: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -176,8 +186,10 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 # (on the one world it recalled the training facts and failed on held-out ones), as many
 # states again from the plain expert's episodes labelled by the rule (the student's kind of
 # state, which OPD scores), 8,000 steps (about 0.8 passes over its data, the exposure at
-# which the third teacher peaked): docs/replication.md, "The third teacher" to "The fifth
-# teacher"; and a student
+# which the third teacher peaked), and each information-gap call of the flatten view three
+# more times as it is and three times as its continuation after the compact call's memory
+# span (`SFTConfig.gap_copies`: such calls were ~1% of its data): docs/replication.md, "The
+# third teacher" to "The sixth teacher"; and a student
 # with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
 INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
     "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
@@ -186,7 +198,7 @@ INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
 INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
     "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=8000, batch_tokens=2560,
                        policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2,
-                       redraw_values=True, state_players=("scripted",)),
+                       redraw_values=True, state_players=("scripted",), gap_copies=3),
     "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
 }
 
@@ -242,7 +254,7 @@ REDRAW_ROUND_SETS = 64
 def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
                     split: str = "train", policies: Sequence[str] = (), expert: str = "scripted",
                     perturb_frac: float = 0.0, redraw_values: bool = False, state_players: Sequence[str] = (),
-                    ) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
+                    gap_copies: int = 0) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
     """SFT examples from expert episodes: `calls_per_k` calls for each k (and for each
     memory policy of `policies`, if given; else `env`'s own policy).
 
@@ -259,12 +271,20 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     each round of at most `REDRAW_ROUND_SETS` sets is played in its own
     `world.with_redrawn_values` copy (`stats["worlds"]` counts them). `state_players`:
     experts whose episodes give `calls_per_k` more calls per view and k, each state
-    labelled by `expert` (`calls_by_policy` key "VIEW@PLAYER").
+    labelled by `expert` (`calls_by_policy` key "VIEW@PLAYER"). `gap_copies` (with the
+    rational expert): each sampled, unperturbed flatten-view call that is an information-gap
+    call is added that many more times, and as many times as its continuation after the
+    compact call's memory span (`gap_continuation`; `stats["gap_calls"]` and
+    `stats["gap_examples"]` count them).
     """
     from .infogap import flattened_prompt, make_expert, perturbed_state
 
     if not 0.0 <= perturb_frac < 1.0:
         raise DataError(f"perturb_frac must be in [0, 1), got {perturb_frac}")
+    if isinstance(gap_copies, bool) or not isinstance(gap_copies, int) or gap_copies < 0:
+        raise DataError(f"gap_copies must be an integer >= 0, got {gap_copies!r}")
+    if gap_copies and expert != "rational":
+        raise DataError(f"gap_copies needs the rational expert (information-gap calls are its own), got {expert!r}")
 
     def env_of(p: str) -> QAEnv:
         p = "summary" if p == FLATTEN_VIEW else p  # the persistent history of compact-memory episodes
@@ -282,7 +302,7 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     prng = random.Random(f"sft-perturb-{seed}")  # its own stream: unperturbed data as without it
     examples: list[tuple[list[int], int]] = []
     stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "perturbed": 0, "expert": expert,
-                             "worlds": 0}
+                             "worlds": 0, "gap_calls": 0, "gap_examples": 0}
     for view, e, player_name, player in envs:
         first = len(examples)
         own = player is engine  # the labelling expert's own episodes: their recorded actions are its labels
@@ -290,6 +310,7 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
         for k in ks:
             pool: list[tuple[list[int], int]] = []
             states: list[tuple[list[int], list[int]]] = []  # (prefix, context) of each pooled call
+            extra: list[list[tuple[list[int], int]]] = []  # the gap copies of each pooled call
             chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
             if redraw_values:
                 chunk = min(chunk, REDRAW_ROUND_SETS)
@@ -312,34 +333,72 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
                             state = flattened_prompt(t, c)
                             pool.append((state + engine.act(state), len(state)))
                             states.append((inv.prefix_ids, state[len(inv.prefix_ids):]))
+                            extra.append(gap_examples(engine, list(inv.prefix_ids) + list(inv.context_ids), state,
+                                                      gap_copies) if gap_copies else [])
                 elif own:
                     pool += sft_examples(trajs)
                     states += [(inv.prefix_ids, inv.context_ids) for t in trajs for inv in t.invocations]
+                    extra += [[] for t in trajs for _ in t.invocations]
                 else:  # another player's states, labelled by the expert
                     for t in trajs:
                         for inv in t.invocations:
                             state = list(inv.prefix_ids) + list(inv.context_ids)
                             pool.append((state + engine.act(state), len(state)))
                             states.append((inv.prefix_ids, inv.context_ids))
+                            extra.append([])
                 stats["episodes"] += len(trajs)
                 rnd += 1
             # sampling indices draws exactly what sampling the pool itself would
             for i in rng.sample(range(len(pool)), calls_per_k):
-                ex = pool[i]
+                ex, copies = pool[i], extra[i]
                 if perturb_frac > 0 and prng.random() < perturb_frac:
                     prefix, ctx = states[i]
                     new = perturbed_state(ctx, env.tokenizer, world, prng)
                     if new is not None:
                         state = list(prefix) + new
-                        ex = (state + engine.act(state), len(state))
+                        ex, copies = (state + engine.act(state), len(state)), []
                         stats["perturbed"] += 1
                 examples.append(ex)
+                if copies:
+                    examples += copies
+                    stats["gap_calls"] += 1
+                    stats["gap_examples"] += len(copies)
         stats["calls_by_policy"][view if own else f"{view}@{player_name}"] = len(examples) - first
     stats["calls"] = len(examples)
     stats["tokens"] = sum(len(e[0]) for e in examples)
     stats["action_tokens"] = sum(len(e[0]) - e[1] for e in examples)
     stats["longest"] = max(len(e[0]) for e in examples)
     return examples, stats
+
+
+def gap_continuation(expert, compact_state: Sequence[int], flat_state: Sequence[int]) -> tuple[list[int], int] | None:
+    """The rule's continuation on the flattened state after the compact call's memory span:
+    (flattened state + the compact action's memory span + the flattened action's search or
+    answer, the prompt length that leaves only that last part as the label), or None where
+    the two views' actions write the same memory span (the plain example already parts
+    them). `expert`: the `infogap.RationalExpert`, whose next step does not depend on the
+    memory span its action writes, only on what the state shows."""
+    c, f = expert.action_text(compact_state), expert.action_text(flat_state)
+    cut_c, cut_f = c.find("</mem>"), f.find("</mem>")
+    if cut_c < 0 or cut_f < 0:
+        raise RuntimeError(f"the rule wrote an action without a memory span: {c!r} / {f!r}")
+    mem_c, rest_f = c[:cut_c + len("</mem>")], f[cut_f + len("</mem>"):]
+    if mem_c == f[:cut_f + len("</mem>")]:
+        return None
+    enc = expert.tokenizer.encode
+    prompt = [int(i) for i in flat_state] + [int(i) for i in enc(mem_c, add_special_tokens=False)]
+    return prompt + [int(i) for i in enc(rest_f, add_special_tokens=False)], len(prompt)
+
+
+def gap_examples(expert, compact_state: Sequence[int], flat_state: Sequence[int], copies: int) -> list[tuple[list[int], int]]:
+    """`copies` more of the flattened state's own example and `copies` of its continuation
+    (`gap_continuation`) where the rule acts otherwise on the compact call; [] elsewhere."""
+    if expert.action_text(compact_state) == expert.action_text(flat_state):
+        return []
+    state = [int(i) for i in flat_state]
+    out = [(state + expert.act(state), len(state))] * copies
+    cont = gap_continuation(expert, compact_state, flat_state)
+    return out + ([cont] * copies if cont is not None else [])
 
 
 def copy_warmup_examples(vocab_size: int, n: int, *, first_id: int, max_len: int = 20, max_gap: int = 40,
@@ -574,7 +633,8 @@ CHECKPOINT_VERSION = 2
 _PRE_EXISTING = {
     "world": {"seed", "n_entities", "attributes", "relations", "distractors_per_entity", "two_hop_frac"},
     "sft_config": {f for f in SFTConfig.__dataclass_fields__
-                   if f not in ("policies", "balance_policies", "expert", "perturb_frac", "redraw_values", "state_players")},
+                   if f not in ("policies", "balance_policies", "expert", "perturb_frac", "redraw_values", "state_players",
+                                "gap_copies")},
 }
 
 
@@ -647,7 +707,8 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     env = QAEnv.from_world(world, tokenizer, env_config)
     examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed, policies=cfg.policies,
                                        expert=cfg.expert, perturb_frac=cfg.perturb_frac,
-                                       redraw_values=cfg.redraw_values, state_players=cfg.state_players)
+                                       redraw_values=cfg.redraw_values, state_players=cfg.state_players,
+                                       gap_copies=cfg.gap_copies)
     if dstats["longest"] > spec.max_position_embeddings:
         raise DataError(f"{role}: an SFT example has {dstats['longest']} tokens, beyond the model's "
                         f"{spec.max_position_embeddings} positions")

@@ -21,7 +21,15 @@ from memopd.env.infogap import (
     rational_action_text,
     view_disagreement_ceiling,
 )
-from memopd.env.sft import FLATTEN_VIEW, INFOGAP_MODEL_PRESETS, INFOGAP_SFT_PRESETS, SFTConfig, expert_examples, role_presets
+from memopd.env.sft import (
+    FLATTEN_VIEW,
+    INFOGAP_MODEL_PRESETS,
+    INFOGAP_SFT_PRESETS,
+    SFTConfig,
+    expert_examples,
+    gap_continuation,
+    role_presets,
+)
 from memopd.env.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
 
 # The share of the plain (scripted) expert's calls on held-out Q2 sets that are
@@ -195,6 +203,7 @@ def test_sft_data_of_the_teacher_recipe(infogap):
     assert cfgs["student"].expert == "scripted" and cfgs["student"].steps == 1000
     assert cfgs["teacher"].redraw_values and not cfgs["student"].redraw_values
     assert cfgs["teacher"].state_players == ("scripted",) and cfgs["student"].state_players == ()
+    assert cfgs["teacher"].gap_copies == 3 and cfgs["student"].gap_copies == 0 == SFTConfig().gap_copies
     assert SFTConfig().expert == "scripted" and SFTConfig().perturb_frac == 0.0 and not SFTConfig().redraw_values
     env = QAEnv.from_world(world, tok, EnvConfig())
     plain, _ = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational")
@@ -359,3 +368,67 @@ def test_states_of_another_player_are_labelled_by_the_rule(infogap):
     # the same question sets, so first calls coincide; the later states are the other player's
     seen = {tuple(ids[:n]) for ids, n in alone}
     assert sum(tuple(ids[:n]) in seen for ids, n in others) < len(others) // 2
+
+
+def test_gap_continuation_reads_on_after_the_compact_memory_span(infogap):
+    """At an information-gap call the continuation's prompt is the flattened state and the
+    compact call's memory span; its label is the rule's own search or answer on the
+    flattened state, tokenised as the rule's whole action is."""
+    world, tok = infogap
+    rational = make_expert("rational", tok, world.config)
+    _, trajs = _episodes(world, tok, "scripted", "summary", n=60)
+    seen = 0
+    for tr in trajs:
+        for t, gap in enumerate(information_gap_calls([tr], rational)[0]):
+            inv = tr.invocations[t]
+            compact, flat = list(inv.prefix_ids) + list(inv.context_ids), flattened_prompt(tr, t)
+            cont = gap_continuation(rational, compact, flat)
+            if not gap:
+                assert cont is None
+                continue
+            if cont is None:  # the views part after the memory span: the plain example parts them
+                c, f = rational.action_text(compact), rational.action_text(flat)
+                assert c.split("</mem>")[0] == f.split("</mem>")[0] and c != f
+                continue
+            seen += 1
+            ids, n = cont
+            c_text = rational.action_text(compact)
+            mem_c = c_text[:c_text.index("</mem>") + 6]
+            assert ids[:len(flat)] == flat and tok.decode(ids[len(flat):n]).replace(" ", "") == mem_c.replace(" ", "")
+            f_ids = rational.act(flat)
+            label = ids[n:]
+            assert f_ids[len(f_ids) - len(label):] == label  # the flattened action's own tokens after </mem>
+            assert tok.decode(label).replace(" ", "").startswith(("<answer>", "<search>"))
+            assert label != rational.act(compact)[-len(label):]  # the compact rule would go on otherwise
+    assert seen >= 10
+
+
+def test_gap_copies_add_to_the_sampled_calls_and_leave_the_rest_as_they_were(infogap):
+    world, tok = infogap
+    env = QAEnv.from_world(world, tok, EnvConfig())
+    kw = dict(policies=("summary", FLATTEN_VIEW), expert="rational", state_players=("scripted",), perturb_frac=0.2,
+              seed=3)
+    plain, pst = expert_examples(world, env, (2,), 150, **kw)
+    ex, st = expert_examples(world, env, (2,), 150, gap_copies=2, **kw)
+    assert pst["gap_calls"] == pst["gap_examples"] == 0
+    assert st["gap_calls"] >= 5 and 2 * st["gap_calls"] < st["gap_examples"] <= 4 * st["gap_calls"]
+    assert len(ex) == len(plain) + st["gap_examples"] and st["perturbed"] == pst["perturbed"]
+    # the plain data is all there; each addition is a copy of a sampled call or a continuation
+    from collections import Counter
+
+    have, want = Counter((tuple(i), n) for i, n in ex), Counter((tuple(i), n) for i, n in plain)
+    assert not want - have
+    added = have - want
+    assert sum(added.values()) == st["gap_examples"]
+    close = env.tokens.mem_close
+    conts = [(ids, n) for ids, n in added if ids[n - 1] == close]
+    assert conts and all((ids, n) in want or ids[n - 1] == close for ids, n in added)
+    # only summary (own episodes) and flatten views were asked; copies only in the flatten groups
+    assert set(st["calls_by_policy"]) == {"summary", FLATTEN_VIEW, "summary@scripted", f"{FLATTEN_VIEW}@scripted"}
+    assert st["calls_by_policy"]["summary"] == pst["calls_by_policy"]["summary"] == 150
+    assert st["calls_by_policy"]["summary@scripted"] == 150
+    assert sum(st["calls_by_policy"][v] for v in (FLATTEN_VIEW, f"{FLATTEN_VIEW}@scripted")) == 300 + st["gap_examples"]
+    with pytest.raises(ValueError, match="gap_copies needs the rational expert"):
+        expert_examples(world, env, (2,), 8, gap_copies=1)
+    with pytest.raises(ValueError, match="gap_copies must be"):
+        expert_examples(world, env, (2,), 8, expert="rational", gap_copies=-1)
