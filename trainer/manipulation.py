@@ -11,7 +11,8 @@ is no second KL here. It reports
 
 - `top1`: the share of action tokens whose teacher top-1 differs between the two views,
   overall, at information-gap calls (`memopd.env.infogap.information_gap_calls`) and
-  elsewhere, and by token role (memory / search / answer);
+  elsewhere, and by token role (memory / search / answer); and the share of
+  information-gap calls where it differs at one token or more (`gap_calls_any_token`);
 - `kl`: mean KL(s ‖ T_flat), mean KL(s ‖ T_aligned) and their difference;
 - `grad`: the norms of the step-0 gradients of the PPO part of the actor loss and of the
   OPD term under each view, and the cosine of the two OPD gradients;
@@ -152,8 +153,14 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
         top[name] = torch.cat(parts).cpu()
     differ = top["aligned"] != top["flatten"]
     by_role = {r: _share(differ, sampled & torch.tensor([x == r for x in role], dtype=torch.bool)) for r in ROLES}
+    # per information-gap call: does the teacher's top-1 differ at any of its action tokens
+    hit: dict[tuple[int, int], bool] = {}
+    for b, t, d, on in zip(tb.tolist(), tt.tolist(), differ.tolist(), (sampled & gap).tolist()):
+        if on:
+            hit[(b, t)] = hit.get((b, t), False) or bool(d)
     top1 = {"all": _share(differ, sampled), "gap_calls": _share(differ, sampled & gap),
-            "other_calls": _share(differ, sampled & ~gap), "by_role": {r: v for r, v in by_role.items() if v is not None}}
+            "other_calls": _share(differ, sampled & ~gap), "by_role": {r: v for r, v in by_role.items() if v is not None},
+            "gap_calls_any_token": sum(hit.values()) / len(hit) if hit else None}
     # KL(student || teacher) per token under each view, and the gradients, by micro-batch
     # as the update runs them (one minibatch: the whole rollout batch)
     thead_op = head_of(teacher)
@@ -243,7 +250,8 @@ def format_check(c: dict) -> str:
         f"{c['action_tokens']} action tokens, {c['gap_calls']} information-gap calls ({pct(c['gap_call_share'])}); "
         f"student EM {c['student_em']:.3f}",
         f"  teacher top-1 aligned vs flattened differs at {pct(t['all'])} of action tokens "
-        f"(information-gap calls {pct(t['gap_calls'])}, other calls {pct(t['other_calls'])}; {roles})",
+        f"(information-gap calls {pct(t['gap_calls'])}, other calls {pct(t['other_calls'])}; {roles}); "
+        f"at {pct(t.get('gap_calls_any_token'))} of the information-gap calls at some token",
         f"  KL(s||T_flat) - KL(s||T_aligned) = {c['kl']['flatten']:.4f} - {c['kl']['aligned']:.4f} = "
         f"{c['kl']['flatten_minus_aligned']:+.4f}",
         f"  OPD gradients: cosine {g['cosine']:.3f}, norms aligned {g['opd_aligned_norm']:.4g} / flattened "
@@ -259,7 +267,7 @@ def format_check(c: dict) -> str:
         lines.append(f"  ceiling (a perfect imitator of the rule, same action tokens): all tokens {pct(ce['all']['lower'])}"
                      f"-{pct(ce['all']['upper'])} (information-gap calls' share of the tokens "
                      f"{pct(ce['all']['gap_tokens'])}); at information-gap calls {pct(ce['gap_calls']['lower'])}"
-                     f"-{pct(ce['gap_calls']['upper'])}")
+                     f"-{pct(ce['gap_calls']['upper'])}, one token per call {pct(ce['gap_calls'].get('one_per_call'))}")
     lines.append("  gate (" + c["gate"].get("statement", "overall") + "): "
                  + ("passed" if c["gate"]["passed"] else "FAILED: " + "; ".join(c["gate"]["reasons"])))
     return "\n".join(lines)

@@ -237,10 +237,14 @@ def view_disagreement_ceiling(trajectories, expert: RationalExpert) -> dict:
       the action (there the views differ or at least one is undefined), in calls where
       they part;
     - `gap_tokens`: the share of action tokens in information-gap calls (no imitator that
-      agrees with itself wherever the rule's views agree can exceed it).
+      agrees with itself wherever the rule's views agree can exceed it);
+    - `one_per_call`: one token per information-gap call: what an imitator shows that
+      prefers the other view's token at the one point where the rule's views part, and
+      follows the recorded tokens elsewhere (the rule's views part once per call; after
+      that point the rule says nothing about the recorded tokens).
     Each is given as a share of all action tokens (`all`) and of those in
     information-gap calls (`gap_calls`, None without such calls)."""
-    n_all = n_gap = low = up = 0
+    n_all = n_gap = low = up = calls = 0
     for tr in trajectories:
         for t, inv in enumerate(tr.invocations):
             a = [int(x) for x in inv.action_ids]
@@ -250,6 +254,7 @@ def view_disagreement_ceiling(trajectories, expert: RationalExpert) -> dict:
             if c == f:
                 continue
             n_gap += len(a)
+            calls += 1 if a else 0
             part = _common_prefix(c, f)  # where the two views' actions part
             if part <= min(_common_prefix(a, c), _common_prefix(a, f)) and part < len(a):
                 low += 1
@@ -259,8 +264,9 @@ def view_disagreement_ceiling(trajectories, expert: RationalExpert) -> dict:
         return x / n if n else None
 
     return {"action_tokens": n_all, "gap_call_tokens": n_gap,
-            "all": {"lower": share(low, n_all), "upper": share(up, n_all), "gap_tokens": share(n_gap, n_all)},
-            "gap_calls": {"lower": share(low, n_gap), "upper": share(up, n_gap)}}
+            "all": {"lower": share(low, n_all), "upper": share(up, n_all), "gap_tokens": share(n_gap, n_all),
+                    "one_per_call": share(calls, n_all)},
+            "gap_calls": {"lower": share(low, n_gap), "upper": share(up, n_gap), "one_per_call": share(calls, n_gap)}}
 
 
 def gap_share(flags: list[list[bool]]) -> float:

@@ -275,8 +275,11 @@ def test_ceiling_counts_the_parting_token_and_the_tokens_after_it():
     })
     got = view_disagreement_ceiling([tr], rule)
     assert got["action_tokens"] == 12 and got["gap_call_tokens"] == 8
-    assert got["all"] == {"lower": pytest.approx(1 / 12), "upper": pytest.approx(4 / 12), "gap_tokens": pytest.approx(8 / 12)}
-    assert got["gap_calls"] == {"lower": pytest.approx(1 / 8), "upper": pytest.approx(4 / 8)}
+    assert got["all"] == {"lower": pytest.approx(1 / 12), "upper": pytest.approx(4 / 12), "gap_tokens": pytest.approx(8 / 12),
+                          "one_per_call": pytest.approx(2 / 12)}
+    # two information-gap calls: one parting token each, whether or not the recorded action got there
+    assert got["gap_calls"] == {"lower": pytest.approx(1 / 8), "upper": pytest.approx(4 / 8),
+                                "one_per_call": pytest.approx(2 / 8)}
     # the end of an action is a token: the compact action stops where the flattened one and the recorded one go on
     ends = Trajectory([Invocation([1], [2], [7]), Invocation([1], [3], [10, 11, 12])])
     rule = _StubRule({(1, 2): [7], (1, 3): [10, 11], tuple(flattened_prompt(ends, 1)): [10, 11, 12]})
@@ -287,7 +290,8 @@ def test_ceiling_counts_the_parting_token_and_the_tokens_after_it():
     rule = _StubRule({(1, 2): [7], (1, 3): [10, 11, 12], tuple(flattened_prompt(short, 1)): [10, 11, 13]})
     got = view_disagreement_ceiling([short], rule)
     assert got["all"]["lower"] == 0.0 and got["all"]["upper"] == 0.0 and got["gap_call_tokens"] == 2
-    assert view_disagreement_ceiling([], rule)["gap_calls"] == {"lower": None, "upper": None}
+    assert got["gap_calls"]["one_per_call"] == pytest.approx(1 / 2)
+    assert view_disagreement_ceiling([], rule)["gap_calls"] == {"lower": None, "upper": None, "one_per_call": None}
 
 
 def test_ceiling_of_the_plain_experts_episodes_is_below_the_gate_overall_and_above_it_at_gap_calls(infogap):
@@ -306,6 +310,9 @@ def test_ceiling_of_the_plain_experts_episodes_is_below_the_gate_overall_and_abo
     a, g = got["all"], got["gap_calls"]
     assert 0 < a["lower"] < a["upper"] < a["gap_tokens"] and a["upper"] < GATE_MIN_TOP1
     assert 0 < g["lower"] < GATE_MIN_TOP1 < g["upper"] < 1
+    # one token per call: the views of the rule part once per information-gap call
+    n_calls = sum(sum(f) for f in flags)
+    assert g["one_per_call"] == pytest.approx(n_calls / gap_tokens) and g["lower"] <= g["one_per_call"] < g["upper"]
 
 
 def test_a_redrawn_world_keeps_its_questions_and_changes_its_values(infogap):

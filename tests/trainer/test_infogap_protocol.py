@@ -171,6 +171,12 @@ def test_check_disagreement_matches_plain_forwards(sft_dirs):
                 n += a
     assert c["action_tokens"] == n and n > 100
     assert c["top1"]["all"] == pytest.approx(differ / n, abs=2 / n)
+    # per information-gap call: differs at some token; at least the token share's worth of calls
+    anyt = c["top1"]["gap_calls_any_token"]
+    if c["gap_calls"]:
+        assert 0.0 <= anyt <= 1.0 and (anyt > 0) == (c["top1"]["gap_calls"] > 0)
+    else:
+        assert anyt is None
     assert 0 < c["top1"]["all"]  # this barely trained teacher does read its context
     assert c["grad"]["ppo_norm"] > 0 and c["grad"]["opd_aligned_norm"] > 0
     lam = c["opd_coef_matched"]
