@@ -275,3 +275,44 @@ def test_force_arms_belongs_to_the_info_gap_protocol(capsys):
     with pytest.raises(SystemExit) as e:
         compare_main(["--force-arms", "--protocol", "paper"])
     assert e.value.code == 2 and "--force-arms belongs to --protocol info-gap" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def infogap_dirs(tmp_path_factory):
+    """(student, teacher) of the info-gap world, 3 SFT steps each: barely trained, but
+    their rollouts hold information-gap calls, which the default world's do not."""
+    from memopd.env.sft import SFTConfig, run_sft
+    from memopd.env.world import world_preset
+
+    out = tmp_path_factory.mktemp("sft-info-gap")
+    tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
+    run_sft(out, world_config=world_preset("info-gap"), sft_configs={"teacher": tiny, "student": tiny}, jobs=1,
+            progress=False, log=lambda *_: None)
+    return str(out / "student"), str(out / "teacher")
+
+
+def test_gap_token_script_agrees_with_the_check(infogap_dirs, capsys):
+    """benchmarks/infogap_gap_tokens.py draws the check's rollouts and counts, by plain
+    forwards, the same differing tokens at the information-gap calls as the check does
+    through the trainer's scoring, and the ceiling's one token per call."""
+    import importlib.util
+    import pathlib
+    import re
+
+    from memopd.trainer.manipulation import manipulation_check
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "infogap_gap_tokens.py"
+    spec = importlib.util.spec_from_file_location("infogap_gap_tokens", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg, bundle = _bundle(*infogap_dirs, world="info-gap")
+    c = manipulation_check(cfg, bundle, tasks=8)
+    assert mod.main([*infogap_dirs, "--tasks", "8", "--group", str(cfg.group_size), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert c["gap_calls"] > 0, "the fixture's rollouts should hold information-gap calls"
+    m = re.search(r"(\d+) information-gap calls, (\d+) action tokens; the teacher's top-1 differs at (\d+)", out)
+    assert m, out
+    calls, tokens, differ = map(int, m.groups())
+    assert calls == c["gap_calls"] and tokens == c["ceiling"]["gap_call_tokens"]
+    assert differ / tokens == pytest.approx(c["top1"]["gap_calls"], abs=2 / tokens)
+    assert calls / tokens == pytest.approx(c["ceiling"]["gap_calls"]["one_per_call"])
