@@ -30,7 +30,7 @@ def _step_after_memory(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from memopd.env.evaluate import agent_engine, load_agent, load_agent_env
     from memopd.env.infogap import flattened_prompt, information_gap_calls, make_expert
-    from memopd.env.rollout import rollout
+    from memopd.trainer.manipulation import check_rollouts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("student")
@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     student, tok, env, world = load_agent_env(args.student)
     teacher, _, _ = load_agent(args.teacher)
     engine = agent_engine(student, tok)
-    sets = world.sample_tasks(2, args.tasks, split="train", seed=0)
-    with torch.no_grad():
-        trajs = rollout(env, engine, sets, group_size=args.group, temperature=1.0, seed=0, group_prefix="check-")
+    trajs = check_rollouts(env, engine, world, k=2, tasks=args.tasks, group_size=args.group, temperature=1.0, seed=0)
     rule = make_expert("rational", tok, world.config)
     V = engine.vocab_size
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["manipulation_check", "gate", "format_check", "GATE_MIN_TOP1", "GATE_MAX_COSINE", "GATE_STATEMENT"]
+__all__ = ["manipulation_check", "check_rollouts", "gate", "format_check", "GATE_MIN_TOP1", "GATE_MAX_COSINE", "GATE_STATEMENT"]
 
 GATE_MIN_TOP1 = 0.10
 GATE_MAX_COSINE = 0.8
@@ -87,6 +87,18 @@ def _grad_vector(params) -> torch.Tensor:
                       for p in params])
 
 
+def check_rollouts(env, engine, world, *, k: int = 2, tasks: int = 16, group_size: int = 4,
+                   temperature: float = 1.0, seed: int = 0):
+    """The episodes the check scores: `engine` plays the first `tasks` sets of k questions
+    of `world`'s training stream, `group_size` times each at `temperature`."""
+    from memopd.env.rollout import rollout
+
+    sets = world.sample_tasks(k, tasks, split="train", seed=seed)
+    with torch.no_grad():
+        return rollout(env, engine, sets, group_size=group_size, temperature=temperature, seed=seed,
+                       group_prefix="check-")
+
+
 def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 0) -> dict[str, Any]:
     """The check on `bundle`'s student and teacher (`memopd.env.build.EnvironmentBundle`)
     with `cfg`'s sampling and loss settings (`TrainConfig`): `tasks` sets of k questions
@@ -98,7 +110,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
         make_expert,
         view_disagreement_ceiling,
     )
-    from memopd.env.rollout import HFEngine, rollout
+    from memopd.env.rollout import HFEngine
     from memopd.env.world import WorldConfig
     from memopd.hf import head_of
 
@@ -116,12 +128,10 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     head_of(teacher)
     head_of(student)
     scoring = Scoring(cfg.temperature, resolve_vocab_size(cfg, env, student, teacher))
-    sets = world.sample_tasks(k, tasks, split="train", seed=seed)
     student.eval()
     engine = HFEngine(student, pad_id=env.tokens.pad, vocab_size=scoring.vocab_size)
-    with torch.no_grad():
-        trajs = rollout(env, engine, sets, group_size=cfg.group_size, temperature=cfg.temperature, seed=seed,
-                        group_prefix="check-")
+    trajs = check_rollouts(env, engine, world, k=k, tasks=tasks, group_size=cfg.group_size,
+                           temperature=cfg.temperature, seed=seed)
     actor = Actor(student, scoring=scoring)
     critic = Critic(copy.deepcopy(student))
     ref = copy.deepcopy(student).eval().requires_grad_(False) if cfg.kl_coef > 0 else None

@@ -310,7 +310,7 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
         for k in ks:
             pool: list[tuple[list[int], int]] = []
             states: list[tuple[list[int], list[int]]] = []  # (prefix, context) of each pooled call
-            extra: list[list[tuple[list[int], int]]] = []  # the gap copies of each pooled call
+            compact: list[list[int] | None] = []  # flatten view: the compact call of each pooled state
             chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
             if redraw_values:
                 chunk = min(chunk, REDRAW_ROUND_SETS)
@@ -333,32 +333,32 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
                             state = flattened_prompt(t, c)
                             pool.append((state + engine.act(state), len(state)))
                             states.append((inv.prefix_ids, state[len(inv.prefix_ids):]))
-                            extra.append(gap_examples(engine, list(inv.prefix_ids) + list(inv.context_ids), state,
-                                                      gap_copies) if gap_copies else [])
+                            compact.append(list(inv.prefix_ids) + list(inv.context_ids))
                 elif own:
                     pool += sft_examples(trajs)
                     states += [(inv.prefix_ids, inv.context_ids) for t in trajs for inv in t.invocations]
-                    extra += [[] for t in trajs for _ in t.invocations]
+                    compact += [None for t in trajs for _ in t.invocations]
                 else:  # another player's states, labelled by the expert
                     for t in trajs:
                         for inv in t.invocations:
                             state = list(inv.prefix_ids) + list(inv.context_ids)
                             pool.append((state + engine.act(state), len(state)))
                             states.append((inv.prefix_ids, inv.context_ids))
-                            extra.append([])
+                            compact.append(None)
                 stats["episodes"] += len(trajs)
                 rnd += 1
             # sampling indices draws exactly what sampling the pool itself would
             for i in rng.sample(range(len(pool)), calls_per_k):
-                ex, copies = pool[i], extra[i]
+                ex, perturbed = pool[i], False
                 if perturb_frac > 0 and prng.random() < perturb_frac:
                     prefix, ctx = states[i]
                     new = perturbed_state(ctx, env.tokenizer, world, prng)
                     if new is not None:
                         state = list(prefix) + new
-                        ex, copies = (state + engine.act(state), len(state)), []
+                        ex, perturbed = (state + engine.act(state), len(state)), True
                         stats["perturbed"] += 1
                 examples.append(ex)
+                copies = gap_examples(engine, compact[i], ex, gap_copies) if gap_copies and compact[i] is not None and not perturbed else []
                 if copies:
                     examples += copies
                     stats["gap_calls"] += 1
@@ -378,7 +378,12 @@ def gap_continuation(expert, compact_state: Sequence[int], flat_state: Sequence[
     the two views' actions write the same memory span (the plain example already parts
     them). `expert`: the `infogap.RationalExpert`, whose next step does not depend on the
     memory span its action writes, only on what the state shows."""
-    c, f = expert.action_text(compact_state), expert.action_text(flat_state)
+    return _continuation(expert, flat_state, expert.action_text(compact_state), expert.action_text(flat_state))
+
+
+def _continuation(expert, flat_state: Sequence[int], c: str, f: str) -> tuple[list[int], int] | None:
+    """`gap_continuation` from the rule's action texts on the compact call (c) and on the
+    flattened state (f)."""
     cut_c, cut_f = c.find("</mem>"), f.find("</mem>")
     if cut_c < 0 or cut_f < 0:
         raise RuntimeError(f"the rule wrote an action without a memory span: {c!r} / {f!r}")
@@ -390,15 +395,17 @@ def gap_continuation(expert, compact_state: Sequence[int], flat_state: Sequence[
     return prompt + [int(i) for i in enc(rest_f, add_special_tokens=False)], len(prompt)
 
 
-def gap_examples(expert, compact_state: Sequence[int], flat_state: Sequence[int], copies: int) -> list[tuple[list[int], int]]:
-    """`copies` more of the flattened state's own example and `copies` of its continuation
-    (`gap_continuation`) where the rule acts otherwise on the compact call; [] elsewhere."""
-    if expert.action_text(compact_state) == expert.action_text(flat_state):
+def gap_examples(expert, compact_state: Sequence[int], example: tuple[list[int], int], copies: int,
+                 ) -> list[tuple[list[int], int]]:
+    """`copies` more of a flattened state's own `example` (state + the rule's action, the
+    state's length) and `copies` of its continuation (`gap_continuation`) where the rule
+    acts otherwise on the compact call; [] elsewhere."""
+    flat_state = example[0][:example[1]]
+    c, f = expert.action_text(compact_state), expert.action_text(flat_state)
+    if c == f:
         return []
-    state = [int(i) for i in flat_state]
-    out = [(state + expert.act(state), len(state))] * copies
-    cont = gap_continuation(expert, compact_state, flat_state)
-    return out + ([cont] * copies if cont is not None else [])
+    cont = _continuation(expert, flat_state, c, f)
+    return [example] * copies + ([cont] * copies if cont is not None else [])
 
 
 def copy_warmup_examples(vocab_size: int, n: int, *, first_id: int, max_len: int = 20, max_gap: int = 40,
