@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     at = collections.Counter()
     steps = collections.Counter()
-    n_tok = n_diff = n_calls = shown = 0
+    n_tok = n_diff = n_calls = n_hit = shown = 0
     for tr, flags in zip(trajs, information_gap_calls(trajs, rule)):
         for t, gap in enumerate(flags):
             if not gap:
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             n_calls += 1
             n_tok += len(a)
             n_diff += len(diff)
+            n_hit += bool(diff)
             at.update(tok.decode(a[j:j + 1]).strip() for j in diff)
             if shown < args.show:
                 shown += 1
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no information-gap call in these rollouts")
         return 0
     print(f"{n_calls} information-gap calls, {n_tok} action tokens; the teacher's top-1 differs at {n_diff} "
-          f"({100 * n_diff / n_tok:.1f}%); one token per call would be {100 * n_calls / n_tok:.1f}%")
+          f"({100 * n_diff / n_tok:.1f}%), at some token in {n_hit} of the calls; one token per call would be "
+          f"{100 * n_calls / n_tok:.1f}%")
     print("recorded tokens where it differs: " + ", ".join(f"{k!r} {v}" for k, v in at.most_common(10)))
     print("the rule's step after the memory span (compact, flattened, same step):")
     for (c, f, same), v in steps.most_common():

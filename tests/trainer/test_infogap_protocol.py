@@ -310,9 +310,11 @@ def test_gap_token_script_agrees_with_the_check(infogap_dirs, capsys):
     assert mod.main([*infogap_dirs, "--tasks", "8", "--group", str(cfg.group_size), "--show", "1"]) == 0
     out = capsys.readouterr().out
     assert c["gap_calls"] > 0, "the fixture's rollouts should hold information-gap calls"
-    m = re.search(r"(\d+) information-gap calls, (\d+) action tokens; the teacher's top-1 differs at (\d+)", out)
+    m = re.search(r"(\d+) information-gap calls, (\d+) action tokens; the teacher's top-1 differs at (\d+) "
+                  r"\([\d.]+%\), at some token in (\d+) of the calls", out)
     assert m, out
-    calls, tokens, differ = map(int, m.groups())
+    calls, tokens, differ, hit = map(int, m.groups())
+    assert hit / calls == pytest.approx(c["top1"]["gap_calls_any_token"], abs=2 / calls)  # the same 2 near-ties as below
     assert calls == c["gap_calls"] and tokens == c["ceiling"]["gap_call_tokens"]
     assert differ / tokens == pytest.approx(c["top1"]["gap_calls"], abs=2 / tokens)
     assert calls / tokens == pytest.approx(c["ceiling"]["gap_calls"]["one_per_call"])
