@@ -118,6 +118,10 @@ class TrainConfig:
     # run management
     checkpoint_every: int = 10
     eval_every: int = 0  # 0: only at the end
+    # held-out evaluation: greedy (0.0) by default; a temperature > 0 reads the sampled
+    # policy that training changes, with eval_samples episodes per set (scores are means)
+    eval_temperature: float = 0.0
+    eval_samples: int = 1
     tensorboard: bool = False
     deepspeed: str = ""  # path to a DeepSpeed JSON config: enables ZeRO
     progress: bool = True
@@ -160,6 +164,13 @@ class TrainConfig:
             raise ConfigError("gamma and lam must be in [0, 1]")
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("checkpoint_every and eval_every must be >= 0")
+        if not (isinstance(self.eval_temperature, (int, float)) and self.eval_temperature >= 0):
+            raise ConfigError(f"eval_temperature must be >= 0 (0: greedy), got {self.eval_temperature}")
+        if self.eval_samples < 1:
+            raise ConfigError(f"eval_samples must be >= 1, got {self.eval_samples}")
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ConfigError(f"eval_samples={self.eval_samples} needs eval_temperature > 0: greedy decoding plays "
+                              "the same episode every time")
         if not self.train_k or any(k < 1 for k in self.train_k + self.eval_k):
             raise ConfigError("train_k / eval_k must be non-empty lists of positive integers")
         world_config(self.env.world, self.env.world_seed)  # an unknown preset fails here, before any work

@@ -536,8 +536,10 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
 
     def evaluate_saved(d: str) -> dict:
         if user:  # the held-out file's sets as they are, grouped by k (as `memopd eval --questions`)
-            return evaluate_dir(d, corpus=spec.corpus, questions=spec.eval_tasks_file)
-        return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks)
+            return evaluate_dir(d, corpus=spec.corpus, questions=spec.eval_tasks_file, temperature=cfg.eval_temperature,
+                                samples=cfg.eval_samples)
+        return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks, temperature=cfg.eval_temperature,
+                            samples=cfg.eval_samples)
 
     baseline_cache = _BaselineCache(cfg, student_dir) if not user and not cfg.student else None
     baseline: dict = {}
@@ -571,7 +573,9 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
                                **{f"eval/{k}": v for k, v in _flatten_eval(final["results"]).items()}})
         report["eval"] = final["results"]
         report["baseline_eval"] = baseline or None
-        log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, greedy):")
+        decoding = ("greedy" if not cfg.eval_temperature else
+                    f"temperature {cfg.eval_temperature:g}, {cfg.eval_samples} episode(s) per set")
+        log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, {decoding}):")
         log(format_table(final))
         if baseline:
             log("\nthe starting student (step 0) against the trained one, on the same held-out sets:")
@@ -589,7 +593,7 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
 
 class _BaselineCache:
     """The held-out scores of an SFT'd default student, kept beside it in the SFT cache:
-    every run from that student starts from the same weights on the same greedy episodes,
+    every run from that student starts from the same weights on the same held-out episodes,
     so its step-0 evaluation is measured once per cached student and evaluation setting."""
 
     FILE = "baseline_eval.json"
@@ -607,6 +611,9 @@ class _BaselineCache:
         except OSError:
             weights = None  # no manifest: nothing identifies the weights, so nothing is cached
         key = {"student": weights, "policy": cfg.env.policy, "eval_k": list(cfg.eval_k), "eval_tasks": cfg.eval_tasks}
+        if cfg.eval_temperature or cfg.eval_samples != 1:  # absent for greedy: existing keys stay valid
+            key["eval_temperature"] = cfg.eval_temperature
+            key["eval_samples"] = cfg.eval_samples
         if cfg.env.policy_kwargs:  # absent when empty: the keys of existing caches stay valid
             key["policy_kwargs"] = cfg.env.policy_kwargs
         self.key = None if weights is None else json.dumps(key, sort_keys=True)

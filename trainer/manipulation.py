@@ -22,6 +22,11 @@ is no second KL here. It reports
   alone, and their cosine;
 - `ceiling`: the disagreement a perfect imitator of the rational rule would show on the
   same action tokens (`memopd.env.infogap.view_disagreement_ceiling`, bounds of it);
+- `controls`: for the negative-control arms' teacher states (aligned calls with row-global
+  positions, or with one causal segment per row), the same figures against the aligned
+  state over all action tokens: top-1 disagreement, KL(s ‖ T_broken) and the cosine of
+  the OPD gradients. How far a broken state moves the teacher's signal tells what the
+  negative control can show at best;
 - `gate`: passed when, at the information-gap calls, the disagreement is at least
   `GATE_MIN_TOP1` of their action tokens and the cosine of the two views' OPD gradients
   over their tokens is below `GATE_MAX_COSINE`; else the arms cannot be told apart.
@@ -56,6 +61,8 @@ GATE_STATEMENT = ("at the information-gap calls: the teacher's top-1 differs bet
                   f"gradients over their tokens have cosine below {GATE_MAX_COSINE} (stated on these calls because "
                   "over all action tokens the rule's own views differ on less than the threshold; see the ceiling)")
 VIEWS = (("aligned", "aligned"), ("flatten", "flatten"))  # (name, teacher layout)
+# the negative-control arms' teacher states (memopd.rce), measured against the aligned one
+CONTROL_VIEWS = (("positions_broken", "positions_broken"), ("visibility_broken", "visibility_broken"))
 
 
 def gate(top1_gap: float | None, cosine_gap: float | None) -> dict:
@@ -137,7 +144,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     ref = copy.deepcopy(student).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     scored = {name: score(actor, critic, ref, teacher, trajs, teacher_layout=layout, max_tokens=cfg.max_tokens,
                           kl_coef=cfg.kl_coef, gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
-              for name, layout in VIEWS}
+              for name, layout in VIEWS + CONTROL_VIEWS}
     batch = _pack(trajs, cfg.max_tokens, cfg.action_domain)
     tb, tt, tk = batch.traj_index, batch.call_index, batch.token_index
     # per entry: information-gap call, token role
@@ -151,7 +158,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     thead = head_of(teacher)
     V = scoring.vocab_size or int(thead.weight.shape[0])
     top = {}
-    for name, _ in VIEWS:
+    for name, _ in VIEWS + CONTROL_VIEWS:
         h = scored[name].teacher_hidden
         w = thead.weight[:V].to(h.dtype)
         parts = []
@@ -183,11 +190,12 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     was = [p.requires_grad for p in params]
     for p in params:
         p.requires_grad_(True)
-    kl_sum = {name: 0.0 for name, _ in VIEWS}
+    kl_sum = {name: 0.0 for name, _ in VIEWS + CONTROL_VIEWS}
     grads = {}
     student.train()
     try:
-        passes = ["ppo", "aligned", "flatten"] + (["aligned_gap", "flatten_gap"] if bool((sampled & gap).any()) else [])
+        passes = (["ppo", "aligned", "flatten"] + (["aligned_gap", "flatten_gap"] if bool((sampled & gap).any()) else [])
+                  + [name for name, _ in CONTROL_VIEWS])
         for which in passes:
             for p in params:
                 p.grad = None
@@ -227,6 +235,10 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     cos_gap = cosine(grads["aligned_gap"], grads["flatten_gap"]) if "aligned_gap" in grads else None
     kl = {name: kl_sum[name] / max(n_t, 1.0) for name, _ in VIEWS}
     kl["flatten_minus_aligned"] = kl["flatten"] - kl["aligned"]
+    controls = {name: {"top1_vs_aligned": _share(top[name] != top["aligned"], sampled),
+                       "kl": kl_sum[name] / max(n_t, 1.0),
+                       "cosine_vs_aligned": cosine(grads["aligned"], grads[name])}
+                for name, _ in CONTROL_VIEWS}
     opd = 0.5 * (norms["aligned"] + norms["flatten"])
     calls = sum(len(tr.invocations) for tr in trajs)
     n_gap = sum(sum(r) for r in gaps)
@@ -240,6 +252,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
         "grad_gap_calls": {"opd_aligned_norm": norms.get("aligned_gap"), "opd_flatten_norm": norms.get("flatten_gap"),
                            "cosine": cos_gap},
         "ceiling": view_disagreement_ceiling(trajs, expert),
+        "controls": controls,
         "opd_coef_matched": norms["ppo"] / opd if opd > 0 else None,
         "gate": gate(top1["gap_calls"], cos_gap),
     }
@@ -278,6 +291,10 @@ def format_check(c: dict) -> str:
                      f"-{pct(ce['all']['upper'])} (information-gap calls' share of the tokens "
                      f"{pct(ce['all']['gap_tokens'])}); at information-gap calls {pct(ce['gap_calls']['lower'])}"
                      f"-{pct(ce['gap_calls']['upper'])}, one token per call {pct(ce['gap_calls'].get('one_per_call'))}")
+    for name, x in (c.get("controls") or {}).items():
+        lines.append(f"  negative-control state {name}: top-1 differs from the aligned state at {pct(x['top1_vs_aligned'])} "
+                     f"of action tokens; KL(s||T) {x['kl']:.4f}; OPD gradient cosine with the aligned one "
+                     f"{x['cosine_vs_aligned']:.3f}")
     lines.append("  gate (" + c["gate"].get("statement", "overall") + "): "
                  + ("passed" if c["gate"]["passed"] else "FAILED: " + "; ".join(c["gate"]["reasons"])))
     return "\n".join(lines)

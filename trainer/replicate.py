@@ -108,10 +108,12 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 # evaluation with per-set scores, and the audit, on a saved agent
 # ----------------------------------------------------------------------------------
 def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
-    """Per-set greedy EM/F1 of one agent from an `memopd.env.evaluate` report's
-    `results` (the `sets` it records), laid out on the held-out sets
+    """Per-set EM/F1 of one agent from an `memopd.env.evaluate` report's `results` (the
+    `sets` it records), laid out on the held-out sets
     `world.sample_tasks(k, n, split="eval", seed=seed)` of every k, so that two agents
-    line up set by set. A set the report lacks (stopped before its first call) scores 0.
+    line up set by set. A set played several times (sampled evaluation, `samples` > 1)
+    scores the mean of its episodes; a set the report lacks (stopped before its first
+    call) scores 0.
 
     {"Q2": {"task_id": [...], "em": [...], "f1": [...], "em_mean": .., "f1_mean": ..,
     "peak_tokens": ..}, ...}"""
@@ -120,8 +122,7 @@ def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
         k = int(q[1:])
         ids = [t.task_id for t in world.sample_tasks(k, n, split="eval", seed=seed)]
         sets = res.get("sets") or {"task_id": [], "em": [], "f1": []}
-        em = dict(zip(sets["task_id"], sets["em"]))
-        f1 = dict(zip(sets["task_id"], sets["f1"]))
+        em, f1 = _mean_by_id(sets["task_id"], sets["em"]), _mean_by_id(sets["task_id"], sets["f1"])
         extra = set(em) - set(ids)
         if extra:
             raise ValueError(f"{q}: the report holds sets that are not the held-out sets asked for, e.g. "
@@ -131,6 +132,13 @@ def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
         out[q]["em_mean"] = statistics.mean(out[q]["em"])
         out[q]["f1_mean"] = statistics.mean(out[q]["f1"])
     return out
+
+
+def _mean_by_id(ids, xs) -> dict:
+    acc: dict = {}
+    for i, x in zip(ids, xs):
+        acc.setdefault(i, []).append(float(x))
+    return {i: statistics.mean(v) for i, v in acc.items()}
 
 
 def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float = 1.0, seed: int = 0) -> dict:
@@ -263,13 +271,13 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _summary(rows_by_arm: dict, ks) -> dict:
+def _summary(rows_by_arm: dict, ks, key: str = "per_set") -> dict:
     out = {}
     for arm, rows in rows_by_arm.items():
         s = {"seeds": len(rows)}
         for k in ks:
             q = f"Q{k}"
-            s[q] = {m: _mean_std([r["per_set"][q][f"{m}_mean"] for r in rows]) for m in ("em", "f1")}
+            s[q] = {m: _mean_std([r[key][q][f"{m}_mean"] for r in rows]) for m in ("em", "f1")}
         out[arm] = s
     return out
 
@@ -393,16 +401,25 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
 # the info-gap protocol: a replication that can tell the arms apart
 # ----------------------------------------------------------------------------------
 INFOGAP_ARMS = ("ppo", "persistent", "memopd", "broken_positions")
-# stated before any run; written into every result (docs/replication.md)
+# stated before any run; written into every result (docs/replication.md). Second statement
+# (2026-12-05): the first read greedy F1, which no arm moved, the controls included, in
+# 40 steps; this one reads the sampled policy that training changes, over 80 steps.
 ENDPOINTS = {
-    "primary": "area under the held-out Q2 F1 curve over training (trapezoid over the evaluations, step 0 = the "
-               "SFT student, divided by the steps: the mean F1 over training), memopd − persistent, paired by "
-               "seed; 95% percentile bootstrap over seeds; the minimal detectable effect for the seed count",
-    "secondary": ["final held-out Q2 F1 on information-gap sets and on plain sets, memopd − persistent",
-                  "final held-out Q8 F1 (retention: the student's SFT data holds Q8), memopd − persistent",
+    "version": 2,
+    "primary": "area under the held-out Q2 F1 curve over training, F1 read at the training temperature (1.0) as "
+               "the mean of 8 sampled episodes on each of the 200 held-out sets (trapezoid over the evaluations "
+               "every 10 steps, step 0 = the SFT student, divided by the steps: the mean F1 over training), "
+               "memopd − persistent, paired by seed; 95% percentile bootstrap over seeds; the minimal detectable "
+               "effect for the seed count",
+    "secondary": ["final held-out Q2 F1 (the primary's reading) on information-gap sets and on plain sets, "
+                  "memopd − persistent",
+                  "final held-out Q2 F1, greedy, memopd − persistent (the first statement's reading)",
+                  "final held-out Q8 F1, greedy (retention: the student's SFT data holds Q8), memopd − persistent",
                   "positive control: Q2 F1 area memopd − ppo",
                   "negative control: Q2 F1 area memopd − broken_positions (a teacher scored on aligned calls with "
                   "row-global positions) must be positive"],
+    "controls": "the endpoint is shown able to tell arms apart when both controls' 95% intervals lie above zero; "
+                "otherwise the primary is reported and not read as evidence either way",
     "intervals": "95% percentile bootstrap resampling seeds and sets together (one draw of each applied to both "
                  "arms: paired by seed and by set), 10000 draws, seed 0",
 }
@@ -412,22 +429,28 @@ MDE_POWER = 0.8
 
 @dataclass(frozen=True)
 class InfoGapBudget:
-    """What an info-gap protocol run spends; identical for every arm."""
+    """What an info-gap protocol run spends; identical for every arm. The curves read Q2 at
+    `eval_temperature` with `eval_samples` episodes per set; each final model is also
+    played greedily on Q2 and Q8 (`final_greedy_k`)."""
 
     seeds: tuple[int, ...]
     steps: int
     eval_every: int
     eval_tasks: int  # held-out sets per k at every evaluation
     check_tasks: int  # Q2 sets the manipulation check samples (x group_size rollouts)
+    eval_temperature: float = 1.0
+    eval_samples: int = 8
+    final_greedy_k: tuple[int, ...] = (2, 8)
 
     def overrides(self) -> list[str]:
-        return ["world=info-gap", "train_k=[2]", "eval_k=[2,8]", f"steps={self.steps}",
-                f"eval_every={self.eval_every}", f"eval_tasks={self.eval_tasks}", "checkpoint_every=10"]
+        return ["world=info-gap", "train_k=[2]", "eval_k=[2]", f"steps={self.steps}",
+                f"eval_every={self.eval_every}", f"eval_tasks={self.eval_tasks}",
+                f"eval_temperature={self.eval_temperature}", f"eval_samples={self.eval_samples}", "checkpoint_every=10"]
 
 
 INFOGAP_BUDGETS = {
-    "full": InfoGapBudget(seeds=(0, 1, 2, 3, 4), steps=40, eval_every=10, eval_tasks=200, check_tasks=32),
-    "quick": InfoGapBudget(seeds=(0, 1), steps=4, eval_every=2, eval_tasks=8, check_tasks=4),
+    "full": InfoGapBudget(seeds=(0, 1, 2, 3, 4), steps=80, eval_every=10, eval_tasks=200, check_tasks=32),
+    "quick": InfoGapBudget(seeds=(0, 1), steps=4, eval_every=2, eval_tasks=8, check_tasks=4, eval_samples=2),
 }
 
 
@@ -568,16 +591,16 @@ def _infogap_stats(rows_by_arm: dict, linked: list[bool], ks) -> dict:
         d["seed_ids"] = seeds
         return d
 
-    def final_diff(new, base, q, mask=None):
+    def final_diff(new, base, q, mask=None, key="per_set"):
         a, b = by_seed(new), by_seed(base)
         seeds = sorted(set(a) & set(b))
-        if not seeds:
+        if not seeds or q not in a[seeds[0]].get(key, {}):
             return None
-        cols = [j for j in range(len(a[seeds[0]]["per_set"][q]["f1"])) if mask is None or mask[j]]
+        cols = [j for j in range(len(a[seeds[0]][key][q]["f1"])) if mask is None or mask[j]]
         if not cols:
             return None
-        x = [[a[s]["per_set"][q]["f1"][j] for j in cols] for s in seeds]
-        y = [[b[s]["per_set"][q]["f1"][j] for j in cols] for s in seeds]
+        x = [[a[s][key][q]["f1"][j] for j in cols] for s in seeds]
+        y = [[b[s][key][q]["f1"][j] for j in cols] for s in seeds]
         return bootstrap_seeds_sets(x, y)
 
     out["primary"] = {"name": "Q2 F1 area, memopd − persistent", **(area_diff("memopd", "persistent") or {})}
@@ -585,13 +608,28 @@ def _infogap_stats(rows_by_arm: dict, linked: list[bool], ks) -> dict:
         "Q2 final F1 on information-gap sets, memopd − persistent": final_diff("memopd", "persistent", "Q2", linked),
         "Q2 final F1 on plain sets, memopd − persistent": final_diff("memopd", "persistent", "Q2",
                                                                      [not x for x in linked]),
-        **({"Q8 final F1 (retention), memopd − persistent": final_diff("memopd", "persistent", "Q8")} if 8 in ks else {}),
+        "Q2 final greedy F1, memopd − persistent": final_diff("memopd", "persistent", "Q2", key="per_set_greedy"),
+        "Q8 final greedy F1 (retention), memopd − persistent": final_diff("memopd", "persistent", "Q8",
+                                                                          key="per_set_greedy"),
         "positive control: Q2 F1 area, memopd − ppo": area_diff("memopd", "ppo"),
         "negative control: Q2 F1 area, memopd − broken_positions": area_diff("memopd", "broken_positions"),
         "negative control: Q2 F1 area, memopd − broken_visibility": area_diff("memopd", "broken_visibility"),
     }
     out["secondary"] = {k: v for k, v in out["secondary"].items() if v is not None}
+    out["controls"] = controls_verdict(out["secondary"])
     return out
+
+
+def controls_verdict(secondary: dict) -> dict:
+    """Whether the endpoint told the controls apart (`ENDPOINTS["controls"]`): the positive
+    control (memopd − ppo) and every negative control (memopd − broken_*) whose arms ran
+    need a 95% interval above zero; None for a control that did not run."""
+    def above(name_start):
+        ds = [d for n, d in secondary.items() if n.startswith(name_start)]
+        return None if not ds else all(d["lo"] > 0 for d in ds)
+
+    pos, neg = above("positive control"), above("negative control")
+    return {"positive": pos, "negative": neg, "endpoint_detects_controls": bool(pos and neg)}
 
 
 def _ci(d: dict) -> str:
@@ -602,7 +640,8 @@ def format_infogap_report(rep: dict) -> str:
     c = rep["check"]
     lines = [f"# Replication: info-gap protocol ({rep['budget_name']})", "",
              "## Endpoints (stated before the run)", "", f"- primary: {ENDPOINTS['primary']}"]
-    lines += [f"- secondary: {s}" for s in ENDPOINTS["secondary"]] + [f"- intervals: {ENDPOINTS['intervals']}", ""]
+    lines += [f"- secondary: {s}" for s in ENDPOINTS["secondary"]] + [f"- controls: {ENDPOINTS['controls']}",
+                                                                       f"- intervals: {ENDPOINTS['intervals']}", ""]
     from .manipulation import format_check
 
     lines += ["## Manipulation check", "", "```", format_check(c), "```", ""]
@@ -615,13 +654,22 @@ def format_infogap_report(rep: dict) -> str:
     if rep.get("forced"):
         lines += ["**Forced**: the gate failed and the arms were run anyway (`--force-arms`); the check above says "
                   "how little the two teacher arms' signals may differ, and every comparison below is read with it.", ""]
+    cfg = rep["config"]
+    reading = (f"at temperature {cfg.get('eval_temperature', 0):g}, {cfg.get('eval_samples', 1)} episodes per set"
+               if cfg.get("eval_temperature") else "greedy")
+    greedy_ks = rep.get("greedy_ks") or []
     lines += [f"opd_coef {rep['opd_coef']:.4g} ({rep['opd_coef_source']}), the same for every teacher arm; "
-              f"max_grad_norm {rep['config']['max_grad_norm']}.", "",
+              f"max_grad_norm {cfg['max_grad_norm']}; {cfg['steps']} steps; curves read {reading}.", "",
               "## Final EM and F1 (mean ± std over seeds), Q2 F1 area, clipped steps", "",
-              "| arm | seeds | " + " | ".join(f"Q{k} EM | Q{k} F1" for k in ks) + " | Q2 F1 area | clipped steps |",
-              "|---|---|" + "---|---|" * len(ks) + "---|---|"]
+              f"Q{'/Q'.join(map(str, ks))} read {reading}" + (f"; greedy Q{'/Q'.join(map(str, greedy_ks))} of the "
+                                                               "final models" if greedy_ks else "") + ".", "",
+              "| arm | seeds | " + " | ".join(f"Q{k} EM | Q{k} F1" for k in ks)
+              + "".join(f" | Q{k} F1 greedy" for k in greedy_ks) + " | Q2 F1 area | clipped steps |",
+              "|---|---|" + "---|---|" * len(ks) + "---|" * len(greedy_ks) + "---|---|"]
     for arm, s in rep["summary"].items():
         cells = [f"{_pm(*s[f'Q{k}'][m], s['seeds'])}" for k in ks for m in ("em", "f1")]
+        g = rep.get("summary_greedy", {}).get(arm)
+        cells += [f"{_pm(*g[f'Q{k}']['f1'], g['seeds'])}" if g else "-" for k in greedy_ks]
         runs = rep["runs"].get(arm, [])
         area = _pm(*_mean_std([r["area_f1_q2"] for r in runs]), len(runs)) if runs else "-"
         clip = [r["clipped_step_fraction"] for r in runs if r.get("clipped_step_fraction") is not None]
@@ -638,6 +686,15 @@ def format_infogap_report(rep: dict) -> str:
     lines += ["", "## Secondary endpoints and controls", "", "| comparison | Δ [95% CI] | seeds | sets |", "|---|---|---|---|"]
     for name, d in rep["stats"]["secondary"].items():
         lines.append(f"| {name} | {_ci(d)} | {d['seeds']} | {d['sets']} |")
+    v = rep["stats"].get("controls")
+    if v is not None:
+        def said(x):
+            return "not run" if x is None else ("above zero" if x else "not above zero")
+
+        lines += ["", f"Controls: positive {said(v['positive'])}, negative {said(v['negative'])}: "
+                  + ("the endpoint tells the controls apart." if v["endpoint_detects_controls"] else
+                     "the endpoint is not shown able to tell arms apart, so the primary is not read as evidence "
+                     "either way.")]
     lines += ["", f"Curves: `infogap_{rep['budget_name']}.png` (held-out F1 per k over steps, step 0 = the SFT "
               "student; band: ± std over seeds)."]
     return "\n".join(lines) + "\n"
@@ -663,7 +720,7 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     refuse_earlier_runs(args, seeds)
     t0 = time.time()
     log("[info-gap] endpoints, stated before the run:\n  primary: " + ENDPOINTS["primary"]
-        + "".join(f"\n  secondary: {s}" for s in ENDPOINTS["secondary"]))
+        + "".join(f"\n  secondary: {s}" for s in ENDPOINTS["secondary"]) + "\n  controls: " + ENDPOINTS["controls"])
     bundle = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
     world, student_dir = bundle.tasks, bundle.student_dir
     sft_wall = time.time() - t0
@@ -698,13 +755,33 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
             overrides = budget.overrides() + [f"opd_coef={lam:.4g}"] + list(user_overrides)
         cfg = TrainConfig.load(None, overrides)
         ks = list(cfg.eval_k)
-        base = per_set_scores(evaluate(student_dir, ks=ks, n=cfg.eval_tasks)["results"], world, cfg.eval_tasks)
+        greedy_ks = list(budget.final_greedy_k)
+
+        def scores(model_dir, greedy=False):
+            # on the runs' thread count: the student's step-0 curve point is this evaluation
+            import torch
+
+            old = torch.get_num_threads()
+            torch.set_num_threads(max(1, cfg.cpu_threads))
+            try:
+                if greedy:
+                    res = evaluate(model_dir, ks=greedy_ks, n=cfg.eval_tasks)
+                else:
+                    res = evaluate(model_dir, ks=ks, n=cfg.eval_tasks, temperature=cfg.eval_temperature,
+                                   samples=cfg.eval_samples)
+            finally:
+                torch.set_num_threads(old)
+            return per_set_scores(res["results"], world, cfg.eval_tasks)
+
+        base = scores(student_dir)
+        base_greedy = scores(student_dir, greedy=True)
         linked = [bool(t.meta.get("linked", False)) for t in world.sample_tasks(2, cfg.eval_tasks, split="eval", seed=0)]
-        rows_by_arm: dict[str, list] = {"sft student": [{"seed": None, "per_set": base}]}
+        rows_by_arm: dict[str, list] = {"sft student": [{"seed": None, "per_set": base, "per_set_greedy": base_greedy}]}
         curves: dict[str, list] = {}
 
         def on_row(a: str, s: int, r: dict) -> None:
             r["per_set"] = per_set_scores(r.pop("eval"), world, cfg.eval_tasks)
+            r["per_set_greedy"] = scores(os.path.join(r["run_dir"], "final"), greedy=True)
             r["costs"] = _run_costs(r["run_dir"])
             f1 = _run_curve(r["run_dir"], ks, base, metric="f1")
             r["curve_f1"] = f1
@@ -721,12 +798,15 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
         log(f"[info-gap] {len(todo)} runs, {args.jobs} at a time, under {args.out}")
         run_all(todo, args.out, overrides, jobs=args.jobs, overwrite=args.overwrite, resume=args.resume, on_row=on_row)
         bands = {arm: _band(cs, ks) for arm, cs in curves.items()}
-        rep.update({"overrides": overrides, "config": cfg.to_dict(), "ks": ks, "summary": _summary(rows_by_arm, ks),
+        rep.update({"overrides": overrides, "config": cfg.to_dict(), "ks": ks, "greedy_ks": greedy_ks,
+                    "summary": _summary(rows_by_arm, ks), "summary_greedy": _summary(rows_by_arm, greedy_ks, "per_set_greedy"),
                     "stats": _infogap_stats(rows_by_arm, linked, ks), "curves_f1": bands, "linked_sets": linked,
                     "runs": {arm: rows for arm, rows in rows_by_arm.items() if arm != "sft student"},
-                    "sft_student_per_set": base})
+                    "sft_student_per_set": base, "sft_student_per_set_greedy": base_greedy})
+        reading = (f"temperature {cfg.eval_temperature:g}, {cfg.eval_samples} per set" if cfg.eval_temperature
+                   else "greedy")
         plot_protocol_curves(bands, ks, paths["png"], title=f"info-gap protocol ({name}): held-out F1 over steps",
-                             ylabel="F1 (held-out, greedy)")
+                             ylabel=f"F1 (held-out, {reading})")
     rep["wall_s"] = round(time.time() - t0, 1)
     atomic_write_text(paths["json"], json.dumps(rep, indent=1))
     table = format_infogap_report(rep)

@@ -130,6 +130,8 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
                    help="memory policy (default: the one the model was trained with)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="episodes per set (with --temperature > 0; scores are means over them; default 1)")
     p.add_argument("--batch-size", type=int, default=32, help="episodes per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per-call limit (default 24 + 5k)")
     p.add_argument("--corpus", default=None, help="user corpus JSONL ({'id','text'} per line)")
@@ -156,6 +158,11 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     model = args.model or args.model_dir
     if (model is None) == (not args.expert):
         raise UserError("give exactly one of a checkpoint directory (DIR or --model DIR) or --expert")
+    if args.samples < 1:
+        raise UserError(f"--samples must be >= 1, got {args.samples}")
+    if args.samples > 1 and not args.temperature > 0:
+        raise UserError(f"--samples {args.samples} needs --temperature > 0: greedy decoding plays the same episode "
+                        "every time")
     world = None
     if args.world is not None:
         world = world_preset(args.world, seed=args.seed if args.expert else 0)
@@ -176,7 +183,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     try:
         report = evaluate(
             model, expert=args.expert, world_config=world, ks=args.k, n=args.n, seed=args.seed, policy=args.policy,
-            temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+            temperature=args.temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, corpus=args.corpus, questions=args.questions,
             progress=args.progress, trajectories=played,
         )

@@ -13,7 +13,8 @@ the "train" stream SFT uses) for each k, runs greedy (or sampled) episodes with
 - format_errors per episode, answered (fraction of episodes that answered before the
   budget ran out), wall and CPU seconds;
 - sets: each episode's task id, EM mean and F1 mean, in the order played (what paired
-  comparisons of two agents on the same sets need).
+  comparisons of two agents on the same sets need); with `samples` > 1 every set is
+  played that many times (sampled decoding), its id repeated once per episode.
 
 A user corpus (`--corpus docs.jsonl`) and question sets (`--questions sets.jsonl`)
 replace the generated ones; results are then grouped by the sets' k.
@@ -104,6 +105,7 @@ def evaluate(
     policy: str | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    samples: int = 1,
     batch_size: int = 32,
     max_new_tokens: int | None = None,
     corpus: str | None = None,
@@ -116,12 +118,21 @@ def evaluate(
 
     `trajectories`: a list that every played episode's `memopd.Trajectory` is appended
     to (k by k, in the order played), e.g. to save them (`memopd eval
-    --save-trajectories`) or to audit a model on its own samples (`memopd audit`)."""
+    --save-trajectories`) or to audit a model on its own samples (`memopd audit`).
+
+    `samples`: episodes played per set (sampled decoding only: greedy decoding would play
+    the same episode each time); the per-k figures are means over every episode, which
+    with the same count per set are means over sets of the per-set means."""
     from .expert import ScriptedExpert, expert_options
     from .tokenizer import build_tokenizer
 
     if (model_dir is None) == (not expert):
         raise ValueError("give exactly one of a model directory or expert=True")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive integer, got {samples!r}")
+    if samples > 1 and not temperature > 0:
+        raise ValueError(f"samples={samples} needs sampled decoding (temperature > 0): greedy decoding plays the "
+                         "same episode every time")
     meta: dict[str, Any] = {}
     if model_dir is not None:
         model, tok, meta = load_agent(model_dir, require_env=corpus is None)
@@ -167,8 +178,8 @@ def evaluate(
     results: dict[str, Any] = {}
     for k, tasks_k in plan:
         t0, c0 = time.time(), time.process_time()
-        trajs = rollout(env, engine, tasks_k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                        seed=seed, progress=progress)
+        trajs = rollout(env, engine, tasks_k, group_size=samples, temperature=temperature, top_p=top_p,
+                        max_new_tokens=max_new_tokens, seed=seed, progress=progress)
         if trajectories is not None:
             trajectories.extend(trajs)
         s = summarize(trajs)
@@ -181,6 +192,7 @@ def evaluate(
         "policy": env_cfg.policy,
         "temperature": temperature,
         "top_p": top_p,
+        "samples": samples,
         "source": source,
         "results": results,
     }
@@ -190,7 +202,9 @@ def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of `evaluate`'s report."""
     head = (f"{'set':>5} {'n':>4} {'EM mean':>8} {'EM sum':>7} {'F1 mean':>8} {'F1 sum':>7} "
             f"{'peak tok':>8} {'turns':>6} {'fmt err':>7} {'answered':>8} {'wall s':>7}")
-    lines = [f"model: {report['model']}  policy: {report['policy']}  temperature: {report['temperature']}", head,
+    samples = report.get("samples", 1)
+    lines = [f"model: {report['model']}  policy: {report['policy']}  temperature: {report['temperature']}"
+             + (f"  samples per set: {samples}" if samples > 1 else ""), head,
              "-" * len(head)]
     for name, s in report["results"].items():
         if not s.get("episodes"):

@@ -194,6 +194,15 @@ def test_tiny_sft_cache_and_eval(tmp_path, capsys):
     assert "EM mean" in text and "EM sum" in text and "Q2" in text
     r = json.loads(rep.read_text())["results"]["Q2"]
     assert r["episodes"] == 2 and 0.0 <= r["em_mean"] <= 1.0 and r["peak_tokens"] > 0 and r["turns"] >= 1
+    # sampled evaluation, several episodes per set: each set's id once per episode, the mean over all
+    assert eval_main(["--model", str(out / "student"), "--k", "2", "--n", "2", "--temperature", "1", "--samples", "3",
+                      "--json", str(rep)]) == 0
+    assert "samples per set: 3" in capsys.readouterr().out
+    r = json.loads(rep.read_text())
+    sets = r["results"]["Q2"]["sets"]
+    assert r["samples"] == 3 and r["results"]["Q2"]["episodes"] == 6
+    assert sorted(sets["task_id"].count(i) for i in set(sets["task_id"])) == [3, 3]
+    assert r["results"]["Q2"]["f1_mean"] == pytest.approx(sum(sets["f1"]) / 6)
 
 
 def test_eval_user_corpus(tmp_path, capsys):
@@ -224,6 +233,17 @@ def test_eval_expert_and_errors(tmp_path, capsys):
     assert "not a memopd env checkpoint" in capsys.readouterr().err
     with pytest.raises(UserError, match="--expert"):
         eval_main([])  # a checkpoint or --expert is required
+    # several episodes per set need sampled decoding: one line, exit 2, before any episode
+    assert cli_main(["eval", "--expert", "--k", "2", "--n", "2", "--samples", "4"]) == 2
+    assert "--samples 4 needs --temperature > 0" in capsys.readouterr().err
+    assert cli_main(["eval", "--expert", "--samples", "0"]) == 2
+    assert "--samples must be >= 1" in capsys.readouterr().err
+    from memopd.env.evaluate import evaluate
+
+    with pytest.raises(ValueError, match="greedy decoding plays the same episode"):
+        evaluate(expert=True, ks=(2,), n=1, samples=2)
+    with pytest.raises(ValueError, match="samples must be a positive integer"):
+        evaluate(expert=True, ks=(2,), n=1, samples=0, temperature=1.0)
 
 
 def test_a_killed_sft_resumes_exactly(world_tokenizer, tmp_path, monkeypatch):

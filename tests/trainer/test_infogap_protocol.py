@@ -186,6 +186,10 @@ def test_check_disagreement_matches_plain_forwards(sft_dirs):
     assert c["gate"] == gate(c["top1"]["gap_calls"], c["grad_gap_calls"]["cosine"])
     assert c["ceiling"]["action_tokens"] == n
     assert (c["gap_calls"] > 0) == (c["ceiling"]["gap_call_tokens"] > 0) == (c["grad_gap_calls"]["cosine"] is not None)
+    # the broken states move this teacher (it reads positions and context) by a measurable amount
+    for x in c["controls"].values():
+        assert 0.0 <= x["top1_vs_aligned"] <= 1.0 and -1.0 <= x["cosine_vs_aligned"] <= 1.0 and x["kl"] >= 0.0
+    assert c["controls"]["positions_broken"]["top1_vs_aligned"] > 0
     # the student is left as it was: no gradients, the same requires_grad flags
     assert all(p.grad is None for p in bundle.student.parameters())
 
@@ -202,6 +206,11 @@ def test_check_on_a_teacher_blind_to_the_context_fails_the_gate(sft_dirs, tmp_pa
     assert not c["gate"]["passed"] and len(c["gate"]["reasons"]) == 2
     assert c["grad_gap_calls"]["cosine"] is None or c["grad_gap_calls"]["cosine"] == pytest.approx(1.0, abs=1e-6)
     assert all("information-gap" in r for r in c["gate"]["reasons"])
+    # the negative controls' broken states change nothing for a teacher that reads no context and no position
+    assert set(c["controls"]) == {"positions_broken", "visibility_broken"}
+    for x in c["controls"].values():
+        assert x["top1_vs_aligned"] == 0.0 and x["cosine_vs_aligned"] == pytest.approx(1.0, abs=1e-6)
+        assert x["kl"] == pytest.approx(c["kl"]["aligned"], abs=1e-6)
 
 
 @pytest.mark.slow
@@ -236,12 +245,35 @@ def test_protocol_stops_at_the_gate_and_the_flag_forces_the_arms(sft_dirs, tmp_p
     p = rep["stats"]["primary"]
     assert p["seeds"] == 2 and p["lo"] <= p["diff"] <= p["hi"] and set(p["mde_by_seeds"]) == {"5", "8", "12"}
     assert "negative control: Q2 F1 area, memopd − broken_positions" in rep["stats"]["secondary"]
+    # the curves read the sampled policy (quick budget: temperature 1, 2 episodes per set); each final
+    # model is also played greedily on Q2 and Q8; the controls' verdict is stated with the result
+    assert rep["config"]["eval_temperature"] == 1.0 and rep["config"]["eval_samples"] == 2
+    for arm in arms:
+        for r in rep["runs"][arm]:
+            assert set(r["per_set_greedy"]) == {"Q2", "Q8"} and len(r["per_set_greedy"]["Q8"]["f1"]) == 3
+    assert set(rep["summary_greedy"]) == {"sft student", *arms}
+    assert "Q8 final greedy F1 (retention), memopd − persistent" in rep["stats"]["secondary"]
+    v = rep["stats"]["controls"]
+    assert v["positive"] is None and v["negative"] in (True, False) and v["endpoint_detects_controls"] is False
+    assert "Controls: positive not run" in (forced / "infogap_quick.md").read_text()
     assert rep["endpoints"]["primary"].startswith("area under the held-out Q2 F1 curve")
     md = (forced / "infogap_quick.md").read_text()
     assert "## Primary endpoint" in md and "minimal detectable effect" in md
     assert (forced / "infogap_quick.png").stat().st_size > 1000
     # the broken teacher state is the teacher's input in that arm
     assert math.isfinite(rep["summary"]["broken_positions"]["Q2"]["f1"][0])
+
+
+def test_controls_verdict_needs_every_control_above_zero():
+    from memopd.trainer.replicate import controls_verdict
+
+    up, straddle = {"lo": 0.01, "diff": 0.02, "hi": 0.03}, {"lo": -0.01, "diff": 0.01, "hi": 0.03}
+    pos, neg, vis = ("positive control: Q2 F1 area, memopd − ppo", "negative control: Q2 F1 area, memopd − broken_positions",
+                     "negative control: Q2 F1 area, memopd − broken_visibility")
+    assert controls_verdict({pos: up, neg: up}) == {"positive": True, "negative": True, "endpoint_detects_controls": True}
+    assert controls_verdict({pos: up, neg: up, vis: straddle})["endpoint_detects_controls"] is False
+    assert controls_verdict({pos: straddle, neg: up})["positive"] is False
+    assert controls_verdict({neg: up}) == {"positive": None, "negative": True, "endpoint_detects_controls": False}
 
 
 def test_negative_control_arms_score_the_broken_states():

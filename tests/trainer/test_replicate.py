@@ -60,6 +60,11 @@ def test_per_set_scores_line_up_on_the_held_out_sets():
     assert got["em_mean"] == pytest.approx(0.375) and got["f1_mean"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="not the held-out sets"):
         per_set_scores({"Q2": {"sets": {**sets, "task_id": ["elsewhere", ids[0], ids[3]]}}}, world, 4)
+    # a set played several times (sampled evaluation) scores the mean of its episodes
+    many = {"task_id": [ids[0], ids[1], ids[0], ids[1], ids[0], ids[1]], "em": [1.0, 0.0, 0.0, 0.0, 0.5, 1.0],
+            "f1": [1.0, 0.0, 0.5, 0.25, 0.0, 1.0]}
+    got = per_set_scores({"Q2": {"sets": many}}, world, 4)["Q2"]
+    assert got["em"] == pytest.approx([0.5, 1 / 3, 0.0, 0.0]) and got["f1"] == pytest.approx([0.5, 1.25 / 3, 0.0, 0.0])
 
 
 def test_budgets_match_the_protocol():

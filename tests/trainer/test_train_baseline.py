@@ -41,6 +41,21 @@ def test_train_reports_the_starting_student_next_to_the_trained_one(sft_dirs, tm
     assert json.loads((tmp_path / "run" / "report.json").read_text())["baseline_eval"]["Q1"]
 
 
+def test_sampled_evaluation_reads_what_memopd_eval_reads(sft_dirs, tmp_path):
+    """eval_temperature / eval_samples: the run's step-0 and final evaluations are `memopd
+    eval --temperature T --samples N` on the same sets (sampling seeded, so reproducible)."""
+    from memopd.env.evaluate import evaluate
+    from memopd.trainer.loop import train
+
+    said = []
+    rep = train(_cfg(sft_dirs, tmp_path / "run", eval_temperature=1.0, eval_samples=3), log=said.append)
+    direct = evaluate(sft_dirs[0], ks=[1, 2], n=2, temperature=1.0, samples=3)["results"]
+    assert rep["baseline_eval"]["Q2"]["episodes"] == 6 == rep["eval"]["Q2"]["episodes"]
+    assert rep["baseline_eval"]["Q2"]["f1_mean"] == direct["Q2"]["f1_mean"]
+    assert rep["baseline_eval"]["Q1"]["em_mean"] == direct["Q1"]["em_mean"]
+    assert any("temperature 1, 3 episode(s) per set" in x for x in said)
+
+
 def test_baseline_cache_is_keyed_by_the_weights_and_the_eval_settings(sft_dirs, tmp_path):
     import shutil
 
@@ -55,6 +70,10 @@ def test_baseline_cache_is_keyed_by_the_weights_and_the_eval_settings(sft_dirs, 
     assert _BaselineCache(cfg, str(student)).get() == {"Q1": {"em_mean": 0.5}}
     assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", eval_tasks=3), str(student)).get() is None
     assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", policy="full"), str(student)).get() is None
+    sampled = _cfg(sft_dirs, tmp_path / "run", eval_temperature=1.0, eval_samples=2)
+    assert _BaselineCache(sampled, str(student)).get() is None
+    assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", eval_temperature=1.0), str(student)).key != \
+        _BaselineCache(sampled, str(student)).key
     manifest = student / "memopd_manifest.json"
     manifest.write_text(manifest.read_text() + " ")  # other weights, another manifest
     assert _BaselineCache(cfg, str(student)).get() is None

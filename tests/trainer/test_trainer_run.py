@@ -134,6 +134,15 @@ def test_config_errors(tmp_path):
     assert (cfg.steps, cfg.arm, cfg.train_k, cfg.actor_lr) == (9, "ppo", [2, 8], 1e-4)
     with pytest.raises(ConfigError, match="minibatches"):
         TrainConfig(tasks_per_step=1, group_size=1, minibatches=2).validate()
+    # held-out evaluation: greedy by default; several episodes per set only when sampled
+    assert (TrainConfig().eval_temperature, TrainConfig().eval_samples) == (0.0, 1)
+    assert TrainConfig.load(None, ["eval_temperature=1.0", "eval_samples=8"]).eval_samples == 8
+    with pytest.raises(ConfigError, match="eval_samples=4 needs eval_temperature > 0"):
+        TrainConfig.load(None, ["eval_samples=4"])
+    with pytest.raises(ConfigError, match="eval_samples must be >= 1"):
+        TrainConfig.load(None, ["eval_temperature=1.0", "eval_samples=0"])
+    with pytest.raises(ConfigError, match="eval_temperature must be >= 0"):
+        TrainConfig.load(None, ["eval_temperature=-1"])
 
 
 def test_prepare_returns_a_named_environment_bundle(sft_dirs, tmp_path):
