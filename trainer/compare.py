@@ -24,6 +24,7 @@ import time
 
 from .arms import parse_arm, refuse_earlier_runs, run_all
 from .config import ConfigError, TrainConfig
+from .replicate import INFOGAP_ARMS
 
 __all__ = ["compare_main", "format_compare"]
 
@@ -57,7 +58,7 @@ def compare_main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", nargs="+", default=None,
                    help=f"ARM or ARM:naive (default: {' '.join(DEFAULT_ARMS)}; --protocol info-gap: "
-                        "ppo persistent memopd broken_positions)")
+                        f"{' '.join(INFOGAP_ARMS)})")
     p.add_argument("--seeds", nargs="+", type=int, help="default: 0 1 2 (the protocol: its budget's seeds)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at the same time")
     p.add_argument("--out", default="runs/compare")
@@ -84,8 +85,6 @@ def compare_main(argv: list[str] | None = None) -> int:
     if args.force_arms and args.protocol != "info-gap":
         p.error("--force-arms belongs to --protocol info-gap")
     if args.arms is None:
-        from .replicate import INFOGAP_ARMS
-
         args.arms = list(INFOGAP_ARMS if args.protocol == "info-gap" else DEFAULT_ARMS)
     try:
         for spec in args.arms:
