@@ -63,6 +63,7 @@ GATE_STATEMENT = ("at the information-gap calls: the teacher's top-1 differs bet
 VIEWS = (("aligned", "aligned"), ("flatten", "flatten"))  # (name, teacher layout)
 # the negative-control arms' teacher states (memopd.rce), measured against the aligned one
 CONTROL_VIEWS = (("positions_broken", "positions_broken"), ("visibility_broken", "visibility_broken"))
+SCORED_VIEWS = VIEWS + CONTROL_VIEWS
 
 
 def gate(top1_gap: float | None, cosine_gap: float | None) -> dict:
@@ -144,7 +145,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     ref = copy.deepcopy(student).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     scored = {name: score(actor, critic, ref, teacher, trajs, teacher_layout=layout, max_tokens=cfg.max_tokens,
                           kl_coef=cfg.kl_coef, gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
-              for name, layout in VIEWS + CONTROL_VIEWS}
+              for name, layout in SCORED_VIEWS}
     batch = _pack(trajs, cfg.max_tokens, cfg.action_domain)
     tb, tt, tk = batch.traj_index, batch.call_index, batch.token_index
     # per entry: information-gap call, token role
@@ -158,7 +159,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     thead = head_of(teacher)
     V = scoring.vocab_size or int(thead.weight.shape[0])
     top = {}
-    for name, _ in VIEWS + CONTROL_VIEWS:
+    for name, _ in SCORED_VIEWS:
         h = scored[name].teacher_hidden
         w = thead.weight[:V].to(h.dtype)
         parts = []
@@ -190,7 +191,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     was = [p.requires_grad for p in params]
     for p in params:
         p.requires_grad_(True)
-    kl_sum = {name: 0.0 for name, _ in VIEWS + CONTROL_VIEWS}
+    kl_sum = {name: 0.0 for name, _ in SCORED_VIEWS}
     grads = {}
     student.train()
     try:

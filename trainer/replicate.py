@@ -578,7 +578,7 @@ def clipped_step_fraction(run_dir: str, max_grad_norm: float) -> float | None:
     return sum(x > max_grad_norm for x in xs) / len(xs)
 
 
-def _infogap_stats(rows_by_arm: dict, linked: list[bool], ks) -> dict:
+def _infogap_stats(rows_by_arm: dict, linked: list[bool]) -> dict:
     """The pre-stated endpoints (`ENDPOINTS`) from the runs' curves and final per-set scores."""
     def by_seed(arm):
         return {r["seed"]: r for r in rows_by_arm.get(arm, [])}
@@ -808,7 +808,7 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
         bands = {arm: _band(cs, ks) for arm, cs in curves.items()}
         rep.update({"overrides": overrides, "config": cfg.to_dict(), "ks": ks, "greedy_ks": greedy_ks,
                     "summary": _summary(rows_by_arm, ks), "summary_greedy": _summary(rows_by_arm, greedy_ks, "per_set_greedy"),
-                    "stats": _infogap_stats(rows_by_arm, linked, ks), "curves_f1": bands, "linked_sets": linked,
+                    "stats": _infogap_stats(rows_by_arm, linked), "curves_f1": bands, "linked_sets": linked,
                     "runs": {arm: rows for arm, rows in rows_by_arm.items() if arm != "sft student"},
                     "sft_student_per_set": base, "sft_student_per_set_greedy": base_greedy})
         reading = (f"temperature {cfg.eval_temperature:g}, {cfg.eval_samples} per set" if cfg.eval_temperature
