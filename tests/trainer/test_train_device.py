@@ -178,3 +178,16 @@ def test_memopd_train_bf16_on_cpu_runs_two_steps(sft_dirs, tmp_path, capsys):
 
     state = load_tensor_file(str(run_dir / "checkpoints" / "step_2" / "actor" / "backend.pt"))
     assert state["masters"] and all(m.dtype == torch.float32 for m in state["masters"])
+
+
+@no_cuda
+def test_audit_device_cuda_without_cuda_is_one_line(capsys):
+    assert main(["audit", "--random", "--device", "cuda"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "device=cuda but torch " in line and "sees no CUDA device" in line, line
+
+
+def test_audit_device_auto_runs_where_it_resolves(capsys):
+    # auto on a host without a GPU is the CPU: the same audit as the default
+    assert main(["audit", "--random", "--device", "auto", "--policy", "summary", "--num-trajectories", "2"]) == 0
+    assert "aligned layouts PASS" in capsys.readouterr().out
