@@ -210,7 +210,8 @@ CORRECT_OK=0
 phase1() {
   local end=$(( $(date +%s) + PHASE1_S ))
   step env 60 env_check || return 1
-  [ -z "$COST_PID" ] && start_cost_model  # beside the other steps, at the measured copy rate
+  # beside the other steps, at the measured copy rate (only when phase 2 follows and waits for it)
+  [ -z "$COST_PID" ] && [ "$PHASE" = all ] && start_cost_model
   step core $(( end - $(date +%s) < 90 ? end - $(date +%s) : 90 )) core_check || return 1
   pytest_args "$(env_value free_mib)"
   step correctness $(( end - $(date +%s) )) "$PY" -m pytest "${ARGS[@]}" && CORRECT_OK=1
