@@ -634,3 +634,12 @@ def test_a_dropped_gradient_term_fails_the_check_on_cpu():
     with pytest.raises(AssertionError, match="loss|d_hidden"):
         check_actor_loss(64, 32, 300, 290, torch.float32, "cpu", "torch", terms="entropy", block=7,
                          op=no_entropy_bonus)
+
+
+def test_bf16_ulps_on_cpu():
+    """The across-mode dK/dV bar: neighbouring bf16 values are one ulp apart at every scale."""
+    x = torch.tensor([1.0, 0.75, -3.0e-3, 96.0, 0.0], dtype=torch.bfloat16)
+    nxt = torch.nextafter(x, torch.full_like(x, float("inf")))
+    assert bf16_ulps(x, nxt).tolist() == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert bf16_ulps(x, x).max().item() == 0.0
+    assert bf16_ulps(x[:4], x[:4] * 1.02).min().item() > 1.0  # 2% apart: more than one rounding
