@@ -191,3 +191,22 @@ def test_audit_device_auto_runs_where_it_resolves(capsys):
     # auto on a host without a GPU is the CPU: the same audit as the default
     assert main(["audit", "--random", "--device", "auto", "--policy", "summary", "--num-trajectories", "2"]) == 0
     assert "aligned layouts PASS" in capsys.readouterr().out
+
+
+def test_on_cuda_the_trainers_ops_pick_their_triton_kernels(monkeypatch):
+    # what device=cuda buys: the trainer's modules ask for backend "auto", which is Triton for
+    # CUDA tensors of the dtypes the kernels take (the rule is device-type only: no GPU needed)
+    pytest.importorskip("triton")
+    from memopd.ops._validate import choose_op_backend
+    from memopd.ops.attention import _triton_refusal
+    from memopd.ops.dispatch import choose_backend
+
+    monkeypatch.delenv("MEMOPD_BACKEND", raising=False)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.empty(8, 2, 32, dtype=dtype)  # the SFT'd defaults' head dim
+        assert choose_backend("packed_attention", "auto", cuda, triton_refusal=_triton_refusal(q)) == "triton"
+        assert choose_backend("packed_attention", "auto", cpu, triton_refusal=_triton_refusal(q)) == "torch"
+        for op in ("fused_linear_actor_loss", "fused_linear_distill", "fused_linear_logprob_entropy"):
+            assert choose_op_backend(op, "auto", cuda, dtype) == "triton"
+            assert choose_op_backend(op, "auto", cpu, dtype) == "torch"
