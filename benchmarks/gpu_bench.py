@@ -40,8 +40,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,6 +47,7 @@ def _attention_case(Hq, Hkv, mode, smoke, shared=False, split=None):
     """shared: 16 calls under one prefix of T/8 tokens (the layout whose prefix key blocks
     each have 16 calls' readers: the dK/dV split's case) instead of 4 prefixes x 8 calls;
     split: MEMOPD_ATTENTION_SPLIT's value for this case's process (None: the default)."""
+    import torch
     from bench_packed_attention import group_layout, visible_pairs
 
     from memopd.ops.attention import packed_attention
@@ -97,6 +96,7 @@ QWEN_HEAD_ROWS, QWEN_VOCAB = 151936, 151665
 
 
 def _lm_case(op, smoke, vocab=None):
+    import torch
     from bench_fused_distill import make_inputs
 
     from memopd.ops import fused_linear_actor_loss, fused_linear_distill, fused_linear_logprob_entropy
@@ -158,11 +158,14 @@ CASES = {
 
 
 def _sync():
+    import torch  # here, not at the top: the summary (run after every step) needs no torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def measure(name: str, smoke: bool = False, rounds: int = 10) -> dict:
+    import torch
+
     from memopd.kernels.runtime import chosen_configs
 
     case = CASES[name](smoke)
@@ -288,6 +291,16 @@ def _fmt(v, spec=""):
     return format(v, spec) if spec else str(v)
 
 
+def _prediction(p) -> str:
+    """The cost model's bound (ms, of peak) and, when it gave one, its realistic band of
+    the fraction of peak and the bandwidth it assumed."""
+    text = f"{p['ms']:.1f}, {p['peak']:.0%}"
+    if p.get("band_peak"):
+        lo, hi = p["band_peak"]
+        text += f"; band {lo:.0%}-{hi:.0%} at {p['hbm_tbps']:.2f} TB/s"
+    return text + " |"
+
+
 def summarize(work_dir: str, out_dir: str) -> str:
     """Write summary.md and results.json into out_dir; return the Markdown."""
     steps = _read_jsonl(os.path.join(work_dir, "steps.jsonl"))
@@ -313,13 +326,13 @@ def summarize(work_dir: str, out_dir: str) -> str:
         lines += ["", f"Compile errors ({len(errors)}, full text in logs.tar.gz):"]
         lines += [f"- {e}" for e in errors[:30]]
     lines += ["", "| op | shape | dtype | chosen config | first call s | ms | TFLOP/s | peak MiB | max abs diff | "
-              "of bf16 peak | cost model: ms, of peak |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "of bf16 peak | cost model: bound ms, of peak; band |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = predicted(r, predictions)
         lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['config']} | {_fmt(r['first_call_s'])} | "
                      f"{_fmt(r['median_ms'])} | {_fmt(r['tflops'])} | {_fmt(r['peak_mib'])} | "
                      f"{_fmt(r['max_abs_diff'], '.3g')} | {_fmt(r.get('peak_frac'), '.1%')} | "
-                     + ("- |" if p is None else f"{p['ms']:.1f}, {p['peak']:.0%} |"))
+                     + ("- |" if p is None else _prediction(p)))
     if not rows:
         lines.append("| (no benchmark rows) | | | | | | | | | | |")
     text = "\n".join(lines) + "\n"
@@ -351,6 +364,8 @@ def main(argv=None) -> int:
     if unknown or not a.cases:
         print(f"gpu_bench: unknown or no case(s) {unknown}; known: {', '.join(CASES)}", file=sys.stderr)
         return 2
+    import torch
+
     if not a.smoke and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (use --smoke to check the script on CPU)", file=sys.stderr)
         return 3

@@ -1,29 +1,38 @@
 #!/usr/bin/env bash
-# GPU check of memopd, sized for a borrowed GPU: one command of at most 10 minutes, 8 files
-# back, time left in a 15-minute lease for one rerun of a phase.
+# GPU check of memopd, sized for a borrowed GPU: one command of at most 540 s, 8 files back;
+# what to send next within the 15-minute lease, for each way it can end: benchmarks/README.md.
 #
-#   bash benchmarks/gpu_check.sh              # both phases (about 8 min at most)
+#   bash benchmarks/gpu_check.sh              # both phases and the training smoke (510 s at most)
 #   bash benchmarks/gpu_check.sh --phase 1    # environment, core, compiled correctness
 #   bash benchmarks/gpu_check.sh --phase 2    # GPU benchmarks only
+#   bash benchmarks/gpu_check.sh --phase smoke  # the training smoke only
 #   bash benchmarks/gpu_check.sh --dry-run    # on CPU: walk every step, say what would run
 #                                             # and what is missing (runs in CI)
 #
-# Phase 1 (at most GPU_CHECK_PHASE1_S = 210 s): versions and device; the C++ core
-# (memopd._C imported, else built from pybind11 by benchmarks/build_core_for.sh); the
-# compiled-correctness tests (tests/kernels/test_kernels_cuda.py: production shapes, autotune
-# off, pytest-xdist when present, stopping at the first failure). No interpreter suites,
-# no CPU benchmarks. Phase 2 (at most GPU_CHECK_PHASE2_S = 270 s): the cases of
+# Phase 1 (at most GPU_CHECK_PHASE1_S = 210 s): versions, device, its free memory and
+# measured copy rate; the C++ core (memopd._C imported, else built from pybind11 by
+# benchmarks/build_core_for.sh); the compiled-correctness tests
+# (tests/kernels/test_kernels_cuda.py: production shapes, autotune off), with as many
+# pytest-xdist workers as fit the free memory (tests/kernels/_cuda_budget.py: 6 on an
+# H100), -v (every test's name in the log), --timeout per test, --maxfail=5. No
+# interpreter suites, no CPU benchmarks. Then the training smoke (at most
+# GPU_CHECK_SMOKE_S = 60 s, benchmarks/gpu_train_smoke.py): memopd train on the GPU in bf16
+# with the Triton back ends, and memopd audit --random with --attention-backend triton.
+# Phase 2 (at most GPU_CHECK_PHASE2_S = 240 s; GPU_CHECK_CASES="CASE ..." picks some): the cases of
 # benchmarks/gpu_bench.py in BENCH_LIMITS order (the production shapes first: the actor
 # loss and the distillation at Qwen2.5's odd vocabulary, attention at Hq/Hkv 16/2 with 16
 # calls under one prefix, the dK/dV split on and off), one
 # process and one time limit each; a case that no longer fits in the phase's budget is
-# listed as not run. Beside them, on the CPU, benchmarks/gpu_cost_model.py writes its
-# predictions for the same shapes, which the summary puts next to the measured rows.
+# listed as not run; the first lm-head case gets 45 s more when the correctness step did not
+# pass in this call (its compiles are then cold). Beside them, on the CPU,
+# benchmarks/gpu_cost_model.py writes its bound and band at the measured copy rate for the
+# same shapes, which the summary puts next to the measured rows.
 #
 # Output ($OUT when set, the device runner's folder; else benchmarks/results/gpu_check/):
 # summary.md (the pasteable table), results.json (everything in it, machine-readable),
 # logs.tar.gz (every step's full log, junit XML, benchmark rows). Both are rewritten
-# after every step, so a killed run still leaves what it had. Installs nothing.
+# after every step (without importing torch), so a killed run still leaves what it had.
+# Installs nothing.
 # PYTHON (default python3); MEMOPD_TRITON_AUTOTUNE is left alone (on: the benchmarks tune).
 set -u
 
@@ -37,19 +46,20 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --phase) PHASE="${2:-}"; shift ;;
     --phase=*) PHASE="${1#--phase=}" ;;
-    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}"; exit 0 ;;
-    *) echo "gpu_check: unknown argument '$1' (use --dry-run, --phase 1|2|all)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "gpu_check: unknown argument '$1' (use --dry-run, --phase 1|2|smoke|all)" >&2; exit 2 ;;
   esac
   shift
 done
-case "$PHASE" in 1|2|all) ;; *) echo "gpu_check: --phase must be 1, 2 or all, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in 1|2|smoke|all) ;; *) echo "gpu_check: --phase must be 1, 2, smoke or all, got '$PHASE'" >&2; exit 2 ;; esac
 
 OUT_DIR="${OUT:-$ROOT/benchmarks/results/gpu_check}"
 mkdir -p "$OUT_DIR" || exit 2
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 PHASE1_S="${GPU_CHECK_PHASE1_S:-210}"
-PHASE2_S="${GPU_CHECK_PHASE2_S:-270}"
+SMOKE_S="${GPU_CHECK_SMOKE_S:-60}"
+PHASE2_S="${GPU_CHECK_PHASE2_S:-240}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 unset TRITON_INTERPRET
@@ -137,6 +147,18 @@ info["cuda"] = torch.version.cuda
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     info["device"] = f"{p.name} ({p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor})"
+    info["free_mib"] = torch.cuda.mem_get_info()[0] // 2**20
+    # the copy rate: 1 GiB device-to-device, read + written, best of 5 after a warm-up
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); y.copy_(x); b.record(); b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    info["copy_tbps"] = round(2 * 2**30 / best / 1e12, 2)
+    del x, y
 else:
     info["device"] = "none"
 print(json.dumps(info))
@@ -162,17 +184,43 @@ core_check() {  # memopd._C importable, or buildable here
 export -f env_check core_check
 export PY WORK DRY
 
-XDIST=()
-"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 6)
 TESTS=(tests/kernels/test_kernels_cuda.py -k "not on_cpu")  # (its CPU harness check runs in CI)
+TEST_TIMEOUT=150  # s per test: the slowest (N=2048 gradient paths, cold compiles) take ~30 s
 
+env_value() {  # env_value KEY: a value of the device line env_check wrote (no torch import)
+  "$PY" -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(rows[-1].get(sys.argv[2], "") if rows else "")' "$WORK/env.jsonl" "$1" 2>/dev/null
+}
+
+# pytest arguments of the correctness step: workers from the free device memory (each
+# may hold its largest test's modelled peak plus a CUDA context at once), a time limit
+# per test, every test's name in the log (-v), at most five failures before it stops
+pytest_args() {  # pytest_args FREE_MIB
+  local workers=1
+  if "$PY" -c "import xdist" 2>/dev/null; then
+    workers=$("$PY" tests/kernels/_cuda_budget.py --workers "${1:-0}" --cpus "$(nproc)")
+  fi
+  ARGS=("${TESTS[@]}" -v -p no:cacheprovider --maxfail=5 -rfE --junitxml="$WORK/correctness.xml")
+  [ "$workers" -gt 1 ] && ARGS+=(-n "$workers")
+  "$PY" -c "import pytest_timeout" 2>/dev/null && ARGS+=(--timeout "$TEST_TIMEOUT")
+}
+
+CORRECT_OK=0
 phase1() {
   local end=$(( $(date +%s) + PHASE1_S ))
   step env 60 env_check || return 1
+  # beside the other steps, at the measured copy rate (only when phase 2 follows and waits for it)
+  [ -z "$COST_PID" ] && [ "$PHASE" = all ] && start_cost_model
   step core $(( end - $(date +%s) < 90 ? end - $(date +%s) : 90 )) core_check || return 1
-  # -x: stop at the first failure; -p no:randomly etc. are not assumed to exist
-  step correctness $(( end - $(date +%s) )) "$PY" -m pytest "${TESTS[@]}" -x -q -p no:cacheprovider \
-    "${XDIST[@]}" -rfE --junitxml="$WORK/correctness.xml"
+  pytest_args "$(env_value free_mib)"
+  step correctness $(( end - $(date +%s) )) "$PY" -m pytest "${ARGS[@]}" && CORRECT_OK=1
+  return 0
+}
+
+smoke() {  # memopd train (bf16) and memopd audit on the GPU, Triton back ends
+  step train-smoke "$SMOKE_S" "$PY" benchmarks/gpu_train_smoke.py "$WORK/train_smoke" --device cuda --backend triton
+  return 0
 }
 
 BENCH_LIMITS=(  # case:limit seconds, in the order they run: the first five fit the phase's 270 s
@@ -185,17 +233,26 @@ BENCH_LIMITS=(  # case:limit seconds, in the order they run: the first five fit 
 # vocabularies), on one CPU core beside the GPU steps (and away from the GPU)
 COST_MODEL=(benchmarks/gpu_cost_model.py --tokens 16384 --vocab 151665 --vocab 151936 --json "$WORK/predictions.jsonl")
 COST_PID=""
-start_cost_model() {
-  CUDA_VISIBLE_DEVICES="" timeout 240 "$PY" "${COST_MODEL[@]}" > "$WORK/cost_model.log" 2>&1 &
+start_cost_model() {  # at the copy rate env_check measured (else the model's default, H200's 4.3 TB/s)
+  local bw
+  bw=$(env_value copy_tbps)
+  CUDA_VISIBLE_DEVICES="" timeout 240 "$PY" "${COST_MODEL[@]}" ${bw:+--hbm-tbps "$bw"} > "$WORK/cost_model.log" 2>&1 &
   COST_PID=$!
 }
 
 phase2() {
-  local end=$(( $(date +%s) + PHASE2_S )) item case limit left
+  local end=$(( $(date +%s) + PHASE2_S )) item case limit left warm="$CORRECT_OK"
   [ -z "$COST_PID" ] && start_cost_model
   for item in "${BENCH_LIMITS[@]}"; do
     case="${item%:*}"
     limit="${item##*:}"
+    # GPU_CHECK_CASES="CASE ...": only these (a follow-up call measures what the first left out)
+    if [ -n "${GPU_CHECK_CASES:-}" ] && [[ " $GPU_CHECK_CASES " != *" $case "* ]]; then continue; fi
+    case "$case" in
+      actor_loss*|distill*|logprob*)  # the first lm-head case compiles cold unless phase 1 passed here
+        [ "$warm" = 0 ] && limit=$(( limit + 45 ))
+        warm=1 ;;
+    esac
     left=$(( end - $(date +%s) ))
     [ "$left" -lt "$limit" ] && limit="$left"
     step "bench-${case//\//_}" "$limit" "$PY" benchmarks/gpu_bench.py "$case" --json "$WORK/bench_rows.jsonl"
@@ -207,10 +264,15 @@ phase2() {
 dry_run() {
   dry env "versions and device (limit 60s)" env_check
   dry core "import memopd._C, else bash benchmarks/build_core_for.sh (limit 90s)" core_check
-  dry correctness "$PY -m pytest ${TESTS[*]} -x -q ${XDIST[*]:-(no pytest-xdist: one process)} (limit: the rest of ${PHASE1_S}s); here: collect only" \
+  pytest_args $(( 78 * 1024 ))  # an idle H100's free memory
+  dry workers "pytest-xdist workers for the free memory env_check measures (tests/kernels/_cuda_budget.py); here: 78 GiB, 16 CPUs" \
+    "$PY" tests/kernels/_cuda_budget.py --workers $(( 78 * 1024 )) --cpus 16
+  dry correctness "$PY -m pytest ${ARGS[*]} (on a free H100; limit: the rest of ${PHASE1_S}s); here: collect only" \
     "$PY" -m pytest "${TESTS[@]}" --collect-only -q -p no:cacheprovider
-  dry cost-model "CUDA_VISIBLE_DEVICES= $PY ${COST_MODEL[*]} beside phase 2; here: at 64 tokens" \
-    "$PY" benchmarks/gpu_cost_model.py --tokens 64 --vocab 500 --json "$WORK/predictions.jsonl"
+  dry train-smoke "$PY benchmarks/gpu_train_smoke.py WORK --device cuda --backend triton (limit ${SMOKE_S}s); here: on CPU, torch back ends" \
+    "$PY" benchmarks/gpu_train_smoke.py "$WORK/train_smoke" --device cpu --backend torch
+  dry cost-model "CUDA_VISIBLE_DEVICES= $PY ${COST_MODEL[*]} --hbm-tbps MEASURED beside the steps; here: at 64 tokens, 3.0 TB/s" \
+    "$PY" benchmarks/gpu_cost_model.py --tokens 64 --vocab 500 --hbm-tbps 3.0 --json "$WORK/predictions.jsonl"
   local item cases=()
   for item in "${BENCH_LIMITS[@]}"; do cases+=("${item%:*}"); done
   dry bench "$PY benchmarks/gpu_bench.py CASE, one process each: ${BENCH_LIMITS[*]} (phase limit ${PHASE2_S}s); here: the smoke run on CPU" \
@@ -227,8 +289,8 @@ rm -f "$OUT_DIR/summary.md" "$OUT_DIR/results.json" "$OUT_DIR/logs.tar.gz"
 if [ "$DRY" = 1 ]; then
   dry_run
 else
-  [ "$PHASE" = all ] && start_cost_model  # done long before phase 2 needs it
   if [ "$PHASE" = 1 ] || [ "$PHASE" = all ]; then phase1; fi
+  if [ "$PHASE" = smoke ] || [ "$PHASE" = all ]; then smoke; fi
   if [ "$PHASE" = 2 ] || [ "$PHASE" = all ]; then
     if [ "$PHASE" = 2 ] && ! env_check >/dev/null 2>&1; then
       echo "gpu_check: no CUDA device"; FAILED=1

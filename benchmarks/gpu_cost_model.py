@@ -2,6 +2,7 @@
 from the launchers' own grids, tiles and program orders (no GPU, nothing is run).
 
     python3 benchmarks/gpu_cost_model.py [--tokens 16384] [--vocab 151665] [--json predictions.jsonl]
+                                         [--hbm-tbps 3.0] [--gemm-tflops 790]
 
 Per kernel and per op call (all token chunks of the backward): FLOPs, the bytes its
 programs request from memory, the HBM bytes left after an L2 model, and the predicted
@@ -28,6 +29,15 @@ time and fraction of peak. What it models, and what it does not:
   dH GEMM's, whose few long programs per chunk leave SMs idle (its compute time divided
   by `wave_fill` over CONCURRENT_PROGRAMS SMs; the logits and dW grids fill >= 99 %).
 * The per-token reductions, the compaction and the bias sum are left out (O(N + V)).
+
+Bound and band. The time above is an upper bound on the speed, not a prediction: every
+Triton GEMM at the stated rate (`--gemm-tflops`, default 790 TFLOP/s: faster than
+cuBLAS's own lm-head forward + backward), perfect overlap of compute and memory. Beside
+it, per op, a realistic band at the device's bandwidth (`--hbm-tbps`: gpu_check.sh passes
+the copy rate it measured; H100 ~3.0, H200 ~4.3 TB/s): its fast end runs the GEMMs at
+cuBLAS's lm-head rate (CUBLAS_LM_HEAD_FRAC of peak) with perfect overlap, its slow end
+at TRITON_OF_CUBLAS of that rate with no overlap (compute and memory times added). The
+kernel table and the `ms` / `peak` of `--json` are the bound; `band_peak` is the band.
 """
 from __future__ import annotations
 
@@ -62,8 +72,10 @@ from memopd.kernels.lm_head_tiles import (  # noqa: E402
 )
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s
-MATMUL_SUSTAINED = 790e12  # what a large bf16 matmul measures on them
-HBM_BYTES_PER_S = 4.3e12  # H200; an H100 SXM has 3.35e12
+MATMUL_SUSTAINED = 790e12  # what a large bf16 matmul measures on them (--gemm-tflops)
+HBM_BYTES_PER_S = 4.3e12  # H200's copy rate; an H100 SXM measures ~3.0e12 (--hbm-tbps)
+CUBLAS_LM_HEAD_FRAC = 0.74  # cuBLAS's lm-head forward + backward, of PEAK_BF16: the band's fast end
+TRITON_OF_CUBLAS = 0.8  # the band's slow end: Triton GEMMs at this fraction of cuBLAS's rate
 L2_BYTES = 50 * 2**20
 CONCURRENT_PROGRAMS = 132  # one program per SM: the 8-warp 128 x 128 tiles of these kernels
 BF16, FP32 = 2, 4
@@ -112,7 +124,36 @@ def _row(name, flops, cache, note="", compute_s=None):
     bound = "memory" if cache.hbm / HBM_BYTES_PER_S > compute_s else "compute"
     return dict(kernel=name, tflop=flops / 1e12, requested_gb=cache.requested / 1e9, hbm_gb=cache.hbm / 1e9,
                 ms=t * 1e3, peak=flops / (t * PEAK_BF16) if flops else 0.0,
-                hbm_util=cache.hbm / (t * HBM_BYTES_PER_S), bound=bound, note=note)
+                hbm_util=cache.hbm / (t * HBM_BYTES_PER_S), bound=bound, note=note,
+                compute_s=compute_s, hbm_bytes=cache.hbm)
+
+
+def retime_ms(row, gemm_flops_per_s: float, hbm_bytes_per_s: float, overlap: bool) -> float:
+    """A kernel row's time at another GEMM rate and bandwidth; without `overlap`, its
+    compute and memory times add up instead of hiding one another."""
+    c = row["compute_s"] * MATMUL_SUSTAINED / gemm_flops_per_s
+    m = row["hbm_bytes"] / hbm_bytes_per_s
+    return (max(c, m) if overlap else c + m) * 1e3
+
+
+def scenarios(hbm_bytes_per_s: float, gemm_flops_per_s: float) -> dict:
+    """(GEMM rate, bandwidth, overlap) of the bound and of the band's two ends."""
+    cublas = CUBLAS_LM_HEAD_FRAC * PEAK_BF16
+    return {"bound": (gemm_flops_per_s, hbm_bytes_per_s, True), "band_fast": (cublas, hbm_bytes_per_s, True),
+            "band_slow": (TRITON_OF_CUBLAS * cublas, hbm_bytes_per_s, False)}
+
+
+def op_band(rows, ops, hbm_bytes_per_s: float, gemm_flops_per_s: float) -> list[dict]:
+    """Per op of `op_totals`: its time and useful fraction of peak in each scenario."""
+    by_name = {r["kernel"]: r for r in rows}
+    out = []
+    for o in ops:
+        d = dict(op=o["op"])
+        for key, (g, b, overlap) in scenarios(hbm_bytes_per_s, gemm_flops_per_s).items():
+            ms = sum(retime_ms(by_name[k], g, b, overlap) for k in o["kernels"])
+            d[key] = (ms, o["useful_tflop"] * 1e12 / (ms / 1e3 * PEAK_BF16))
+        out.append(d)
+    return out
 
 
 def distill_forward(N, V, order="launcher"):
@@ -331,7 +372,7 @@ def distill_forward_grads_rows(N, V):
             gemm_dw(N, V, BF16, label="dw (distill fwd-grads)", chunk=chunk)]
 
 
-def report(N, V):
+def report(N, V, hbm_tbps=HBM_BYTES_PER_S / 1e12, gemm_tflops=MATMUL_SUSTAINED / 1e12):
     rows = [distill_forward(N, V), distill_forward(N, V, order="token-fastest"), distill_dlogits(N, V),
             gemm_dh(N, V, BF16, label="dh (distill)"),
             gemm_dw(N, V, BF16, label="dw (distill)"),
@@ -361,6 +402,14 @@ def report(N, V):
     for o in ops:
         print(f"| {o['op']} | {' + '.join(o['kernels'])} | {o['useful_tflop']:.1f} | {o['tflop']:.1f} | {o['ms']:.1f} | "
               f"{o['peak']:.0%} |")
+    print(f"\nbound and band at {hbm_tbps:.2f} TB/s: the bound at {gemm_tflops:.0f} TFLOP/s for every GEMM with "
+          f"perfect overlap; the band from cuBLAS's lm-head rate ({CUBLAS_LM_HEAD_FRAC * PEAK_BF16 / 1e12:.0f} "
+          f"TFLOP/s), overlapped, to {TRITON_OF_CUBLAS:.0%} of it with compute and memory added")
+    print("| op | bound: ms, of bf16 peak | band: ms | band: of bf16 peak |")
+    print("|---|---|---|---|")
+    for b in op_band(rows, ops, hbm_tbps * 1e12, gemm_tflops * 1e12):
+        print(f"| {b['op']} | {b['bound'][0]:.1f}, {b['bound'][1]:.0%} | {b['band_fast'][0]:.1f}-{b['band_slow'][0]:.1f} | "
+              f"{b['band_slow'][1]:.0%}-{b['band_fast'][1]:.0%} |")
     by_op = {o["op"]: o for o in ops}
     old, new = by_op["fused distill (reverse KL, teacher)"], by_op["fused distill, gradients in the forward (reverse KL)"]
     print(f"\nfused distill, reverse KL: recompute {old['ms']:.1f} ms ({old['peak']:.0%} of peak, useful FLOPs) -> "
@@ -578,20 +627,33 @@ def attention_report(shapes=None):
 
 
 def main(argv=None):
+    global HBM_BYTES_PER_S, MATMUL_SUSTAINED  # the rates every row is timed at
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--vocab", type=int, action="append", help="default: 151,665 and 151,936")
     ap.add_argument("--json", help="append one JSON line per op and vocabulary here (benchmarks/gpu_bench.py's summary "
                                    "puts them beside the measured rows)")
+    ap.add_argument("--hbm-tbps", type=float, default=HBM_BYTES_PER_S / 1e12,
+                    help="the device's memory bandwidth, TB/s: its measured copy rate (default: H200's 4.3)")
+    ap.add_argument("--gemm-tflops", type=float, default=MATMUL_SUSTAINED / 1e12,
+                    help="the GEMM rate of the bound, TFLOP/s (default 790)")
     a = ap.parse_args(argv)
+    if not (a.hbm_tbps > 0 and a.gemm_tflops > 0):
+        ap.error("--hbm-tbps and --gemm-tflops must be > 0")
+    HBM_BYTES_PER_S, MATMUL_SUSTAINED = a.hbm_tbps * 1e12, a.gemm_tflops * 1e12
     for V in a.vocab or [151665, HEAD_ROWS]:
-        _, ops = report(a.tokens, V)
+        rows, ops = report(a.tokens, V, a.hbm_tbps, a.gemm_tflops)
         print()
         if a.json:
+            bands = {b["op"]: b for b in op_band(rows, ops, HBM_BYTES_PER_S, MATMUL_SUSTAINED)}
             with open(a.json, "a") as f:
                 for o in ops:
+                    b = bands[o["op"]]
                     f.write(json.dumps(dict(op=o["op"], N=a.tokens, V=V, Hs=STUDENT_H, Ht=TEACHER_H, ms=round(o["ms"], 2),
-                                            peak=round(o["peak"], 4), useful_tflop=round(o["useful_tflop"], 2))) + "\n")
+                                            peak=round(o["peak"], 4), useful_tflop=round(o["useful_tflop"], 2),
+                                            hbm_tbps=a.hbm_tbps, gemm_tflops=a.gemm_tflops,
+                                            band_ms=[round(b["band_fast"][0], 2), round(b["band_slow"][0], 2)],
+                                            band_peak=[round(b["band_slow"][1], 4), round(b["band_fast"][1], 4)])) + "\n")
     attention_report()
     return 0
 

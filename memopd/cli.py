@@ -64,6 +64,10 @@ def _cmd_audit(args) -> int:
 
     t0 = time.time()
     model = _load_model(args.model, args.arch, 256, args.dtype, args.seed)
+    if args.device != "cpu":
+        from memopd.trainer.device import resolve_device  # auto: cuda:LOCAL_RANK when there is a GPU
+
+        model.to(resolve_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0)))
     vocab = model.get_output_embeddings().weight.shape[0]
     sets = []
     if args.trajectories:
@@ -182,6 +186,8 @@ def _add_audit(sub) -> None:
                    help="random trajectories per group (share a prefix)")
     p.add_argument("--max-tokens", type=_positive_int, default=8192)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "reference"])
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (auto: the GPU when there is one; cuda without one is refused)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write a machine-readable report to this path")
     p.set_defaults(func=_cmd_audit)

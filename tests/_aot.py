@@ -13,7 +13,8 @@ Three layers:
   output is kept for a log).
 * `matrix_jobs`: the production matrix. Every autotune candidate that the kernel's pruner
   keeps (a pruned candidate is never launched), plain and SAFE, at bf16: attention
-  D=64/128 and GQA groups 1/4/8; the fused distillation (both gradient paths),
+  D=64/128 and GQA groups 1/4/8, and the deterministic backward's dK/dV (plain, D=128,
+  groups 4/8); the fused distillation (both gradient paths),
   log-prob/entropy and actor-loss kernels at the lm-head sizes V=151,936 (Qwen2.5's padded head) and 151,665 (its
   tokenizer), H=2048/3584. Shapes enter a compile only through constexprs and the
   launcher's divisibility-by-16 specialisation, so equal specialisations are one job.
@@ -46,6 +47,10 @@ VOCABS = (151936, 151665)
 HIDDENS = (2048, 3584)
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 4, 8)
+# the deterministic dK/dV rows (plain launches, every pruned candidate): D=128 at the GQA
+# groups of the GPU tests (Hq/Hkv 16/2 and 32/8); each cold compile ~26 s (Triton 3.9.0,
+# one loaded core), so 4 rows per Triton add ~2 min of compiler time to the AOT step
+DETERMINISTIC_GROUPS = (4, 8)
 
 
 # --------------------------------------------------------------------------------------
@@ -221,6 +226,11 @@ def attention_jobs():
                         shape = f"bf16 D={D}" + ("" if group is None else f" group={group}")
                         jobs.append(_job("attention", name, "safe" if safe else "plain", shape, fn,
                                          _attn_types(fn), consts, c.num_warps, c.num_stages))
+                        if name == "dkdv" and D == 128 and group in DETERMINISTIC_GROUPS and not safe:
+                            # the deterministic backward's dK/dV: another binary (ATOMIC_DQ is a
+                            # constexpr), at the GPU tests' shapes only
+                            jobs.append(_job("attention", name, "deterministic", shape, fn, _attn_types(fn),
+                                             dict(consts, ATOMIC_DQ=False), c.num_warps, c.num_stages))
     # the sum of the split dK/dV blocks' partials (`_reduce_partials`: one launch setting)
     for D in HEAD_DIMS:
         fn = kern._bwd_kv_reduce_kernel

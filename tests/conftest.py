@@ -52,7 +52,7 @@ def sft_dirs(tmp_path_factory):
 # checkout (the README gives its measured time); the full suite runs them all.
 SLOW_MODULES = frozenset({
     "test_actor_loss_triton", "test_aot_matrix", "test_packed_attention_compile", "test_audit_own_samples", "test_backend",
-    "test_byo_models", "test_env_sft", "test_hf_rce",
+    "test_byo_models", "test_cuda_budget", "test_env_sft", "test_hf_rce",
     "test_checkpoint_safety", "test_compare_resume", "test_examples", "test_fused_distill_triton", "test_gpu_check",
     "test_io_faults", "test_packaging", "test_packed_attention_triton", "test_readme", "test_real_scale",
     "test_replicate", "test_run_integrity", "test_sft_cache_lock", "test_train_baseline", "test_trainer_dist",

@@ -28,7 +28,7 @@ from .collectives import DistInfo, all_reduce, barrier, broadcast, ensure_proces
 from .deepspeed_config import resolve_deepspeed_config
 from .safe_load import load_tensor_file
 
-__all__ = ["TrainBackend", "PlainBackend", "DeepSpeedBackend", "make_backend"]
+__all__ = ["TrainBackend", "PlainBackend", "DeepSpeedBackend", "make_backend", "master_weights"]
 
 # Plain-backend gradient all-reduce bucket size (elements): few collectives, bounded extra memory.
 _BUCKET_NUMEL = 8 * 1024 * 1024
@@ -209,15 +209,22 @@ class PlainBackend(TrainBackend):
     all-reduced once per optimiser step in flat buckets, the same arithmetic as DDP
     with no_sync on all but the last micro-batch (without comm/compute overlap).
     Parameters are broadcast from rank 0 at construction, as DDP does.
+
+    `masters` (from `master_weights`): fp32 copies of the model's bf16/fp16 parameters,
+    which the optimiser then holds instead of them. step() moves each gradient into its
+    copy (fp32), averages, clips and updates there, and rounds the result back into the
+    model; checkpoints keep the copies, so a resumed run continues from the same fp32 values.
     """
 
-    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float | None, info: DistInfo):
+    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float | None, info: DistInfo,
+                 masters: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] | None = None):
         super().__init__()
         self.module = self.unwrapped = model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.max_grad_norm = max_grad_norm
         self.rank, self.world_size = info.rank, info.world_size
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._masters = masters or []
         if self.world_size > 1:
             with torch.no_grad():
                 for p in model.parameters():
@@ -251,6 +258,9 @@ class PlainBackend(TrainBackend):
 
     def step(self) -> float:
         self._before_step()
+        for p, m in self._masters:  # low-precision gradients into their fp32 copies
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
         if self.world_size > 1:
             self._average_grads()
         clip = self.max_grad_norm if self.max_grad_norm else float("inf")
@@ -258,8 +268,14 @@ class PlainBackend(TrainBackend):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._copy_masters_to_model()
         self._after_step()
         return float(norm)
+
+    def _copy_masters_to_model(self) -> None:
+        with torch.no_grad():
+            for p, m in self._masters:
+                p.copy_(m)
 
     def state_dict(self) -> dict:
         """Optimiser + scheduler state (moments, step counters), not the weights."""
@@ -281,6 +297,8 @@ class PlainBackend(TrainBackend):
         if self.is_main:
             state = self.state_dict()
             state["model"] = self.unwrapped.state_dict()
+            if self._masters:
+                state["masters"] = [m.detach() for _, m in self._masters]
             from .rundir import atomic_file
 
             with atomic_file(os.path.join(path, "backend.pt")) as tmp:  # never a half-written file
@@ -295,6 +313,12 @@ class PlainBackend(TrainBackend):
         state = load_tensor_file(f)
         with torch.no_grad():
             self.unwrapped.load_state_dict(state["model"])
+            saved = state.get("masters")
+            if saved is not None and len(saved) != len(self._masters):
+                raise ValueError(f"{f}: holds {len(saved)} fp32 master weights, this model has {len(self._masters)} "
+                                 "low-precision parameters (was it saved with another dtype?)")
+            for i, (p, m) in enumerate(self._masters):  # without saved copies: from the loaded weights
+                m.copy_(saved[i] if saved is not None else p)
         # tensors of the optimiser state are moved to the params' device by Optimizer.load_state_dict
         self.load_state_dict(state)
         return self._load_client_state(path)
@@ -436,6 +460,24 @@ class DeepSpeedBackend(TrainBackend):
 # --------------------------------------------------------------------------- factory
 
 
+def master_weights(model: torch.nn.Module):
+    """(pairs, held): an fp32 copy of each trainable bf16/fp16 parameter of `model`, paired
+    with it, and a module of the parameters the optimiser should hold (those copies, and
+    the fp32 parameters themselves), in `model.named_parameters()` order. Without
+    low-precision parameters: ([], model)."""
+    pairs, held = [], []
+    for _, p in model.named_parameters():  # de-duplicates tied weights
+        if not p.requires_grad:
+            continue
+        if p.is_floating_point() and p.dtype in (torch.bfloat16, torch.float16):
+            m = torch.nn.Parameter(p.detach().float().clone())
+            pairs.append((p, m))
+            held.append(m)
+        else:
+            held.append(p)
+    return (pairs, torch.nn.ParameterList(held)) if pairs else ([], model)
+
+
 def make_backend(
     model: torch.nn.Module,
     *,
@@ -454,6 +496,8 @@ def make_backend(
 
     Calls init_distributed() (no-op for one process). Place the model on its device
     (``cuda:LOCAL_RANK``) before calling for the plain backend; DeepSpeed moves it itself.
+    A bf16/fp16 model trains with fp32 master weights (`master_weights`) in the plain
+    backend, as in DeepSpeed's bf16 mode.
     The train/eval mode of the model is left as it is (use backend.train()).
     Extra over the base interface: `schedule` ("constant" | "cosine" | "linear") and
     `min_lr_ratio` (floor of the decaying schedules).
@@ -470,9 +514,10 @@ def make_backend(
             on_cpu=not torch.cuda.is_available(),
             model_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
         )
-    optimizer = build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    masters, held = ([], model) if cfg is not None else master_weights(model)
+    optimizer = build_optimizer(held, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     if cfg is None:
         info = init_distributed()
-        return PlainBackend(model, optimizer, scheduler, max_grad_norm=max_grad_norm, info=info)
+        return PlainBackend(model, optimizer, scheduler, max_grad_norm=max_grad_norm, info=info, masters=masters)
     return DeepSpeedBackend(model, optimizer, scheduler, config=cfg, max_grad_norm=max_grad_norm)

@@ -126,6 +126,11 @@ class TrainConfig:
     deepspeed: str = ""  # path to a DeepSpeed JSON config: enables ZeRO
     progress: bool = True
     cpu_threads: int = 1  # torch threads on CPU: tiny models run fastest on one (0 = torch default)
+    # where the models train: auto = cuda:LOCAL_RANK when CUDA is there, else cpu; and in what
+    # precision: bf16 = bf16 weights and activations, fp32 master weights in the optimiser
+    # (trainer/device.py says why)
+    device: str = "auto"
+    dtype: str = "fp32"
 
     @property
     def arm_spec(self) -> Arm:
@@ -392,6 +397,11 @@ def check_requirements(cfg: "TrainConfig") -> None:
     import importlib.util
     import os
 
+    from .device import resolve_device, resolve_dtype
+
+    # device=cuda without a GPU (or device=cpu beside DeepSpeed on a GPU host): refused here
+    resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0), deepspeed=bool(cfg.deepspeed))
+
     def installed(module: str) -> bool:
         try:
             return importlib.util.find_spec(module) is not None
@@ -417,7 +427,7 @@ def check_requirements(cfg: "TrainConfig") -> None:
         try:
             resolve_deepspeed_config(cfg.deepspeed, max_grad_norm=cfg.max_grad_norm,
                                      world_size=int(os.environ.get("WORLD_SIZE", "1") or 1),
-                                     on_cpu=not torch.cuda.is_available())
+                                     on_cpu=not torch.cuda.is_available(), model_dtype=resolve_dtype(cfg.dtype))
         except OSError as e:
             raise ConfigError(f"deepspeed={cfg.deepspeed!r}: cannot read it ({e.strerror or e})") from None
         except json.JSONDecodeError as e:
@@ -433,7 +443,8 @@ def check_requirements(cfg: "TrainConfig") -> None:
 def _choices() -> dict[str, tuple[str, ...]]:
     from memopd.memory import POLICIES
 
-    return {"arm": ARMS, "action_domain": tuple(ACTION_DOMAINS), "policy": tuple(POLICIES)}
+    return {"arm": ARMS, "action_domain": tuple(ACTION_DOMAINS), "policy": tuple(POLICIES),
+            "device": ("auto", "cpu", "cuda"), "dtype": ("fp32", "bf16")}
 
 
 def _field_hints(cls) -> dict[str, Any]:

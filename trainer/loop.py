@@ -24,6 +24,7 @@ from memopd.hf import head_of
 from .backend import make_backend
 from .collectives import barrier, init_distributed
 from .config import ConfigError, TrainConfig, check_requirements, check_user_data
+from .device import place_model, resolve_device, resolve_dtype
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
 from .stats import KL_TEACHER, train_metric
 from .update import UpdateSettings, score, update
@@ -89,10 +90,16 @@ class Trainer:
         if self.teacher_lm is not None:
             head_of(self.teacher_lm)
         head_of(student_lm)
+        # cfg.device / cfg.dtype (trainer/device.py), before any copy: the reference and
+        # the critic are copies of the placed student; DeepSpeed moves models itself
+        self.device = resolve_device(cfg.device, local_rank=self.info.local_rank, deepspeed=bool(ds))
+        dtype = resolve_dtype(cfg.dtype)
+        for m in (student_lm, self.teacher_lm):
+            place_model(m, None if ds else self.device, dtype)
         self.scoring = Scoring(cfg.temperature, resolve_vocab_size(cfg, env, student_lm, self.teacher_lm))
         self.ref_lm = copy.deepcopy(student_lm).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         actor = Actor(student_lm, scoring=self.scoring)
-        critic = Critic(copy.deepcopy(student_lm))
+        critic = Critic(copy.deepcopy(student_lm)).to(next(student_lm.parameters()).device)  # value head beside the body
         self._views = None
         if ds and _zero_stage(ds) == 3:
             # plain replicas for rollouts and no-grad scoring, refreshed every step: ranks

@@ -72,3 +72,15 @@ def test_every_kernel_compiles_for_sm90a_with_every_triton():
             assert r["spills"] == 0, f"{what}: {r['spills']} bytes of spills ({r['regs']} registers)"
         if r["family"] == "attention" and r["kernel"] != "dkdv-reduce":  # (the partials' sum has no matmul)
             assert r["wgmma"], f"{what}: no Hopper warp-group MMA"
+
+
+def test_matrix_has_the_deterministic_dkdv_rows():
+    # the deterministic backward's dK/dV is its own binary (ATOMIC_DQ=False): compiled here
+    # for the GPU tests' shapes, every candidate the pruner keeps, beside the atomic one
+    pytest.importorskip("triton")
+    jobs = _aot.matrix_jobs()
+    det = [j for j in jobs if j["variant"] == "deterministic"]
+    assert {j["shape"] for j in det} == {f"bf16 D=128 group={g}" for g in _aot.DETERMINISTIC_GROUPS}
+    assert all(j["kernel"] == "dkdv" and j["consts"]["ATOMIC_DQ"] is False for j in det)
+    atomic = {(j["shape"], j["config"]) for j in jobs if j["kernel"] == "dkdv" and j["variant"] == "plain"}
+    assert {(j["shape"], j["config"]) for j in det} <= atomic and len(det) >= 2 * len(_aot.DETERMINISTIC_GROUPS)
