@@ -300,7 +300,15 @@ class DirectoryLock:
 
         if self._fd is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children
+        try:
+            # O_NOFOLLOW: a lock file planted as a link would have its target truncated and
+            # overwritten by the holder's record (in a shared directory, anyone's file)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # not inherited by exec'd children
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UserError(f"the lock file {self.path!r} of the {self.what} is a symbolic link (to "
+                                f"{os.readlink(self.path)!r}); memopd never writes through one: remove the link") from None
+            raise UserError(f"cannot lock the {self.what} {self.directory!r}: {e.strerror or e} ({self.path})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

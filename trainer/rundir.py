@@ -66,6 +66,8 @@ __all__ = [
 # e.g. a log the caller writes next to them, are left alone)
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "report.json", "checkpoints", "final", "eval_model", "tb",
                "curves.png")
+# the files among them that memopd writes, appends to or truncates in place: never a link
+_RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "curves.png")
 # Config keys a resumed run may change and still be the exact continuation of the stored
 # run: how long it runs (`steps`: the LR schedule is constant after warm-up, so the total
 # it is given changes nothing; not safe with a decaying schedule, see `_safe_keys`), when
@@ -99,6 +101,10 @@ def newest_complete_checkpoint(ckpt_root: str | os.PathLike) -> tuple[tuple[int,
     """The newest checkpoint whose manifest verifies, and the newer ones skipped (with why)."""
     skipped = []
     for step, path in checkpoint_dirs(ckpt_root):
+        if not _inside(path, ckpt_root):
+            skipped.append((os.path.basename(path), f"a symbolic link to {os.path.realpath(path)!r}, outside the run "
+                                                    "directory (never loaded nor deleted through)"))
+            continue
         problems = verify_manifest(path)
         if not problems:
             m = read_manifest(path) or {}
@@ -110,8 +116,18 @@ def newest_complete_checkpoint(ckpt_root: str | os.PathLike) -> tuple[tuple[int,
     return None, skipped
 
 
+def _inside(path: str, root: str | os.PathLike) -> bool:
+    """`path`, links resolved, lies under `root` (links resolved too)."""
+    real, top = os.path.realpath(path), os.path.realpath(os.fspath(root))
+    return os.path.commonpath([real, top]) == top
+
+
 def clear_checkpoint_dir(path: str) -> None:
-    """Remove a checkpoint directory, manifest first (so no partial state ever verifies)."""
+    """Remove a checkpoint directory, manifest first (so no partial state ever verifies);
+    a symbolic link is removed itself, never what it points to."""
+    if os.path.islink(path):
+        os.remove(path)
+        return
     try:
         os.remove(os.path.join(path, MANIFEST))
     except FileNotFoundError:
@@ -249,6 +265,16 @@ def _output_entries(run_dir: str) -> list[str]:
     return sorted(n for n in names if n in RUN_OUTPUTS or (n.startswith(leftovers) and n.endswith(".tmp")))
 
 
+def _refuse_linked_files(run_dir: str) -> None:
+    """A run's own files are written and truncated where they are: one that is a symbolic
+    link would carry those writes into another file (--overwrite removes such links)."""
+    for name in _RUN_FILES:
+        p = os.path.join(run_dir, name)
+        if os.path.islink(p):
+            raise UserError(f"{p} is a symbolic link (to {os.readlink(p)!r}); memopd writes a run directory's files "
+                            "itself and never through a link: remove the link, or pass --overwrite to discard it")
+
+
 def previous_outputs(run_dir: str) -> list[str]:
     """The outputs of an earlier run in `run_dir` (empty directories do not count)."""
     return [n for n in _output_entries(run_dir) if _has_content(os.path.join(run_dir, n))]
@@ -358,6 +384,7 @@ class RunDir:
                 removed = clear_outputs(self.run_dir)
                 if removed:
                     self.log(f"--overwrite: deleted the previous run's {', '.join(removed)} in {self.run_dir}")
+            _refuse_linked_files(self.run_dir)
             check_writable_dir(os.path.join(self.run_dir, "checkpoints"), "checkpoint directory")
             for path, what in extra_dirs:
                 check_writable_dir(path, what)
@@ -374,8 +401,8 @@ class RunDir:
             raise
 
     def _check_resume_config(self, config: dict, defaults: dict | None, used: list[str]) -> None:
-        """The new config against config.yaml and against the config recorded in the newest
-        checkpoint's manifest (which also covers a lost or hand-edited config.yaml)."""
+        """The new config against config.yaml and against the config recorded in the manifest
+        of the checkpoint --resume loads (which also covers a lost or hand-edited config.yaml)."""
         import yaml
 
         stored = []
@@ -390,11 +417,12 @@ class RunDir:
                 self.log(f"warning: {self.config_path} is unreadable ({e}); checking the checkpoints' config")
         elif used:
             self.log(f"warning: {self.config_path} is missing; checking the checkpoints' config")
-        for _, path in checkpoint_dirs(os.path.join(self.run_dir, "checkpoints")):
-            m = read_manifest(path)
-            if m is not None and isinstance(m.get("config"), dict):
-                stored.append((os.path.join(path, MANIFEST), m["config"]))
-                break
+        # the checkpoint --resume will load (the newest whose manifest verifies), not merely
+        # the newest: a damaged newest one would vouch for an older one copied from elsewhere
+        found, _ = newest_complete_checkpoint(os.path.join(self.run_dir, "checkpoints"))
+        m = read_manifest(found[1]) if found else None
+        if m is not None and isinstance(m.get("config"), dict):
+            stored.append((os.path.join(found[1], MANIFEST), m["config"]))
         changed: list[str] = []
         for source, cfg in stored:
             changed = check_resume_config(cfg, config, source=source, defaults=defaults) or changed
