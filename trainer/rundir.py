@@ -30,6 +30,7 @@ from memopd.files import (
     guarded_write,
     read_manifest,
     verify_manifest,
+    weights_fingerprint,
     write_manifest,
 )
 
@@ -52,6 +53,8 @@ __all__ = [
     "newest_complete_checkpoint",
     "config_differences",
     "check_resume_config",
+    "model_fingerprints",
+    "check_model_fingerprints",
     "check_writable_dir",
     "previous_outputs",
     "clear_outputs",
@@ -245,6 +248,41 @@ def check_resume_config(stored: dict, new: dict, *, source: str, defaults: dict 
             f"continuation of the stored one; only {', '.join(sorted(safe))} may change. Resume with the "
             "stored values, start a new run_dir, or pass --overwrite (instead of --resume) to discard the run")
     return [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs]
+
+
+# --------------------------------------------------------------------------- models
+
+_ROLE_NAMES = {"student": "student", "teacher": "teacher", "reference": "reference model (the starting student)"}
+
+
+def model_fingerprints(model_dirs: dict[str, str | None], known: dict | None = None) -> dict[str, dict | None]:
+    """{role: weights_fingerprint(dir)} of the models a run trains from (student, teacher,
+    reference; None for a role the run does not use). `known`: the fingerprints a
+    checkpoint recorded, whose per-file hashes are reused for unchanged files."""
+    known = known if isinstance(known, dict) else {}
+    return {role: (weights_fingerprint(d, known.get(role)) if d else None) for role, d in model_dirs.items()}
+
+
+def check_model_fingerprints(stored: dict | None, model_dirs: dict[str, str | None], checkpoint: str) -> dict | None:
+    """Refuse (RunDirError) to resume `checkpoint`, whose manifest recorded `stored`, with
+    models whose weights differ: the run would continue with another teacher, student or
+    reference than the one its first steps used. Returns the current fingerprints (None
+    when the checkpoint predates fingerprints: nothing to compare)."""
+    if not isinstance(stored, dict):
+        return None
+    current = model_fingerprints(model_dirs, stored)
+    for role, now in current.items():
+        then = stored.get(role)
+        if not (isinstance(then, dict) and now) or then.get("sha256") == now["sha256"]:
+            continue
+        changed = sorted(set(then.get("files", {})) ^ set(now["files"])) or sorted(
+            n for n in now["files"] if then["files"].get(n, {}).get("sha256") != now["files"][n]["sha256"])
+        raise RunDirError(
+            f"--resume: the {_ROLE_NAMES.get(role, role)}'s weights in {now['path']} are not the ones "
+            f"{os.path.basename(checkpoint)} was trained with: fingerprint {then['sha256'][:16]} then, "
+            f"{now['sha256'][:16]} now ({', '.join(changed[:3])} changed); resuming would mix two {role} models. "
+            "Restore those weights, or start a new run_dir (--overwrite discards this run)")
+    return current
 
 
 # --------------------------------------------------------------------------- places
