@@ -336,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     import traceback
 
-    from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED
+    from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
     from .progress import no_library_bars_in_logs
 
     die_with_parent()
+    restore_sigterm = _sigterm_as_interrupt()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
     no_library_bars_in_logs()  # stderr to a file: no library progress bars either
@@ -349,9 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         code = _dispatch(argv)
         ok = True
         return code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             traceback.print_exc()
+        if isinstance(e, Terminated):
+            print(f"{prog}: terminated (SIGTERM): stopped; what was complete is kept (a run continues with --resume)",
+                  file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the last resort of the command line
@@ -367,6 +372,26 @@ def main(argv: list[str] | None = None) -> int:
         return known[0]
     finally:
         _end_process_group(orderly=ok)
+        restore_sigterm()
+
+
+def _sigterm_as_interrupt():
+    """Handle SIGTERM as Ctrl-C for the command's life (every write is atomic, so any point
+    is a safe one to stop at); returns what puts the previous handler back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def raise_terminated(_signum, _frame):
+        from .errors import Terminated
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _end_process_group(orderly: bool) -> None:
@@ -393,7 +418,8 @@ def _dispatch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="memopd", description="Memory-Aligned On-Policy Distillation",
         epilog="Exit codes: 0 success, 1 a check failed (audit), 2 bad input, 3 run-directory conflict, "
-               "70 internal error, 74 an output could not be written (disk full, read-only, I/O error), 130 interrupted. "
+               "70 internal error, 74 an output could not be written (disk full, read-only, I/O error), 130 interrupted, "
+               "143 terminated (SIGTERM). "
                "MEMOPD_DEBUG=1 shows tracebacks for bad input.",
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")

@@ -17,6 +17,8 @@ Exit codes (stable, documented in the README):
         write (no space, quota, read-only filesystem, permission, I/O error); the
         message names the path, the cause and what is still complete
     130 interrupted (Ctrl-C)
+    143 terminated (SIGTERM, as SLURM, Kubernetes and systemd stop a job): handled as
+        Ctrl-C, what is complete is kept and `--resume` continues
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ __all__ = [
     "EXIT_RUN_CONFLICT",
     "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
+    "Terminated",
 ]
 
 EXIT_OK = 0
@@ -46,6 +50,13 @@ EXIT_RUN_CONFLICT = 3
 EXIT_INTERNAL = 70
 EXIT_IO_ERROR = 74  # EX_IOERR of sysexits.h
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (the `memopd` command line's handler): a
+    KeyboardInterrupt, so everything that cleans up after Ctrl-C (temp files, worker
+    pools, children, the run-directory lock) does the same for it."""
 
 
 class UserError(Exception):
