@@ -284,7 +284,7 @@ def _user_facing(e: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) of an error that is not a bug; None for a bug."""
     import errno
 
-    from .errors import UserError, os_failure, output_error
+    from .errors import UserError, os_failure, output_error, system_failure
 
     if isinstance(e, UserError):
         return e.exit_code, _one_line(e)
@@ -300,7 +300,7 @@ def _user_facing(e: Exception) -> tuple[int, str] | None:
     missing = _missing_extra(e) if isinstance(e, ImportError) else None
     if missing is not None:  # an optional dependency, not a bug
         return UserError.exit_code, _install_hint(*missing)
-    return None
+    return system_failure(e)  # a dead peer rank, no memory: not bugs either
 
 
 DIE_WITH_PARENT = "MEMOPD_DIE_WITH_PARENT"  # set by `memopd compare` for its children: its pid
@@ -418,8 +418,8 @@ def _dispatch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="memopd", description="Memory-Aligned On-Policy Distillation",
         epilog="Exit codes: 0 success, 1 a check failed (audit), 2 bad input, 3 run-directory conflict, "
-               "70 internal error, 74 an output could not be written (disk full, read-only, I/O error), 130 interrupted, "
-               "143 terminated (SIGTERM). "
+               "69 a peer rank failed, 70 internal error, 71 out of memory, "
+               "74 an output could not be written (disk full, read-only, I/O error), 130 interrupted, 143 terminated (SIGTERM). "
                "MEMOPD_DEBUG=1 shows tracebacks for bad input.",
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")
