@@ -82,7 +82,14 @@ def _cmd_audit(args) -> int:
     failed = []
     for name, trajs in sets:
         # a call never splits across rows: the budget must hold the longest flattened episode
-        budget = max(args.max_tokens, max(t.flattened_tokens for t in trajs))
+        longest = max(t.flattened_tokens for t in trajs)
+        budget = max(args.max_tokens, longest)
+        if budget > args.max_tokens:
+            print(f"memopd audit: {name}: --max-tokens raised from {args.max_tokens} to {budget}, the longest "
+                  "flattened episode (a call never splits across rows); the flatten layouts of such episodes take long",
+                  file=sys.stderr)
+        print(f"memopd audit: {name}: auditing {len(trajs)} trajectories "
+              f"({sum(t.flattened_tokens for t in trajs)} flattened tokens)", file=sys.stderr, flush=True)
         results = audit(model, trajs, max_tokens=budget, attention_backend=args.attention_backend)
         print(format_table(results, f"\n== {name}  ({len(trajs)} trajectories) =="))
         report["policies"][name] = [r.to_dict() for r in results]

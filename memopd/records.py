@@ -350,15 +350,18 @@ class Trajectory:
 def save_trajectories(path: str | os.PathLike, trajectories: Iterable[Trajectory], *, vocab_size: int | None = None) -> None:
     """Write trajectories as JSON Lines: header, one line each, footer with count + sha256.
 
-    Written to a temporary file and renamed, so an interrupted save never leaves a
-    half-written file under the final name.
+    Written to a temporary file, synced and renamed (`memopd.files.atomic_file`), so an
+    interrupted or failed save never leaves a half-written file under the final name nor
+    a temp file beside it; an OS failure of the write (a full disk) is one `OutputError`
+    (exit 74) naming the path.
     """
+    from .files import atomic_file
+
     trajectories = list(trajectories)
     for i, tr in enumerate(trajectories):
         tr.validate(vocab_size, where=f"trajectory {i}")
     h = hashlib.sha256()
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(path, what=f"trajectories file {os.fspath(path)}") as tmp, open(tmp, "w", encoding="utf-8") as f:
         header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "vocab_size": vocab_size}
         f.write(json.dumps(header) + "\n")
         for tr in trajectories:
@@ -366,7 +369,8 @@ def save_trajectories(path: str | os.PathLike, trajectories: Iterable[Trajectory
             h.update(line.encode("utf-8"))
             f.write(line)
         f.write(json.dumps({"footer": True, "count": len(trajectories), "sha256": h.hexdigest()}) + "\n")
-    os.replace(tmp, path)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None, validate: bool = True) -> list[Trajectory]:

@@ -609,7 +609,12 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     trainer.close()
     report["wall_s"] = round(time.time() - t0, 1)
     report["cpu_s"] = round(time.process_time() - cpu0, 1)
-    report["last_step"] = history[-1] if history else None
+    if history:
+        report["last_step"] = history[-1]
+    else:  # resumed from the final checkpoint: no step trained now, the last one is in metrics.jsonl
+        from .rundir import last_train_record
+
+        report["last_step"] = last_train_record(trainer.metrics_path)
     if trainer.rank == 0:
         atomic_write_json(os.path.join(cfg.run_dir, "report.json"), report)
         log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")

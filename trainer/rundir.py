@@ -58,7 +58,9 @@ __all__ = [
     "check_writable_dir",
     "previous_outputs",
     "clear_outputs",
+    "sweep_temp_files",
     "truncate_metrics",
+    "last_train_record",
     "RunDirLock",
     "RunDir",
     "rank0_decides",
@@ -207,6 +209,24 @@ def truncate_metrics(path: str, step: int, log: Callable[[str], None] = print) -
     atomic_write_text(path, "".join(kept))
 
 
+def last_train_record(path: str) -> dict | None:
+    """The last step's training record in metrics.jsonl (None if none is readable): a run
+    resumed from its final checkpoint trains no step, and reports this one."""
+    last = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and _is_train_line(rec):
+                    last = rec
+    except OSError:
+        return None
+    return last
+
+
 # --------------------------------------------------------------------------- configs
 
 
@@ -316,6 +336,29 @@ def _refuse_linked_files(run_dir: str) -> None:
 def previous_outputs(run_dir: str) -> list[str]:
     """The outputs of an earlier run in `run_dir` (empty directories do not count)."""
     return [n for n in _output_entries(run_dir) if _has_content(os.path.join(run_dir, n))]
+
+
+def sweep_temp_files(run_dir: str) -> list[str]:
+    """Remove what interrupted atomic writes left in `run_dir` (a killed `eval_model/` or
+    `final/` save leaves a whole model copy as `final.*.tmp`) and in its checkpoints/
+    (`latest.*.tmp`); only under the run directory's lock. Returns the names removed."""
+    removed = []
+    for root in (run_dir, os.path.join(run_dir, "checkpoints")):
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            continue
+        for n in names:
+            if not (n.endswith(".tmp") and "." in n[:-4]) or not (root != run_dir or n in _output_entries(run_dir)):
+                continue
+            p = os.path.join(root, n)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+            removed.append(os.path.relpath(p, run_dir))
+    return removed
 
 
 def clear_outputs(run_dir: str) -> list[str]:
@@ -433,6 +476,9 @@ class RunDir:
                     "continue it, --overwrite to delete it and start over, or choose another run_dir")
             if resume:
                 self._check_resume_config(config, defaults, used)
+                swept = sweep_temp_files(self.run_dir)
+                if swept:
+                    self.log(f"resume: removed the temp files of an interrupted write: {', '.join(swept)}")
             atomic_write_text(self.config_path, yaml.safe_dump(config, sort_keys=False))
         except BaseException:
             self.lock.release()

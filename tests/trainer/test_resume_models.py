@@ -49,6 +49,10 @@ def test_resume_refuses_changed_weights_and_accepts_unchanged(sft_dirs, tmp_path
     os.utime(os.path.join(teacher, "model.safetensors"))  # same bytes, new mtime: rehashed, still equal
     rep = train(_cfg(student, teacher, run, steps=2), resume=True, log=lambda *_: None)
     assert rep["last_step"]["step"] == 2
+    # resumed from the final checkpoint (a kill after it): no step trains, the report still
+    # names the last one (it said null)
+    again = train(_cfg(student, teacher, run, steps=2), resume=True, log=lambda *_: None)
+    assert again["last_step"] == rep["last_step"]
 
     before = (run / "metrics.jsonl").read_text()
     _perturb(teacher)  # `memopd sft --force` or other SFT settings retraining the cache in place
