@@ -58,6 +58,9 @@ def _positive_int(text: str) -> int:
     return n
 
 
+_AUDIT_NOTE_TOKENS = 200_000  # a set this large is no longer a quick audit: say when it starts
+
+
 def _cmd_audit(args) -> int:
     from .memory import POLICIES, random_trajectories
     from .rce import audit, format_table
@@ -88,8 +91,10 @@ def _cmd_audit(args) -> int:
             print(f"memopd audit: {name}: --max-tokens raised from {args.max_tokens} to {budget}, the longest "
                   "flattened episode (a call never splits across rows); the flatten layouts of such episodes take long",
                   file=sys.stderr)
-        print(f"memopd audit: {name}: auditing {len(trajs)} trajectories "
-              f"({sum(t.flattened_tokens for t in trajs)} flattened tokens)", file=sys.stderr, flush=True)
+        tokens = sum(t.flattened_tokens for t in trajs)
+        if budget > args.max_tokens or tokens > _AUDIT_NOTE_TOKENS:  # a set that takes a while: say it started
+            print(f"memopd audit: {name}: auditing {len(trajs)} trajectories ({tokens} flattened tokens)",
+                  file=sys.stderr, flush=True)
         results = audit(model, trajs, max_tokens=budget, attention_backend=args.attention_backend)
         print(format_table(results, f"\n== {name}  ({len(trajs)} trajectories) =="))
         report["policies"][name] = [r.to_dict() for r in results]
