@@ -114,9 +114,19 @@ def test_pack_and_audit_refuse_hostile_trajectory_values(tmp_path, capsys, name,
         assert rc == 2 and f"{f}:2: trajectory 0" in line and said in line, line
 
 
-def test_a_device_is_not_a_trajectories_file(capsys):
-    rc, line = _run(capsys, "pack", "--trajectories", "/dev/zero")
-    assert rc == 2 and line.endswith("/dev/zero: a device, not a trajectories file")
+def test_a_device_is_not_a_trajectories_file():
+    """In a child with a 4 GiB address-space limit: reading /dev/zero (what main did) would
+    otherwise take the machine's memory before failing."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    r = subprocess.run([sys.executable, "-m", "memopd.cli", "pack", "--trajectories", "/dev/zero"], cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), preexec_fn=limit,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "memopd pack: error: /dev/zero: a device, not a trajectories file"
 
 
 @pytest.mark.parametrize("bad", ["[1, 2, 3]", '{"step": [1]}', '{"loss": 1.0}', "[" * 50_000])
