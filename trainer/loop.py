@@ -550,7 +550,7 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
                       log=log)
     trainer.model_dirs = {"student": student_dir, "teacher": teacher_dir if trainer.teacher_lm is not None else None,
                           "reference": student_dir if trainer.ref_lm is not None else None}
-    if trainer.rank == 0 and not (cfg.student and cfg.teacher):  # SFT cache models: retraining them names this run
+    if trainer.rank == 0 and not resume and not (cfg.student and cfg.teacher):  # retraining the cache names this run
         from memopd.env.sft import record_run
 
         record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))
