@@ -58,6 +58,9 @@ def _positive_int(text: str) -> int:
     return n
 
 
+_AUDIT_NOTE_TOKENS = 200_000  # a set this large is no longer a quick audit: say when it starts
+
+
 def _cmd_audit(args) -> int:
     from .memory import POLICIES, random_trajectories
     from .rce import audit, format_table
@@ -86,7 +89,16 @@ def _cmd_audit(args) -> int:
     failed = []
     for name, trajs in sets:
         # a call never splits across rows: the budget must hold the longest flattened episode
-        budget = max(args.max_tokens, max(t.flattened_tokens for t in trajs))
+        longest = max(t.flattened_tokens for t in trajs)
+        budget = max(args.max_tokens, longest)
+        if budget > args.max_tokens:
+            print(f"memopd audit: {name}: --max-tokens raised from {args.max_tokens} to {budget}, the longest "
+                  "flattened episode (a call never splits across rows); the flatten layouts of such episodes take long",
+                  file=sys.stderr)
+        tokens = sum(t.flattened_tokens for t in trajs)
+        if budget > args.max_tokens or tokens > _AUDIT_NOTE_TOKENS:  # a set that takes a while: say it started
+            print(f"memopd audit: {name}: auditing {len(trajs)} trajectories ({tokens} flattened tokens)",
+                  file=sys.stderr, flush=True)
         results = audit(model, trajs, max_tokens=budget, attention_backend=args.attention_backend)
         print(format_table(results, f"\n== {name}  ({len(trajs)} trajectories) =="))
         report["policies"][name] = [r.to_dict() for r in results]
@@ -290,7 +302,7 @@ def _user_facing(e: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) of an error that is not a bug; None for a bug."""
     import errno
 
-    from .errors import UserError, os_failure, output_error
+    from .errors import UserError, os_failure, output_error, system_failure
 
     if isinstance(e, UserError):
         return e.exit_code, _one_line(e)
@@ -306,7 +318,7 @@ def _user_facing(e: Exception) -> tuple[int, str] | None:
     missing = _missing_extra(e) if isinstance(e, ImportError) else None
     if missing is not None:  # an optional dependency, not a bug
         return UserError.exit_code, _install_hint(*missing)
-    return None
+    return system_failure(e)  # a dead peer rank, no memory: not bugs either
 
 
 DIE_WITH_PARENT = "MEMOPD_DIE_WITH_PARENT"  # set by `memopd compare` for its children: its pid
@@ -342,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     import traceback
 
-    from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED
+    from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
     from .progress import no_library_bars_in_logs
 
     die_with_parent()
+    restore_sigterm = _sigterm_as_interrupt()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
     no_library_bars_in_logs()  # stderr to a file: no library progress bars either
@@ -355,9 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         code = _dispatch(argv)
         ok = True
         return code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             traceback.print_exc()
+        if isinstance(e, Terminated):
+            print(f"{prog}: terminated (SIGTERM): stopped; what was complete is kept (a run continues with --resume)",
+                  file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the last resort of the command line
@@ -373,6 +390,26 @@ def main(argv: list[str] | None = None) -> int:
         return known[0]
     finally:
         _end_process_group(orderly=ok)
+        restore_sigterm()
+
+
+def _sigterm_as_interrupt():
+    """Handle SIGTERM as Ctrl-C for the command's life (every write is atomic, so any point
+    is a safe one to stop at); returns what puts the previous handler back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def raise_terminated(_signum, _frame):
+        from .errors import Terminated
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _end_process_group(orderly: bool) -> None:
@@ -399,7 +436,8 @@ def _dispatch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="memopd", description="Memory-Aligned On-Policy Distillation",
         epilog="Exit codes: 0 success, 1 a check failed (audit), 2 bad input, 3 run-directory conflict, "
-               "70 internal error, 74 an output could not be written (disk full, read-only, I/O error), 130 interrupted. "
+               "69 a peer rank failed, 70 internal error, 71 out of memory, "
+               "74 an output could not be written (disk full, read-only, I/O error), 130 interrupted, 143 terminated (SIGTERM). "
                "MEMOPD_DEBUG=1 shows tracebacks for bad input.",
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")

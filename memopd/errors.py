@@ -12,16 +12,22 @@ Exit codes (stable, documented in the README):
     2   bad input: arguments, config values, input files, model directories
     3   run-directory conflict: in use by another process, not empty without
         --resume/--overwrite, or resumed with a different config
+    69  a peer process of a distributed run failed (another rank died or hung up): the
+        message names the peer's address; that rank's log holds the cause
     70  internal error (a bug: the traceback is printed)
+    71  out of memory (the allocator or the operating system refused memory)
     74  an output could not be written: the operating system refused or failed the
         write (no space, quota, read-only filesystem, permission, I/O error); the
         message names the path, the cause and what is still complete
     130 interrupted (Ctrl-C)
+    143 terminated (SIGTERM, as SLURM, Kubernetes and systemd stop a job): handled as
+        Ctrl-C, what is complete is kept and `--resume` continues
 """
 from __future__ import annotations
 
 import errno
 import os
+import re
 
 __all__ = [
     "UserError",
@@ -36,16 +42,30 @@ __all__ = [
     "EXIT_BAD_INPUT",
     "EXIT_RUN_CONFLICT",
     "EXIT_INTERNAL",
+    "EXIT_PEER_FAILED",
+    "EXIT_OUT_OF_MEMORY",
+    "system_failure",
     "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
+    "Terminated",
 ]
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_RUN_CONFLICT = 3
+EXIT_PEER_FAILED = 69  # EX_UNAVAILABLE of sysexits.h
 EXIT_INTERNAL = 70
+EXIT_OUT_OF_MEMORY = 71  # EX_OSERR
 EXIT_IO_ERROR = 74  # EX_IOERR of sysexits.h
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (the `memopd` command line's handler): a
+    KeyboardInterrupt, so everything that cleans up after Ctrl-C (temp files, worker
+    pools, children, the run-directory lock) does the same for it."""
 
 
 class UserError(Exception):
@@ -91,6 +111,19 @@ _FIXES = {
 }
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or during, each once."""
+    out: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and all(e is not x for x in out):
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
 def _free_bytes(path: str | os.PathLike | None) -> int | None:
     p = os.path.abspath(os.fspath(path)) if path is not None else None
     while p:
@@ -118,6 +151,10 @@ def os_failure(exc: BaseException, path: str | os.PathLike | None = None) -> int
         if isinstance(e, OSError) and e.errno in _CAUSES:
             return e.errno
         e = e.__cause__ or e.__context__
+    for e in _chain(exc):  # a library's text of an OS error: safetensors (Rust) says
+        m = _RUST_OS_ERROR.search(str(e))  # "... (os error 28)" or "Os { code: 28, ... }"
+        if m and int(m.group(1) or m.group(2)) in _CAUSES:
+            return int(m.group(1) or m.group(2))
     text = str(exc)
     if isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text):
         # on a full disk the text is e.g. "[enforce fail at inline_container.cc:672] .
@@ -141,3 +178,31 @@ def output_error(code: int, what: str, path: str | os.PathLike, survived: str = 
     err = OutputError("; ".join(parts))
     err.code = code
     return err
+
+
+# what gloo and NCCL say when the process at the other end of a connection is gone
+_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|"
+                        r"NCCL communicator was aborted|DistNetworkError")
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
+_NO_MEMORY = re.compile(r"can't allocate memory|CUDA out of memory|out of memory", re.IGNORECASE)
+
+
+def system_failure(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) of a failure of the machine or of a peer rather than of
+    memopd or its input: a peer rank of a distributed run that died or hung up (exit 69,
+    naming its address), or memory refused (exit 71); None otherwise."""
+    for e in _chain(exc):
+        text = str(e)
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+                isinstance(e, RuntimeError) and _NO_MEMORY.search(text)):
+            said = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
+            return EXIT_OUT_OF_MEMORY, (f"out of memory ({said}): free memory, raise the memory limit, or make the "
+                                        "batches smaller (tasks_per_step, group_size, max_tokens); a run continues "
+                                        "with --resume")
+        if isinstance(e, RuntimeError) and _PEER_GONE.search(text):
+            m = _PEER_ADDRESS.search(text)
+            peer = f" at {m.group(1)}:{m.group(2)}" if m else ""
+            return EXIT_PEER_FAILED, (f"a peer process of this distributed run{peer} failed ({_PEER_GONE.search(text).group(0)}): "
+                                      "another rank stopped or crashed; its log holds the cause. Fix that and run "
+                                      "again (a run continues with --resume)")
+    return None

@@ -8,6 +8,8 @@ trainer (`trainer/rundir.py` builds run directories on them), so neither imports
   failure of the write is one `OutputError` (`guarded_write`) naming what was not written;
 - `write_manifest` / `read_manifest` / `verify_manifest`: size + sha256 of every file of a
   directory, written last, so its presence and a passing check mean "complete and intact";
+- `weights_fingerprint`: the sha256 of a model directory's weight files, which a run's
+  checkpoints record so that --resume knows the models it trained with;
 - `check_writable_dir`: a directory exists and takes files, checked before long work;
 - `DirectoryLock`: an exclusive flock on a file in a directory, naming its holder.
 """
@@ -39,6 +41,7 @@ __all__ = [
     "read_manifest",
     "verify_manifest",
     "check_writable_dir",
+    "weights_fingerprint",
     "DirectoryLock",
 ]
 
@@ -237,6 +240,53 @@ def verify_manifest(root: str | os.PathLike) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- weights
+
+# the files of a model directory that hold its weights (HF single or sharded checkpoints,
+# torch saves); tokenizer and config files are not weights
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_HASHED: dict[tuple, str] = {}  # (realpath, stat key) -> sha256, for this process
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    # size, mtime, ctime and inode: a rewrite, a replacement or a restored mtime (touch -r
+    # cannot restore the ctime) each change it; a change of the key only costs a rehash
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def weights_fingerprint(model_dir: str | os.PathLike, known: dict | None = None) -> dict | None:
+    """{"path", "sha256", "files": {name: {"stat": [size, mtime_ns, ctime_ns, inode],
+    "sha256"}}} of the weight files directly in `model_dir` (WEIGHT_SUFFIXES); None when it
+    holds none. "sha256" is one hash over the sorted (name, file sha256) pairs.
+
+    Each file is hashed once: a file whose stat key equals its entry in `known` (an
+    earlier fingerprint of the same directory, e.g. the one a checkpoint recorded) or in
+    this process's memo reuses that hash, so fingerprinting a large model is a stat per
+    file after the first time."""
+    model_dir = os.path.abspath(os.fspath(model_dir))
+    try:
+        names = sorted(n for n in os.listdir(model_dir)
+                       if n.endswith(WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(model_dir, n)))
+    except OSError:
+        return None
+    if not names:
+        return None
+    before = (known or {}).get("files", {}) if isinstance(known, dict) else {}
+    files = {}
+    for name in names:
+        p = os.path.join(model_dir, name)
+        key = _stat_key(os.stat(p))
+        memo = (os.path.realpath(p), *key)
+        old = before.get(name) if isinstance(before.get(name), dict) else {}
+        sha = old.get("sha256") if old.get("stat") == key else _HASHED.get(memo)
+        if sha is None:
+            sha = _digest(p)[1]
+        _HASHED[memo] = sha
+        files[name] = {"stat": key, "sha256": sha}
+    whole = hashlib.sha256("".join(f"{n}\0{f['sha256']}\n" for n, f in files.items()).encode()).hexdigest()
+    return {"path": model_dir, "sha256": whole, "files": files}
+
+
 # --------------------------------------------------------------------------- places
 
 
@@ -300,7 +350,15 @@ class DirectoryLock:
 
         if self._fd is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children
+        try:
+            # O_NOFOLLOW: a lock file planted as a link would have its target truncated and
+            # overwritten by the holder's record (in a shared directory, anyone's file)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # not inherited by exec'd children
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UserError(f"the lock file {self.path!r} of the {self.what} is a symbolic link (to "
+                                f"{os.readlink(self.path)!r}); memopd never writes through one: remove the link") from None
+            raise UserError(f"cannot lock the {self.what} {self.directory!r}: {e.strerror or e} ({self.path})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -121,6 +121,7 @@ def load_local_model(path, *, what: str = "model", dtype: torch.dtype | None = N
     (missing weights, unknown architecture) is a `UserError` naming `what` and the path,
     instead of transformers' Hub "repo id" error.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from .errors import UnsafeFileError, UserError
@@ -138,6 +139,8 @@ def load_local_model(path, *, what: str = "model", dtype: torch.dtype | None = N
         # unpickler: this file holds more, and loading it could run code
         raise UnsafeFileError(f"{what}: refused to load the weights in {p!r}: the pickled weights file holds more "
                               "than tensors, and unpickling it could run code; use safetensors weights") from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        # SafetensorError: a truncated or damaged .safetensors file (not an OSError)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{what}: cannot load the model in {p!r}: {first}") from e
+        raise UserError(f"{what}: cannot load the model in {p!r}: {first}"
+                        + (" (a damaged or truncated weights file)" if isinstance(e, SafetensorError) else "")) from e

@@ -76,13 +76,24 @@ def _as_int_list(name: str, values: Any) -> list[int]:
                 try:
                     iv = operator.index(v)  # numpy / torch integers
                 except TypeError:
-                    if isinstance(v, float) and v.is_integer():
+                    if isinstance(v, float) and v.is_integer() and abs(v) < _EXACT_FLOAT_INT:
                         iv = int(v)
             if iv is None:
-                raise RecordError(f"{name}[{i}] = {v!r} is not an integer token id")
+                raise RecordError(f"{name}[{i}] = {_short(v)} is not an integer token id")
             v = iv
+        if v >= _INT64_END:  # no vocabulary is that large, and torch's ids are int64
+            raise RecordError(f"{name}[{i}] = {_short(v)} is not a token id (beyond int64)")
         out.append(v)
     return out
+
+
+_EXACT_FLOAT_INT = 2**53  # a float id is an integer only where floats are exact (1e300 is not an id)
+_INT64_END = 2**63
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def _is_bool(v: Any) -> bool:
@@ -339,15 +350,18 @@ class Trajectory:
 def save_trajectories(path: str | os.PathLike, trajectories: Iterable[Trajectory], *, vocab_size: int | None = None) -> None:
     """Write trajectories as JSON Lines: header, one line each, footer with count + sha256.
 
-    Written to a temporary file and renamed, so an interrupted save never leaves a
-    half-written file under the final name.
+    Written to a temporary file, synced and renamed (`memopd.files.atomic_file`), so an
+    interrupted or failed save never leaves a half-written file under the final name nor
+    a temp file beside it; an OS failure of the write (a full disk) is one `OutputError`
+    (exit 74) naming the path.
     """
+    from .files import atomic_file
+
     trajectories = list(trajectories)
     for i, tr in enumerate(trajectories):
         tr.validate(vocab_size, where=f"trajectory {i}")
     h = hashlib.sha256()
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(path, what=f"trajectories file {os.fspath(path)}") as tmp, open(tmp, "w", encoding="utf-8") as f:
         header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "vocab_size": vocab_size}
         f.write(json.dumps(header) + "\n")
         for tr in trajectories:
@@ -355,14 +369,20 @@ def save_trajectories(path: str | os.PathLike, trajectories: Iterable[Trajectory
             h.update(line.encode("utf-8"))
             f.write(line)
         f.write(json.dumps({"footer": True, "count": len(trajectories), "sha256": h.hexdigest()}) + "\n")
-    os.replace(tmp, path)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None, validate: bool = True) -> list[Trajectory]:
     """Read a file written by `save_trajectories`; raise `RecordError` if it is damaged."""
+    import stat
+
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero would be read forever
+                raise RecordError(f"{path}: a device, not a trajectories file")
             raw = f.read()
     except OSError as e:
         raise RecordError(f"{path}: cannot read the trajectories file ({e.strerror or e})") from None
@@ -376,7 +396,7 @@ def load_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None,
     lines = lines[:-1]
     try:
         header = json.loads(lines[0])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         raise RecordError(f"{path}: first line is not a memopd header; not a trajectories file") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise RecordError(f"{path}: not a {FORMAT_NAME} file (header {lines[0][:80]!r})")
@@ -384,7 +404,7 @@ def load_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None,
         raise RecordError(f"{path}: format version {header.get('version')} is not supported (expected {FORMAT_VERSION})")
     try:
         footer = json.loads(lines[-1])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         footer = None
     if not isinstance(footer, dict) or not footer.get("footer"):
         raise RecordError(f"{path}: truncated (last line is not the footer)")
@@ -405,8 +425,10 @@ def load_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None,
         where = f"{path}:{i + 2}: trajectory {i}"  # line 1 is the header
         try:
             d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RecordError(f"{where}: not valid JSON ({e})") from None
+        except ValueError as e:  # also an integer of more than 4300 digits
+            raise RecordError(f"{where}: not valid JSON ({str(e)[:160]})") from None
+        except RecursionError:
+            raise RecordError(f"{where}: JSON nested too deeply (not a trajectory)") from None
         try:
             tr = Trajectory.from_json(d)
         except RecordError as e:

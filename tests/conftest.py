@@ -55,7 +55,8 @@ SLOW_MODULES = frozenset({
     "test_byo_models", "test_cuda_budget", "test_env_sft", "test_hf_rce",
     "test_checkpoint_safety", "test_compare_resume", "test_examples", "test_fused_distill_triton", "test_gpu_check",
     "test_io_faults", "test_packaging", "test_packed_attention_triton", "test_readme", "test_real_scale",
-    "test_replicate", "test_run_integrity", "test_sft_cache_lock", "test_train_baseline", "test_trainer_dist",
+    "test_replicate", "test_resume_models", "test_run_integrity", "test_sigterm",
+    "test_sft_cache_lock", "test_system_faults", "test_train_baseline", "test_trainer_dist",
     "test_trainer_run",
 })
 

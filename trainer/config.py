@@ -241,7 +241,7 @@ class TrainConfig:
         if path:
             try:
                 with open(path) as f:
-                    loaded = yaml.safe_load(f)
+                    loaded = yaml.load(f, Loader=_NoAliasLoader)  # noqa: S506 - a safe loader
             except OSError as e:
                 raise ConfigError(f"--config {path}: cannot read the config file ({e.strerror or e})") from None
             except yaml.YAMLError as e:
@@ -272,11 +272,23 @@ class TrainConfig:
             if not _known_key(key, hints):
                 raise ConfigError(f"unknown config key {key!r} in override {item!r}; known: {_known_keys()}")
             try:
-                value = yaml.safe_load(raw) if raw != "" else ""
+                value = yaml.load(raw, Loader=_NoAliasLoader) if raw != "" else ""  # noqa: S506
             except yaml.YAMLError:
                 value = raw  # e.g. an unbalanced bracket: keep the text, the type check decides
             put(key, value, f"override {item!r}", raw)
         return cls.from_dict({**d, "env": env})
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """The YAML safe loader without aliases (`*name`): a config needs none, and nested
+    aliases expand exponentially (a "billion laughs" value hangs the first walk over it)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"YAML aliases (*{event.anchor}) are not accepted in a memopd "
+                                                          "config: write the value out", event.start_mark)
+        return super().compose_node(parent, index)
 
 
 # Where a flat config lists the environment's keys: where they were before the section existed.

@@ -118,6 +118,10 @@ class Trainer:
                 m.to(dev)
         self.step = 0
         self._tb = None  # TensorBoard writer, opened on first use (rank 0)
+        # {role: model dir} the run trains from; set by `train`. Checkpoints record their
+        # weights' fingerprints, and --resume refuses other weights (rundir.py)
+        self.model_dirs: dict[str, str | None] | None = None
+        self._fingerprints: dict | None = None
 
     @property
     def teacher_head(self):
@@ -225,10 +229,20 @@ class Trainer:
             self.critic.save_checkpoint(os.path.join(path, "critic"), client_state=client)
             self.actor.barrier()
             if self.rank == 0:
-                write_manifest(path, step=step, config=self.cfg.to_dict())
+                write_manifest(path, step=step, config=self.cfg.to_dict(), **self._models_record())
                 atomic_write_text(os.path.join(self.ckpt_root, "latest"), f"step_{step}\n")
         self.actor.barrier()
         return path
+
+    def _models_record(self) -> dict:
+        """{"models": fingerprints} for a checkpoint manifest, hashed once per run."""
+        if self.model_dirs is None:
+            return {}
+        if self._fingerprints is None:
+            from .rundir import model_fingerprints
+
+            self._fingerprints = model_fingerprints(self.model_dirs)
+        return {"models": self._fingerprints}
 
     def latest_checkpoint(self) -> str | None:
         """The newest complete checkpoint (its manifest verifies), or None."""
@@ -260,6 +274,11 @@ class Trainer:
             if found[0] > self.cfg.steps:
                 raise RunDirError(f"--resume: the newest complete checkpoint {found[1]} is past steps="
                                   f"{self.cfg.steps}; resume with steps>={found[0]}, or pass --overwrite to start over")
+            if self.model_dirs is not None:
+                from .rundir import check_model_fingerprints, read_manifest
+
+                self._fingerprints = check_model_fingerprints((read_manifest(found[1]) or {}).get("models"),
+                                                              self.model_dirs, found[1])
             return found[0]
 
         step = rank0_decides(choose, self.rank, self.world_size)
@@ -536,6 +555,12 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     tokenizer, student_dir, teacher_dir = bundle.tokenizer, bundle.student_dir, bundle.teacher_dir
     trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=bundle.teacher, env=bundle.env, world=bundle.tasks,
                       log=log)
+    trainer.model_dirs = {"student": student_dir, "teacher": teacher_dir if trainer.teacher_lm is not None else None,
+                          "reference": student_dir if trainer.ref_lm is not None else None}
+    if trainer.rank == 0 and not resume and not (cfg.student and cfg.teacher):  # retraining the cache names this run
+        from memopd.env.sft import record_run
+
+        record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))
 
     spec = cfg.env
     user = spec.user_data
@@ -591,7 +616,12 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     trainer.close()
     report["wall_s"] = round(time.time() - t0, 1)
     report["cpu_s"] = round(time.process_time() - cpu0, 1)
-    report["last_step"] = history[-1] if history else None
+    if history:
+        report["last_step"] = history[-1]
+    else:  # resumed from the final checkpoint: no step trained now, the last one is in metrics.jsonl
+        from .rundir import last_train_record
+
+        report["last_step"] = last_train_record(trainer.metrics_path)
     if trainer.rank == 0:
         atomic_write_json(os.path.join(cfg.run_dir, "report.json"), report)
         log(f"run directory: {os.path.abspath(cfg.run_dir)}  (metrics.jsonl, report.json, final/, checkpoints/)")

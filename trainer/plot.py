@@ -39,9 +39,14 @@ def read_metrics(run_dir: str) -> list[dict]:
             if not line:
                 continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{i}: not JSON ({e})") from None
+                row = json.loads(line)
+            except (ValueError, RecursionError) as e:
+                raise UserError(f"{path}:{i}: not JSON ({str(e)[:160] or type(e).__name__})") from None
+            if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+                raise UserError(f"{path}:{i}: not a metrics record (a JSON object with an integer \"step\"), got "
+                                f"{type(row).__name__ if not isinstance(row, dict) else 'step ' + repr(row.get('step'))[:40]}")
+            rows.append({k: v for k, v in row.items()
+                         if k == "step" or (isinstance(v, (int, float)) and not isinstance(v, bool))})
     return rows
 
 

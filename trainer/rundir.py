@@ -30,6 +30,7 @@ from memopd.files import (
     guarded_write,
     read_manifest,
     verify_manifest,
+    weights_fingerprint,
     write_manifest,
 )
 
@@ -52,10 +53,14 @@ __all__ = [
     "newest_complete_checkpoint",
     "config_differences",
     "check_resume_config",
+    "model_fingerprints",
+    "check_model_fingerprints",
     "check_writable_dir",
     "previous_outputs",
     "clear_outputs",
+    "sweep_temp_files",
     "truncate_metrics",
+    "last_train_record",
     "RunDirLock",
     "RunDir",
     "rank0_decides",
@@ -66,6 +71,8 @@ __all__ = [
 # e.g. a log the caller writes next to them, are left alone)
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "report.json", "checkpoints", "final", "eval_model", "tb",
                "curves.png")
+# the files among them that memopd writes, appends to or truncates in place: never a link
+_RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "curves.png")
 # Config keys a resumed run may change and still be the exact continuation of the stored
 # run: how long it runs (`steps`: the LR schedule is constant after warm-up, so the total
 # it is given changes nothing; not safe with a decaying schedule, see `_safe_keys`), when
@@ -99,6 +106,10 @@ def newest_complete_checkpoint(ckpt_root: str | os.PathLike) -> tuple[tuple[int,
     """The newest checkpoint whose manifest verifies, and the newer ones skipped (with why)."""
     skipped = []
     for step, path in checkpoint_dirs(ckpt_root):
+        if not _inside(path, ckpt_root):
+            skipped.append((os.path.basename(path), f"a symbolic link to {os.path.realpath(path)!r}, outside the run "
+                                                    "directory (never loaded nor deleted through)"))
+            continue
         problems = verify_manifest(path)
         if not problems:
             m = read_manifest(path) or {}
@@ -110,8 +121,18 @@ def newest_complete_checkpoint(ckpt_root: str | os.PathLike) -> tuple[tuple[int,
     return None, skipped
 
 
+def _inside(path: str, root: str | os.PathLike) -> bool:
+    """`path`, links resolved, lies under `root` (links resolved too)."""
+    real, top = os.path.realpath(path), os.path.realpath(os.fspath(root))
+    return os.path.commonpath([real, top]) == top
+
+
 def clear_checkpoint_dir(path: str) -> None:
-    """Remove a checkpoint directory, manifest first (so no partial state ever verifies)."""
+    """Remove a checkpoint directory, manifest first (so no partial state ever verifies);
+    a symbolic link is removed itself, never what it points to."""
+    if os.path.islink(path):
+        os.remove(path)
+        return
     try:
         os.remove(os.path.join(path, MANIFEST))
     except FileNotFoundError:
@@ -188,6 +209,24 @@ def truncate_metrics(path: str, step: int, log: Callable[[str], None] = print) -
     atomic_write_text(path, "".join(kept))
 
 
+def last_train_record(path: str) -> dict | None:
+    """The last step's training record in metrics.jsonl (None if none is readable): a run
+    resumed from its final checkpoint trains no step, and reports this one."""
+    last = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and _is_train_line(rec):
+                    last = rec
+    except OSError:
+        return None
+    return last
+
+
 # --------------------------------------------------------------------------- configs
 
 
@@ -231,6 +270,41 @@ def check_resume_config(stored: dict, new: dict, *, source: str, defaults: dict 
     return [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs]
 
 
+# --------------------------------------------------------------------------- models
+
+_ROLE_NAMES = {"student": "student", "teacher": "teacher", "reference": "reference model (the starting student)"}
+
+
+def model_fingerprints(model_dirs: dict[str, str | None], known: dict | None = None) -> dict[str, dict | None]:
+    """{role: weights_fingerprint(dir)} of the models a run trains from (student, teacher,
+    reference; None for a role the run does not use). `known`: the fingerprints a
+    checkpoint recorded, whose per-file hashes are reused for unchanged files."""
+    known = known if isinstance(known, dict) else {}
+    return {role: (weights_fingerprint(d, known.get(role)) if d else None) for role, d in model_dirs.items()}
+
+
+def check_model_fingerprints(stored: dict | None, model_dirs: dict[str, str | None], checkpoint: str) -> dict | None:
+    """Refuse (RunDirError) to resume `checkpoint`, whose manifest recorded `stored`, with
+    models whose weights differ: the run would continue with another teacher, student or
+    reference than the one its first steps used. Returns the current fingerprints (None
+    when the checkpoint predates fingerprints: nothing to compare)."""
+    if not isinstance(stored, dict):
+        return None
+    current = model_fingerprints(model_dirs, stored)
+    for role, now in current.items():
+        then = stored.get(role)
+        if not (isinstance(then, dict) and now) or then.get("sha256") == now["sha256"]:
+            continue
+        changed = sorted(set(then.get("files", {})) ^ set(now["files"])) or sorted(
+            n for n in now["files"] if then["files"].get(n, {}).get("sha256") != now["files"][n]["sha256"])
+        raise RunDirError(
+            f"--resume: the {_ROLE_NAMES.get(role, role)}'s weights in {now['path']} are not the ones "
+            f"{os.path.basename(checkpoint)} was trained with: fingerprint {then['sha256'][:16]} then, "
+            f"{now['sha256'][:16]} now ({', '.join(changed[:3])} changed); resuming would mix two {role} models. "
+            "Restore those weights, or start a new run_dir (--overwrite discards this run)")
+    return current
+
+
 # --------------------------------------------------------------------------- places
 
 
@@ -249,9 +323,42 @@ def _output_entries(run_dir: str) -> list[str]:
     return sorted(n for n in names if n in RUN_OUTPUTS or (n.startswith(leftovers) and n.endswith(".tmp")))
 
 
+def _refuse_linked_files(run_dir: str) -> None:
+    """A run's own files are written and truncated where they are: one that is a symbolic
+    link would carry those writes into another file (--overwrite removes such links)."""
+    for name in _RUN_FILES:
+        p = os.path.join(run_dir, name)
+        if os.path.islink(p):
+            raise UserError(f"{p} is a symbolic link (to {os.readlink(p)!r}); memopd writes a run directory's files "
+                            "itself and never through a link: remove the link, or pass --overwrite to discard it")
+
+
 def previous_outputs(run_dir: str) -> list[str]:
     """The outputs of an earlier run in `run_dir` (empty directories do not count)."""
     return [n for n in _output_entries(run_dir) if _has_content(os.path.join(run_dir, n))]
+
+
+def sweep_temp_files(run_dir: str) -> list[str]:
+    """Remove what interrupted atomic writes left in `run_dir` (a killed `eval_model/` or
+    `final/` save leaves a whole model copy as `final.*.tmp`) and in its checkpoints/
+    (`latest.*.tmp`); only under the run directory's lock. Returns the names removed."""
+    removed = []
+    for root in (run_dir, os.path.join(run_dir, "checkpoints")):
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            continue
+        for n in names:
+            if not (n.endswith(".tmp") and "." in n[:-4]) or not (root != run_dir or n in _output_entries(run_dir)):
+                continue
+            p = os.path.join(root, n)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+            removed.append(os.path.relpath(p, run_dir))
+    return removed
 
 
 def clear_outputs(run_dir: str) -> list[str]:
@@ -358,6 +465,7 @@ class RunDir:
                 removed = clear_outputs(self.run_dir)
                 if removed:
                     self.log(f"--overwrite: deleted the previous run's {', '.join(removed)} in {self.run_dir}")
+            _refuse_linked_files(self.run_dir)
             check_writable_dir(os.path.join(self.run_dir, "checkpoints"), "checkpoint directory")
             for path, what in extra_dirs:
                 check_writable_dir(path, what)
@@ -368,14 +476,17 @@ class RunDir:
                     "continue it, --overwrite to delete it and start over, or choose another run_dir")
             if resume:
                 self._check_resume_config(config, defaults, used)
+                swept = sweep_temp_files(self.run_dir)
+                if swept:
+                    self.log(f"resume: removed the temp files of an interrupted write: {', '.join(swept)}")
             atomic_write_text(self.config_path, yaml.safe_dump(config, sort_keys=False))
         except BaseException:
             self.lock.release()
             raise
 
     def _check_resume_config(self, config: dict, defaults: dict | None, used: list[str]) -> None:
-        """The new config against config.yaml and against the config recorded in the newest
-        checkpoint's manifest (which also covers a lost or hand-edited config.yaml)."""
+        """The new config against config.yaml and against the config recorded in the manifest
+        of the checkpoint --resume loads (which also covers a lost or hand-edited config.yaml)."""
         import yaml
 
         stored = []
@@ -390,11 +501,12 @@ class RunDir:
                 self.log(f"warning: {self.config_path} is unreadable ({e}); checking the checkpoints' config")
         elif used:
             self.log(f"warning: {self.config_path} is missing; checking the checkpoints' config")
-        for _, path in checkpoint_dirs(os.path.join(self.run_dir, "checkpoints")):
-            m = read_manifest(path)
-            if m is not None and isinstance(m.get("config"), dict):
-                stored.append((os.path.join(path, MANIFEST), m["config"]))
-                break
+        # the checkpoint --resume will load (the newest whose manifest verifies), not merely
+        # the newest: a damaged newest one would vouch for an older one copied from elsewhere
+        found, _ = newest_complete_checkpoint(os.path.join(self.run_dir, "checkpoints"))
+        m = read_manifest(found[1]) if found else None
+        if m is not None and isinstance(m.get("config"), dict):
+            stored.append((os.path.join(found[1], MANIFEST), m["config"]))
         changed: list[str] = []
         for source, cfg in stored:
             changed = check_resume_config(cfg, config, source=source, defaults=defaults) or changed

@@ -57,6 +57,7 @@ __all__ = [
 ENV_META_FILE = "memopd_env.json"
 FLATTEN_VIEW = "flatten"  # an SFT view that is not a memory policy (SFTConfig.policies)
 SFT_LOCK_FILE = ".memopd_sft.lock"  # in the cache (output) directory, held while it is built
+RUNS_FILE = "runs.json"  # in the cache: which runs trained from which cached weights (record_run)
 
 
 @dataclass(frozen=True)
@@ -832,8 +833,9 @@ def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs
     """`run_sft`'s work once it holds the cache lock."""
     import shutil
 
-    from memopd.files import verify_manifest
+    from memopd.files import verify_manifest, weights_fingerprint
 
+    before = {r: weights_fingerprint(os.path.join(out_dir, r)) for r in roles}
     for name in os.listdir(out_dir):  # the half-built directory of a builder that was killed
         if name.endswith(".tmp") and name.split(".")[0] in roles and os.path.isdir(os.path.join(out_dir, name)):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
@@ -899,4 +901,50 @@ def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs
             x = summary[r]
             log(f"[memopd sft] {r}: saved to {x['path']} (loss {x['final_loss']:.3f}, {x['cpu_s']:.0f} s CPU)")
     log(f"[memopd sft] trained {', '.join(todo)} in {time.time() - t0:.0f} s wall")
+    for r in todo:
+        _tell_replaced(out_dir, r, before[r], weights_fingerprint(os.path.join(out_dir, r)), log)
     return summary
+
+
+def record_run(cache_dir: str | os.PathLike, run_dir: str, fingerprints: dict[str, dict | None]) -> None:
+    """Note in the cache's RUNS_FILE that `run_dir` trains from the cached models whose
+    fingerprints (`memopd.files.weights_fingerprint`) are given, so that retraining them
+    can name the runs whose --resume the new weights would stop. Best effort (a hint)."""
+    from memopd.files import DirectoryLock, atomic_write_json
+
+    cache_dir = os.path.abspath(os.fspath(cache_dir))
+    used = {os.path.basename(fp["path"]): fp["sha256"] for fp in fingerprints.values()
+            if fp and os.path.dirname(fp["path"]) == cache_dir}
+    if not used:
+        return
+    lock = DirectoryLock(cache_dir, name=".runs.lock", what="SFT cache")
+    try:
+        lock.acquire(command="run record", wait=lambda _message: None)
+        try:
+            atomic_write_json(os.path.join(cache_dir, RUNS_FILE), {**_runs(cache_dir), os.path.abspath(run_dir): used})
+        finally:
+            lock.release()
+    except (OSError, UserError):
+        pass
+
+
+def _runs(cache_dir: str) -> dict:
+    try:
+        with open(os.path.join(cache_dir, RUNS_FILE)) as f:
+            runs = json.load(f)
+        return runs if isinstance(runs, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _tell_replaced(out_dir: str, role: str, old: dict | None, new: dict | None, log) -> None:
+    """After `role` was retrained over a cached copy: name the runs that trained from the
+    replaced weights (their --resume refuses the new ones)."""
+    if not old or not new or old["sha256"] == new["sha256"]:
+        return
+    runs = sorted(run for run, used in _runs(os.path.abspath(out_dir)).items()
+                  if isinstance(used, dict) and used.get(role) == old["sha256"] and os.path.isdir(run))
+    if runs:
+        log(f"[memopd sft] {role}: replaced weights that {len(runs)} run(s) trained from ({', '.join(runs[:3])}"
+            f"{', ...' if len(runs) > 3 else ''}; fingerprint {old['sha256'][:16]} -> {new['sha256'][:16]}): "
+            "their --resume will refuse the new weights")

@@ -80,10 +80,44 @@ def validate_tokens(N, targets, mask):
         raise ValueError(f"targets has {targets.shape[0]} entries, expected N={N}")
     if mask is not None and mask.shape[0] != N:
         raise ValueError(f"mask has {mask.shape[0]} entries, expected N={N}")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
-        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+    check_target_dtype(targets)
     if mask is not None and (mask.is_floating_point() or mask.is_complex()):
         raise TypeError(f"mask must be bool (or integer 0/1), got {mask.dtype}")
+
+
+# token ids: int64 (torch's index type) or int32. An 8-bit or unsigned tensor cannot hold a
+# real vocabulary, and comparing it with ignore_index=-100 in its own dtype wraps -100 to
+# another id (156 for uint8), which would silently drop that token
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def check_target_dtype(targets: Tensor, name: str = "targets") -> None:
+    if targets.dtype not in TARGET_DTYPES:
+        raise TypeError(f"{name} must be an int64 (or int32) tensor of token ids, got {targets.dtype}: "
+                        f"pass {name}.long()")
+
+
+def check_int_arg(value, name: str, *, minimum: int = 1, optional: bool = True) -> Optional[int]:
+    """An integer argument of an op: a Python (or numpy) integer >= `minimum`, or None when
+    `optional`. Booleans, floats (240.7 would become 240) and tensors are refused."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def chunk_args(chunk_size, token_chunk_size, n_tokens: int, vocab_size: int) -> tuple[int, int]:
+    """(vocabulary chunk, token chunk) of an op call, 0 meaning "sized automatically":
+    positive integers when given, clamped to the vocabulary and to the token count (a
+    larger block holds nothing more, and would only size buffers for rows that do not exist)."""
+    chunk = check_int_arg(chunk_size, "chunk_size")
+    token_chunk = check_int_arg(token_chunk_size, "token_chunk_size")
+    return (0 if chunk is None else min(chunk, max(vocab_size, 1)),
+            0 if token_chunk is None else min(token_chunk, max(n_tokens, 1)))
 
 
 def validate_one_device(tensors):
@@ -132,9 +166,7 @@ def validate_distill(hs, ws, ht, wt, targets, mask, bs, bt, temperature, vocab_s
                              f"differ: pass vocab_size=<true vocabulary size> so padded rows "
                              f"are excluded")
         vocab_size = V
-    vocab_size = int(vocab_size)
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    vocab_size = check_int_arg(vocab_size, "vocab_size")
     if vocab_size > V or vocab_size > Vt:
         raise ValueError(f"vocab_size={vocab_size} exceeds the lm_head rows (student V={V}, "
                          f"teacher Vt={Vt})")
@@ -155,9 +187,7 @@ def validate_student_only(h, w, b, targets, mask, temperature, vocab_size):
     validate_one_device([h, w, targets, mask, b])
     temperature = validate_temperature(temperature)
     V = w.shape[0]
-    vocab_size = V if vocab_size is None else int(vocab_size)
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    vocab_size = V if vocab_size is None else check_int_arg(vocab_size, "vocab_size")
     if vocab_size > V:
         raise ValueError(f"vocab_size={vocab_size} exceeds the lm_head rows (V={V})")
     return temperature, vocab_size
@@ -186,8 +216,8 @@ def validate_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_m
         if not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != N:
             raise ValueError(f"{name} must be a 1-D tensor of N={N} entries, got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-        if kind == "int" and (x.dtype.is_floating_point or x.dtype == torch.bool):
-            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+        if kind == "int":
+            check_target_dtype(x, name)
         if kind == "float" and not x.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
         if kind == "bool" and x.dtype.is_floating_point:
@@ -205,7 +235,7 @@ def validate_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_m
             raise ValueError(f"student ({ws.shape[0]} rows) and teacher ({wt.shape[0]} rows) lm_heads differ: "
                              "pass vocab_size=<the tokenizer's size>")
         vocab_size = ws.shape[0]
-    vocab_size = int(vocab_size)
+    vocab_size = check_int_arg(vocab_size, "vocab_size")
     if not 1 <= vocab_size <= rows:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the lm_head rows)")
     return temperature, vocab_size
@@ -268,8 +298,28 @@ def check_weights_finite(weights: dict, keep: Tensor) -> None:
                              f"at token {int(bad.nonzero()[0, 0])}: the loss and its gradients would be NaN")
 
 
+# an old log-probability above 0 is no probability; float rounding of a log-softmax stays
+# below this (kept generous for log-probs an inference engine computed in bf16)
+OLD_LOGPROB_TOLERANCE = 1e-3
+
+
+def check_actor_inputs(adv: Tensor, old_lp: Tensor, keep: Tensor, teacher_hidden: Optional[Tensor]) -> None:
+    """The per-token inputs of the actor loss that would otherwise miscount in silence
+    (checked with the target range, so on CPU by default, on CUDA under
+    MEMOPD_DEBUG_CHECKS=1 or check_targets=True): a NaN or inf advantage or old log-prob
+    at a kept token (the loss would be NaN while that token's gradient is 0), an old
+    log-prob > 0, and non-finite teacher hidden states (a NaN loss with finite log-probs)."""
+    check_weights_finite({"advantages": adv, "old_logprobs": old_lp}, keep)
+    high = keep & (old_lp > OLD_LOGPROB_TOLERANCE)
+    if bool(high.any()):
+        first = int(high.nonzero()[0, 0])
+        raise ValueError(f"old_logprobs holds {int(high.sum())} values > 0 at kept tokens, first {float(old_lp[first]):.4g} "
+                         f"at token {first}: a log-probability is <= 0 (pass log-probs, not probabilities or logits)")
+    check_finite(teacher_hidden, "teacher_hidden")
+
+
 def check_target_range(targets: Tensor, keep: Tensor, vocab_size: int) -> None:
-    kept = targets[keep]
+    kept = targets[keep].long()  # compared as int64, whatever the ids' width
     if kept.numel() and (bool((kept < 0).any()) or bool((kept >= vocab_size).any())):
         bad = kept[(kept < 0) | (kept >= vocab_size)][:5].tolist()
         raise ValueError(f"targets out of range [0, {vocab_size}) at kept tokens: {bad} ...")
@@ -278,7 +328,7 @@ def check_target_range(targets: Tensor, keep: Tensor, vocab_size: int) -> None:
 def keep_mask(targets: Tensor, mask: Optional[Tensor], ignore_index: Optional[int]) -> Tensor:
     keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.to(torch.bool)
     if ignore_index is not None:
-        keep = keep & (targets != ignore_index)
+        keep = keep & (targets.long() != int(ignore_index))  # in int64: -100 never wraps to an id
     return keep
 
 
@@ -320,9 +370,15 @@ def choose_op_backend(op: str, backend: Optional[str], device: torch.device, *dt
     return choose_backend(op, backend, device, triton_refusal=refusal)
 
 
-def teacher_kl_weight(teacher_kl_coef: Optional[float], kl_coef: Optional[float], op: str) -> float:
+def teacher_kl_weight(teacher_kl_coef: Optional[float], kl_coef: Optional[float], op: str,
+                      teacher_given: bool = False) -> float:
     """The teacher-KL loss weight of `op` from its `teacher_kl_coef=` and the deprecated
-    `kl_coef=` (its old name, kept so that existing callers run; it warns)."""
+    `kl_coef=` (its old name, kept so that existing callers run; it warns). With
+    `teacher_given`, a weight must be given: a teacher with the default weight 0 would
+    run its matmuls, report a healthy-looking KL and distil nothing."""
+    if teacher_given and teacher_kl_coef is None and kl_coef is None:
+        raise ValueError(f"{op}: a teacher is given but no teacher_kl_coef: pass teacher_kl_coef=1.0 to distil "
+                         "(the trainer's opd_coef default), or teacher_kl_coef=0.0 to only measure the KL")
     if kl_coef is None:
         return 0.0 if teacher_kl_coef is None else float(teacher_kl_coef)
     if teacher_kl_coef is not None:

@@ -58,7 +58,15 @@ from torch import Tensor
 
 from ..kernels.contract import ActorLossOutput, ActorLossParams, ActorStat, LinearHead
 from . import _held_grads as held_grads
-from ._validate import check_target_range, choose_op_backend, resolve_actor_loss, resolve_check_targets, teacher_kl_weight
+from ._validate import (
+    check_actor_inputs,
+    check_target_range,
+    choose_op_backend,
+    chunk_args,
+    resolve_actor_loss,
+    resolve_check_targets,
+    teacher_kl_weight,
+)
 from .actor_loss_torch import torch_actor_loss
 from .reference_actor import reference_actor_loss
 
@@ -78,6 +86,7 @@ def _actor_loss_op(hs: Tensor, ws: Tensor, bs: Optional[Tensor], need_dh: bool, 
     """(loss, stats [5, N], dh, dw, db); absent gradients are empty tensors."""
     if check_targets:
         check_target_range(targets, keep, vocab_size)
+        check_actor_inputs(adv, old_lp, keep, ht)
     params = ActorLossParams(clip_low, clip_high, None if dual_clip <= 0 else dual_clip, entropy_coef,
                              teacher_kl_coef, temperature, vocab_size, normalizer, kl_normalizer)
     student = LinearHead(hs, ws, bs)
@@ -182,13 +191,19 @@ def fused_linear_actor_loss(
             [1 - clip_eps, 1 + clip_eps_high]. dual_clip: c > 1 caps the loss of
             negative-advantage tokens at -c A (None: off).
         entropy_coef, teacher_kl_coef: the coefficients of -H and of KL(student || teacher)
-            (teacher_kl_coef default 0; `kl_coef=` is its deprecated old name).
+            (`kl_coef=` is the deprecated old name of teacher_kl_coef). With a teacher,
+            teacher_kl_coef is required (1.0 distils as the trainer's opd_coef default;
+            0.0 only measures the KL); without one it is unused.
         temperature: divides both models' logits (the sampling temperature).
         vocab_size: rows of both heads that form the distributions (the tokenizer's size;
             required when the heads differ in rows); padded rows get zero gradient.
         normalizer, kl_normalizer: the denominators of the two means (defaults: the local
             kept-token counts). Pass global counts for micro-batches and ranks.
-        token_chunk_size: tokens per block (default: sized from N, V and H; docs/design.md §6.2).
+        token_chunk_size: tokens per block, a positive integer (clamped to N; default: sized
+            from N, V and H; docs/design.md §6.2).
+        check_targets: check the targets' range and the per-token inputs (finite
+            advantages, old log-probs <= 0, finite teacher hidden states); default: on
+            CPU always, on CUDA with MEMOPD_DEBUG_CHECKS=1 (the check syncs).
         backend: "auto" (Triton on CUDA, PyTorch elsewhere; env MEMOPD_BACKEND), "torch" or
             "triton" (memopd.ops.dispatch).
 
@@ -196,11 +211,12 @@ def fused_linear_actor_loss(
     states, weight and bias) and detached per-token `logprobs`, `entropy`, `kl`,
     `ratio`, `clipped`.
     """
-    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "fused_linear_actor_loss")
+    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "fused_linear_actor_loss", teacher_hidden is not None)
     clip_high, temperature, V, keep, kl_keep, normalizer, kl_normalizer = resolve_actor_loss(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
         advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,
         normalizer, kl_normalizer)
+    _, token_chunk = chunk_args(None, token_chunk_size, student_hidden.shape[0], V)
     dev = student_hidden.device
     check_targets = resolve_check_targets(check_targets, dev)
     grad_on = torch.is_grad_enabled()
@@ -212,7 +228,7 @@ def fused_linear_actor_loss(
         student_hidden, student_weight, student_bias, need, teacher_hidden, teacher_weight, teacher_bias,
         targets.contiguous(), advantages.detach().contiguous(), old_logprobs.detach().contiguous(), keep.contiguous(),
         kl_keep.contiguous(), float(clip_eps), clip_high, float(dual_clip or 0.0), float(entropy_coef),
-        teacher_kl_coef, temperature, V, normalizer, kl_normalizer, int(token_chunk_size or 0), backend,
+        teacher_kl_coef, temperature, V, normalizer, kl_normalizer, token_chunk, backend,
         check_targets)
     stats = stats.detach()
     return ActorLossOutput(loss, stats[ActorStat.LOGPROB], stats[ActorStat.ENTROPY], stats[ActorStat.KL],

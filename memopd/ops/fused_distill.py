@@ -35,6 +35,7 @@ from ._validate import (
     check_target_range,
     check_weights_finite,
     choose_op_backend,
+    chunk_args,
     keep_mask,
     reduce_loss,
     resolve_check_targets,
@@ -418,6 +419,7 @@ def fused_linear_distill(
     dev = student_hidden.device
     be = choose_op_backend("fused_linear_distill", backend, dev, student_hidden.dtype, teacher_hidden.dtype)
     check_targets = resolve_check_targets(check_targets, dev)
+    chunk, token_chunk = chunk_args(chunk_size, token_chunk_size, student_hidden.shape[0], vocab_size)
     keep = keep_mask(targets, mask, ignore_index)
     hs = student_hidden.contiguous()
     ws = student_weight.contiguous()
@@ -431,11 +433,11 @@ def fused_linear_distill(
         g_div = _loss_weights_on_device(keep, reduction == "mean", compute_dtype(hs, ht))
         loss, div, lp, ent = _DistillGradsInForward.apply(
             hs, ws, bs, need, ht, wt, bt, targets.contiguous(), keep, g_div, None, None, temperature, vocab_size,
-            int(div_code), beta, int(chunk_size or 0), int(token_chunk_size or 0), reduction, check_targets, be)
+            int(div_code), beta, chunk, token_chunk, reduction, check_targets, be)
         return DistillOutput(loss, div, lp, ent)
     div, lp, ent, _stats = _fwd_op(
         hs, ws, bs, ht, wt, bt, targets.contiguous(), keep.contiguous(), temperature, vocab_size,
-        int(div_code), beta, int(chunk_size or 0), int(token_chunk_size or 0), be, check_targets)
+        int(div_code), beta, chunk, token_chunk, be, check_targets)
     return DistillOutput(reduce_loss(div, keep, reduction), div, lp, ent)
 
 
@@ -532,8 +534,8 @@ def _student_only_call(op: str, hidden, weight, bias, targets, mask, temperature
     check_targets = resolve_check_targets(check_targets, hidden.device)
     keep = keep_mask(targets, mask, ignore_index).contiguous()
     b = None if bias is None else bias.contiguous()
-    scalars = (temperature, vocab_size, int(Divergence.REVERSE_KL), 0.5, int(chunk_size or 0),
-               int(token_chunk_size or 0))
+    chunk, token_chunk = chunk_args(chunk_size, token_chunk_size, hidden.shape[0], vocab_size)
+    scalars = (temperature, vocab_size, int(Divergence.REVERSE_KL), 0.5, chunk, token_chunk)
     return hidden.contiguous(), weight.contiguous(), b, targets.contiguous(), keep, scalars, be, check_targets
 
 

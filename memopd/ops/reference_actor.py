@@ -43,7 +43,7 @@ def reference_actor_loss(
     """The same loss the naive way: full [N, V] logits, log_softmax, autograd (float64 with
     float64 inputs or `compute_dtype=torch.float64`); the arguments as in
     `fused_linear_actor_loss`."""
-    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "reference_actor_loss")
+    teacher_kl_coef = teacher_kl_weight(teacher_kl_coef, kl_coef, "reference_actor_loss", teacher_hidden is not None)
     clip_high, temperature, V, keep, kl_keep, norm, kl_norm = resolve_actor_loss(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets,
         advantages, old_logprobs, mask, kl_mask, clip_eps, clip_eps_high, dual_clip, temperature, vocab_size,

@@ -30,6 +30,8 @@ def ppo_inputs(seed, N, clip_edges=False, eps=0.2):
 
 
 def call(fn, inp, adv, old, teacher=True, **kw):
+    if teacher and "kl_coef" not in kw:  # the ops require a weight with a teacher; 0 measures the KL only
+        kw.setdefault("teacher_kl_coef", 0.0)
     return fn(inp["hs"], inp["ws"], inp["y"], adv, old, student_bias=inp["bs"], mask=inp["mask"],
               teacher_hidden=inp["ht"] if teacher else None, teacher_weight=inp["wt"] if teacher else None,
               teacher_bias=inp["bt"] if teacher else None, **kw)
@@ -256,9 +258,9 @@ def test_torch_compile_matches_eager(seed):
 def test_bad_inputs_raise(case):
     inp = make_inputs(0, N=8, V=40)
     adv, old = ppo_inputs(0, 8)
-    kw = dict(teacher_hidden=inp["ht"], teacher_weight=inp["wt"])
+    kw = dict(teacher_hidden=inp["ht"], teacher_weight=inp["wt"], teacher_kl_coef=0.0)
     y = inp["y"]
-    msg = {"targets_float": "targets must be an integer", "adv_len": "advantages must be a 1-D tensor of N=8",
+    msg = {"targets_float": "targets must be an int64", "adv_len": "advantages must be a 1-D tensor of N=8",
            "teacher_grad": "teacher is frozen", "vocab": "vocab_size=99", "clip": "clip range",
            "dual": "dual_clip must be > 1", "half_teacher": "pass teacher_hidden and teacher_weight together",
            "target_range": "targets out of range"}[case]

@@ -39,6 +39,8 @@ def test_interpreter_suite_in_subprocess():
 
 
 def _run(fn, inp, adv, old, teacher=True, **kw):
+    if teacher and "kl_coef" not in kw:  # the ops require a weight with a teacher; 0 measures the KL only
+        kw.setdefault("teacher_kl_coef", 0.0)
     out = fn(inp["hs"], inp["ws"], inp["y"], adv, old, student_bias=inp["bs"], mask=inp["mask"],
              teacher_hidden=inp["ht"] if teacher else None, teacher_weight=inp["wt"] if teacher else None,
              teacher_bias=inp["bt"] if teacher else None, **kw)
