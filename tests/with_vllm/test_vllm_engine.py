@@ -19,10 +19,11 @@ from memopd.recording import Recorder
 from memopd.records import load_trajectories, save_trajectories
 
 STOP = 5
-# two architectures, both GQA, head dimension 32; the Llama one scores fewer ids than its
-# lm_head has rows (vLLM then samples with allowed_token_ids)
+# two architectures, both GQA, head dimension 32; the Qwen2 one ties its head to the
+# embedding (served untied, so both reload in place); the Llama one scores fewer ids than
+# its lm_head has rows (vLLM then samples with allowed_token_ids)
 SHAPES = {
-    "qwen2": dict(vocab_size=256, hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2),
+    "qwen2": dict(vocab_size=256, hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2, tie_word_embeddings=True),
     "llama": dict(vocab_size=288, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2),
 }
 SCORED = {"qwen2": None, "llama": 250}
