@@ -3,10 +3,14 @@ README "Rollouts with vLLM"); everywhere else the whole folder is skipped at col
 
 Engines are started once per module (a vLLM start takes a minute or more on CPU); the
 models are tiny Qwen2 / Llama configs with GQA and a head dimension of 32 (vLLM's CPU
-attention refuses 16), built from configs with fixed seeds (no download)."""
+attention refuses 16), built from configs with fixed seeds (no download). Run with OMP_NUM_THREADS=1."""
 import importlib.util
+import os
 
 import pytest
+
+# one thread for vLLM's CPU worker too (its default binds OpenMP threads to every core)
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
