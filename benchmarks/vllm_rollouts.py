@@ -3,7 +3,7 @@ sampler-vs-trainer log-prob mismatch (aligned vs flatten).
 
 Run in the vLLM venv (README "Rollouts with vLLM"), one thread each:
 
-    OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind python benchmarks/vllm_rollouts.py --out benchmarks/results/vllm_rollouts
+    OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind python -m benchmarks.vllm_rollouts --out benchmarks/results/vllm_rollouts
 
 A default-shape student (the default world's SFT student config) is SFT'd briefly
 (--sft-steps) on the default world; both engines then play the same held-out question
