@@ -134,3 +134,22 @@ def test_more_prompt_tokens_than_one_scheduler_step(served):
     assert sum(second) > 512 and len(engine._waves(second)) > 1
     lp, rec = restored_logprobs(lm, trajs, "aligned", vocab_size=SCORED[arch])
     assert float((lp - rec).abs().max()) <= 1e-5
+
+
+def test_greedy_and_multi_token_stops(served):
+    """Greedy calls record temperature-1 log-probs (HFEngine's convention), and a stop
+    sequence of two ids cuts the sample right after its first occurrence."""
+    arch, lm, engine = served
+    prompt = [11, 12, 13, 14, 15]
+    full = engine.generate([prompt], max_new_tokens=12, temperature=0.0, stop_ids=[])[0]
+    assert len(full.ids) == 12 and full.finish == "length"
+    with torch.no_grad():
+        logits = lm(torch.tensor([prompt + full.ids])).logits[0, len(prompt) - 1:-1].double()
+    V = SCORED[arch] or logits.shape[-1]
+    ref = torch.log_softmax(logits[:, :V], -1).gather(1, torch.tensor(full.ids)[:, None])[:, 0]
+    assert float((ref - torch.tensor(full.logprobs, dtype=torch.float64)).abs().max()) <= 1e-5
+    seq = tuple(full.ids[5:7])
+    first = next(j for j in range(1, len(full.ids)) if tuple(full.ids[j - 1:j + 1]) == seq)
+    cut = engine.generate([prompt], max_new_tokens=12, temperature=0.0, stop_ids=[seq])[0]
+    assert cut.ids == full.ids[:first + 1] and cut.finish == "stop"
+    assert cut.logprobs == pytest.approx(full.logprobs[:first + 1], abs=1e-6)
