@@ -103,6 +103,10 @@ def main() -> None:
                              max_tokens=max(8192, max(t.flattened_tokens for t in trajs)))
         report["engines"][name] = {"start_s": round(start_s, 1), **figures, "mismatch": mism}
         print(name, json.dumps(report["engines"][name]), flush=True)
+    if args.student is None:
+        import shutil
+
+        shutil.rmtree(os.path.dirname(student), ignore_errors=True)
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(report, f, indent=2)
