@@ -103,6 +103,8 @@ def _cmd_audit(args) -> int:
         print(format_table(results, f"\n== {name}  ({len(trajs)} trajectories) =="))
         report["policies"][name] = [r.to_dict() for r in results]
         failed += [f"{name}/{r.variant}" for r in results if r.must_pass and not r.passed]
+    if args.trajectories and args.model:
+        failed += _sampler_audit(args, model, sets[0][1], report)
     report["seconds"] = round(time.time() - t0, 2)
     report["passed"] = not failed
     if args.json:
@@ -113,6 +115,35 @@ def _cmd_audit(args) -> int:
         print(f"\nJSON report written to {args.json}")
     print(f"\naudit finished in {report['seconds']} s: " + ("aligned layouts PASS" if not failed else f"FAILED: {', '.join(failed)}"))
     return 0 if not failed else 1
+
+
+def _sampler_audit(args, model, trajs, report: dict) -> list[str]:
+    """Recorded trajectories and a real model: the sampler's recorded log-probs against
+    the model's restored ones (aligned, flatten), at the temperature and vocabulary the
+    trajectories record. Returns the failed checks (aligned over --sampler-tolerance)."""
+    from .errors import UserError
+    from .rce import format_sampler_audit, sampler_audit
+
+    if not any(inv.sample_logprobs is not None for tr in trajs for inv in tr.invocations):
+        print("\n(no call of these trajectories recorded its sampling log-probs: no sampler audit)")
+        return []
+    settings = {(tr.info.get("sampling") or {}).get("temperature") for tr in trajs}
+    vocab = {(tr.info.get("sampling") or {}).get("vocab_size") for tr in trajs}
+    if len(settings) > 1 or len(vocab) > 1:
+        raise UserError(f"--trajectories {args.trajectories}: the trajectories were sampled with different settings "
+                        f"(temperatures {sorted(map(str, settings))}, vocab sizes {sorted(map(str, vocab))}); audit each set alone")
+    t = settings.pop()
+    temperature = float(t) if t else 1.0  # greedy calls record temperature-1 log-probs
+    v = vocab.pop()
+    res = sampler_audit(model, trajs, ("aligned", "flatten"), temperature=temperature, vocab_size=v,
+                        threshold=args.sampler_threshold, max_tokens=max(args.max_tokens, max(tr.flattened_tokens for tr in trajs)))
+    print(f"\n== recorded sampling log-probs vs {args.model} restored (temperature {temperature:g}) ==")
+    print(format_sampler_audit(res, args.sampler_threshold))
+    report["sampler"] = {"temperature": temperature, "vocab_size": v, **res}
+    ok = res["aligned"]["max_abs_dlogp"] <= args.sampler_tolerance
+    print(f"aligned max|dlogp| {res['aligned']['max_abs_dlogp']:.3g} "
+          f"{'<=' if ok else '>'} --sampler-tolerance {args.sampler_tolerance:g}: {'PASS' if ok else 'FAIL'}")
+    return [] if ok else ["sampler/aligned"]
 
 
 def _own_samples(args) -> list[tuple[str, list]]:
@@ -201,6 +232,11 @@ def _add_audit(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (auto: the GPU when there is one; cuda without one is refused)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampler-tolerance", type=float, default=1e-4,
+                   help="--trajectories with --model: the largest |recorded - restored| sampling log-prob allowed "
+                        "in the aligned layout (default 1e-4)")
+    p.add_argument("--sampler-threshold", type=float, default=1e-3,
+                   help="--trajectories with --model: |d log p| above it counts in the 'share >' column")
     p.add_argument("--json", help="also write a machine-readable report to this path")
     p.set_defaults(func=_cmd_audit)
 

@@ -12,6 +12,13 @@ the row (`visibility_broken`).
 
 Logits are formed chunk by chunk from hidden states, so the audit never holds
 [action tokens x vocab] for a large vocabulary.
+
+The sampler audit compares what a real sampler recorded (`Invocation.sample_logprobs`,
+e.g. vLLM's) with the model's log-probs of the same tokens restored by a packed forward
+(`restored_logprobs`): per layout, max and mean |d| (d = log p_restored - log p_sampler),
+the k3 estimate of KL(sampler || restored), mean((exp(d) - 1) - d), and the share of
+tokens with |d| over a threshold (`mismatch_sums` / `mismatch_figures`, also the
+trainer's per-step `mismatch/*` metrics).
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ from .layout import AttentionMeta, PackedBatch, SegmentKind
 from .packing import pack
 from .records import RecordError, Trajectory
 
-__all__ = ["RCEResult", "audit", "default_tolerance", "VARIANTS", "BROKEN_VARIANTS", "broken_batch", "format_table"]
+__all__ = ["RCEResult", "audit", "default_tolerance", "VARIANTS", "BROKEN_VARIANTS", "broken_batch", "format_table",
+           "restored_logprobs", "mismatch_sums", "mismatch_figures", "sampler_audit", "format_sampler_audit"]
 
 VARIANTS = (
     "aligned",
@@ -223,3 +231,90 @@ def format_table(results: Sequence[RCEResult], title: str = "") -> str:
     if results:
         out.append(f"(tolerance {results[0].tolerance:g} on max|dlogits|; ratio = exp(logp_packed - logp_independent))")
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------- sampler audit
+
+
+@torch.no_grad()
+def restored_logprobs(model, trajectories: Sequence[Trajectory], layout: str = "aligned", *, temperature: float = 1.0,
+                      vocab_size: int | None = None, max_tokens: int = 8192,
+                      attention_backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [A], recorded sampler log-probs [A], NaN where none) of every action token
+    in (trajectory, call, k) order: the model's log_softmax(logits[:vocab_size] /
+    temperature) at the sampled id, from a packed forward in `layout` ("aligned": each
+    call's own restored state; "flatten": the persistent history)."""
+    from .hf import head_of
+    from .ops import fused_linear_logprob_entropy
+
+    batch = pack(trajectories, layout, max_tokens, share_prefix="group")
+    head = head_of(model)
+    V = vocab_size or int(head.weight.shape[0])
+    was_training = model.training
+    model.eval()
+    try:
+        parts, ids = [], []
+        for mb in batch.micro_batches(max_tokens):
+            h = packed_forward(model, mb, output="hidden", attention_backend=attention_backend)
+            lp = fused_linear_logprob_entropy(h, head.weight, mb.target_ids.to(h.device), bias=head.bias,
+                                              temperature=temperature / head.scale, vocab_size=V).logprobs
+            parts.append(lp.float().cpu())
+            ids.append(mb.action_id.cpu())
+    finally:
+        model.train(was_training)
+    order = torch.cat(ids).argsort()
+    return torch.cat(parts)[order], batch.sample_logprobs.float().cpu()
+
+
+def mismatch_sums(logp: torch.Tensor, logp_sampler: torch.Tensor, threshold: float = 1e-3) -> dict:
+    """Sums over the tokens with a recorded sampler log-prob (NaN: none) of d = logp -
+    logp_sampler: count n, sum |d|, max |d|, sum of k3 = (exp(d) - 1) - d, and the count
+    of |d| > threshold. Sums, so that ranks or batches add them before `mismatch_figures`."""
+    if logp.shape != logp_sampler.shape:
+        raise ValueError(f"logp has shape {tuple(logp.shape)}, logp_sampler {tuple(logp_sampler.shape)}")
+    d = logp.double().cpu() - logp_sampler.double().cpu()
+    d = d[~torch.isnan(d)]
+    return {"n": float(d.numel()), "abs_sum": float(d.abs().sum()), "abs_max": float(d.abs().max()) if d.numel() else 0.0,
+            "k3_sum": float((torch.expm1(d) - d).sum()), "over": float((d.abs() > threshold).sum())}
+
+
+def mismatch_figures(sums: dict, prefix: str = "mismatch") -> dict:
+    """`{prefix}/max_abs_dlogp, mean_abs_dlogp, k3_kl, share_over_threshold` from (summed)
+    `mismatch_sums`; NaN where no token has a recorded log-prob."""
+    n = sums["n"]
+    keys = ("max_abs_dlogp", "mean_abs_dlogp", "k3_kl", "share_over_threshold")
+    if n <= 0:
+        return {f"{prefix}/{k}": float("nan") for k in keys}
+    vals = (sums["abs_max"], sums["abs_sum"] / n, sums["k3_sum"] / n, sums["over"] / n)
+    return {f"{prefix}/{k}": v for k, v in zip(keys, vals)}
+
+
+def sampler_audit(model, trajectories: Sequence[Trajectory], layouts: Sequence[str] = ("aligned", "flatten"), *,
+                  temperature: float = 1.0, vocab_size: int | None = None, threshold: float = 1e-3,
+                  max_tokens: int = 8192) -> dict[str, dict]:
+    """Per layout, the mismatch figures (`mismatch_figures`, keys without prefix) and the
+    token count between the trajectories' recorded sampler log-probs and `model`'s
+    restored ones. Raises `RecordError` when no call recorded log-probs."""
+    trajectories = list(trajectories)
+    if not trajectories:
+        raise RecordError("no trajectories to audit")
+    if not any(inv.sample_logprobs is not None for tr in trajectories for inv in tr.invocations):
+        raise RecordError("no call of these trajectories recorded its sampling log-probs (sample_logprobs)")
+    out = {}
+    for layout in layouts:
+        lp, rec = restored_logprobs(model, trajectories, layout, temperature=temperature, vocab_size=vocab_size,
+                                    max_tokens=max_tokens)
+        sums = mismatch_sums(lp, rec, threshold)
+        out[layout] = {k.split("/", 1)[1]: v for k, v in mismatch_figures(sums).items()} | {"tokens": int(sums["n"])}
+    return out
+
+
+def format_sampler_audit(res: dict[str, dict], threshold: float = 1e-3) -> str:
+    """Plain-text table of `sampler_audit`."""
+    head = ["layout", "tokens", "max|dlogp|", "mean|dlogp|", "k3 KL", f"share >{threshold:g}"]
+    rows = [[lay, str(r["tokens"]), _fmt(r["max_abs_dlogp"]), _fmt(r["mean_abs_dlogp"]), _fmt(r["k3_kl"]),
+             f"{100 * r['share_over_threshold']:.1f}%"] for lay, r in res.items()]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows),
+                      "(dlogp = log p restored by the packed forward - log p recorded by the sampler)"])

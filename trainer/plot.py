@@ -23,6 +23,8 @@ PANELS = [
     ("clip fraction", [train_metric(CLIP_FRAC)], "fraction"),
     ("entropy", [train_metric(ENTROPY)], "nats"),
     ("peak context", ["rollout/peak_context"], "tokens"),
+    ("sampler vs trainer log-probs", ["mismatch/max_abs_dlogp", "mismatch/mean_abs_dlogp",
+                                      "mismatch_flatten/max_abs_dlogp"], "|d log p|"),
 ]
 
 

@@ -18,6 +18,8 @@ __all__ = [
     "ratio_stats",
     "value_loss",
     "PolicyLossStats",
+    "ROLLOUT_IS_MODES",
+    "rollout_is_weights",
 ]
 
 
@@ -156,3 +158,45 @@ def value_loss(
     v_clip = old_values + (values - old_values).clamp(-clip, clip)
     l2 = (v_clip - returns) ** 2
     return 0.5 * torch.maximum(l1, l2)
+
+
+ROLLOUT_IS_MODES = ("none", "tis", "mask")
+
+
+def rollout_is_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mode: str, cap: float) -> tuple[torch.Tensor, dict]:
+    """Per-token weights correcting for the sampler's distribution differing from the
+    trainer's (the rollout-vs-training mismatch), from rho = exp(logp_old - logp_sampler):
+
+    - "none": 1 everywhere;
+    - "tis": truncated importance sampling, min(rho, cap);
+    - "mask": 1 where 1/cap <= rho <= cap, else 0 (the token leaves the surrogate).
+
+    Tokens without a recorded sampler log-prob (NaN) get weight 1. The weights are
+    constants of the update (old policy and sampler only), so weighting token i's clipped
+    surrogate, w_i * max(-A_i r_i, -A_i clip(r_i)), equals the surrogate of the advantage
+    w_i A_i (w_i >= 0; with a dual clip too): the fused actor loss takes them through its
+    advantages and never forms [N, V]. Entropy bonus and teacher KL are not weighted.
+    Returns (weights [A] float32, {"weight_mean", "weight_max", "share_corrected"}) with
+    share_corrected the fraction of tokens whose weight the cap or the mask changed."""
+    if mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"rollout_is must be one of {', '.join(ROLLOUT_IS_MODES)}, got {mode!r}")
+    if not cap > 1.0:
+        raise ValueError(f"the rollout_is cap must be > 1, got {cap}")
+    _check_same(("logp_old", logp_old), ("logp_sampler", logp_sampler))
+    rho = torch.exp(logp_old.double() - logp_sampler.double())
+    known = ~torch.isnan(rho)
+    if mode == "none":
+        w = torch.ones_like(rho)
+        changed = torch.zeros_like(known)
+    elif mode == "tis":
+        w = torch.where(known, rho.clamp(max=cap), torch.ones_like(rho))
+        changed = known & (rho > cap)
+    else:
+        inside = (rho >= 1.0 / cap) & (rho <= cap)
+        w = torch.where(known & ~inside, torch.zeros_like(rho), torch.ones_like(rho))
+        changed = known & ~inside
+    n = max(int(w.numel()), 1)
+    stats = {"weight_mean": float(w.sum()) / n, "weight_max": float(w.max()) if w.numel() else 0.0,
+             "share_corrected": float(changed.sum()) / n}
+    return w.float(), stats
+

@@ -22,7 +22,7 @@ from memopd.packing import pack
 from memopd.records import Trajectory
 
 from .modules import Actor, ActorLossCoefs, Critic, PPOInputs, scored_rows, token_logprobs
-from .ppo import gae, policy_loss, ratio_stats, token_rewards, value_loss, whiten
+from .ppo import gae, policy_loss, ratio_stats, rollout_is_weights, token_rewards, value_loss, whiten
 from .stats import (
     ACTOR_GRAD_NORM,
     APPROX_KL,
@@ -56,6 +56,10 @@ class Scored:
     offsets: torch.Tensor  # [B, max_calls]: global entry id of (b, t, k=0)
     sample_dlogp: float  # max |logp_old - recorded sampling log-prob| (RCE in training)
     is_sampled: torch.Tensor  # False on the context copies of a naive action domain
+    # the sampler's recorded log-prob per entry (NaN where none): the mismatch metric and rollout_is
+    sample_logprobs: torch.Tensor | None = None
+    # the student's log-probs of the same entries packed in the flatten layout (mismatch_flatten)
+    logp_flatten: torch.Tensor | None = None
 
 
 def entry_offsets(batch, trajs: Sequence[Trajectory]) -> torch.Tensor:
@@ -141,9 +145,12 @@ def score(
     gamma: float,
     lam: float,
     action_domain: str = "exact",
+    flatten_logp: bool = False,
 ) -> Scored:
     """No-grad passes over a rollout batch. Log-probs are under `actor.scoring` (the
-    sampling temperature and vocabulary), for the student and the reference alike."""
+    sampling temperature and vocabulary), for the student and the reference alike.
+    `flatten_logp`: also the student's log-probs of the same entries in the flatten layout
+    (one more forward; the mismatch metric's misaligned counterpart)."""
     models = [m for m in (actor.lm, ref_lm, teacher_lm if teacher_layout else None) if m is not None]
     check_token_ids(trajs, scored_rows(actor.scoring, head_of(actor.lm)),
                     min(int(m.get_input_embeddings().weight.shape[0]) for m in models))
@@ -174,8 +181,11 @@ def score(
     recorded = batch.sample_logprobs.to(logp_old.device)
     known = ~torch.isnan(recorded)
     sample_dlogp = float((logp_old[known] - recorded[known]).abs().max()) if bool(known.any()) else math.nan
+    logp_flat = None
+    if flatten_logp:  # same action domain: entry (b, t, k) is the same token in either layout
+        logp_flat = _per_action(logp_of(actor.lm), _pack(trajs, max_tokens, action_domain, layout="flatten"), max_tokens)
     return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, entry_offsets(batch, trajs),
-                  sample_dlogp, batch.is_sampled.clone())
+                  sample_dlogp, batch.is_sampled.clone(), recorded, logp_flat)
 
 
 @dataclass(frozen=True)
@@ -191,11 +201,13 @@ class UpdateSettings:
     opd_coef: float
     action_domain: str
     whiten_advantages: bool = True
+    rollout_is: str = "none"  # none | tis | mask: the sampler-mismatch correction (ppo.rollout_is_weights)
+    rollout_is_cap: float = 2.0
 
     @classmethod
     def from_config(cls, cfg) -> "UpdateSettings":
         names = {f.name for f in dataclasses.fields(cls)} - {"whiten_advantages"}
-        return cls(**{n: getattr(cfg, n) for n in names})
+        return cls(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})
 
 
 def update(
@@ -216,6 +228,13 @@ def update(
                                       opd_coef=settings.opd_coef, has_teacher=has_teacher)
     # global statistics: data-parallel ranks normalise as one process with the whole batch
     adv_all = whiten(scored.advantages, reduce_sum=actor_backend.all_reduce_sum) if whiten_advantages else scored.advantages
+    is_stats = {}
+    if settings.rollout_is != "none":
+        # constant per-token weights of the surrogate, taken through the advantages (w >= 0)
+        recorded = scored.sample_logprobs if scored.sample_logprobs is not None else torch.full_like(scored.logp_old, math.nan)
+        w, is_stats = rollout_is_weights(scored.logp_old, recorded.to(scored.logp_old.device), settings.rollout_is,
+                                         settings.rollout_is_cap)
+        adv_all = adv_all * w.to(adv_all.device)
     device = scored.logp_old.device
     stats = dict.fromkeys(LOSS_STATS + STEP_STATS, 0.0)
     # max |ratio - 1| on the first minibatch, before any optimiser step: 0 up to rounding
@@ -282,4 +301,5 @@ def update(
                 stats[name] += v
             n_updates += 1
     return ({k: v / max(n_updates, 1) for k, v in stats.items()}
-            | {OPTIMIZER_STEPS: n_updates, FIRST_RATIO_MAXDEV: actor_backend.all_reduce_max(first_dev)})
+            | {OPTIMIZER_STEPS: n_updates, FIRST_RATIO_MAXDEV: actor_backend.all_reduce_max(first_dev)}
+            | {f"rollout_is_{k}": v for k, v in is_stats.items()})

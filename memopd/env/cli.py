@@ -143,6 +143,8 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
                    help="also save every played episode (exact ids and sampling log-probs) as a trajectories "
                         "file, e.g. for `memopd audit --model DIR --trajectories FILE`")
     p.add_argument("--progress", action="store_true", help="show a progress bar per question-set size")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                   help="rollout engine: hf (transformers, default) or vllm (README \"Rollouts with vLLM\")")
     return p
 
 
@@ -185,7 +187,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
             model, expert=args.expert, world_config=world, ks=args.k, n=args.n, seed=args.seed, policy=args.policy,
             temperature=args.temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, corpus=args.corpus, questions=args.questions,
-            progress=args.progress, trajectories=played,
+            progress=args.progress, trajectories=played, engine=args.engine,
         )
     finally:
         torch.set_num_threads(old_threads)

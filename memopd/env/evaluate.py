@@ -113,6 +113,7 @@ def evaluate(
     world_config: WorldConfig | None = None,
     progress: bool = False,
     trajectories: list | None = None,
+    engine: str = "hf",
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (or the scripted expert with `expert=True`).
 
@@ -122,7 +123,10 @@ def evaluate(
 
     `samples`: episodes played per set (sampled decoding only: greedy decoding would play
     the same episode each time); the per-k figures are means over every episode, which
-    with the same count per set are means over sets of the per-set means."""
+    with the same count per set are means over sets of the per-set means.
+
+    `engine`: "hf" (transformers, in process) or "vllm" (`memopd.env.vllm_engine.VLLMEngine`
+    serving the checkpoint directory; stopped when the evaluation ends)."""
     from .expert import ScriptedExpert, expert_options
     from .tokenizer import build_tokenizer
 
@@ -136,7 +140,17 @@ def evaluate(
     meta: dict[str, Any] = {}
     if model_dir is not None:
         model, tok, meta = load_agent(model_dir, require_env=corpus is None)
-        engine = agent_engine(model, tok, batch_size=batch_size)
+        if engine == "vllm":
+            from .vllm_engine import VLLMEngine
+
+            rows = int(model.get_output_embeddings().weight.shape[0])
+            dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+            del model  # vLLM holds its own copy
+            engine = VLLMEngine(os.fspath(model_dir), vocab_size=min(len(tok), rows), dtype=dtype, seed=seed)
+        elif engine == "hf":
+            engine = agent_engine(model, tok, batch_size=batch_size)
+        else:
+            raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
         # a checkpoint trained on user data (`memopd train corpus=... tasks=...`) has no world
         wcfg = WorldConfig.from_json(meta["world"]) if "world" in meta else None
         env_kw = dict(meta.get("env", {}))
@@ -176,16 +190,11 @@ def evaluate(
     if expert:
         engine = ScriptedExpert(tok, **(expert_options(wcfg) if wcfg is not None else {}))
     results: dict[str, Any] = {}
-    for k, tasks_k in plan:
-        t0, c0 = time.time(), time.process_time()
-        trajs = rollout(env, engine, tasks_k, group_size=samples, temperature=temperature, top_p=top_p,
-                        max_new_tokens=max_new_tokens, seed=seed, progress=progress)
-        if trajectories is not None:
-            trajectories.extend(trajs)
-        s = summarize(trajs)
-        s["wall_s"] = round(time.time() - t0, 3)
-        s["cpu_s"] = round(time.process_time() - c0, 3)
-        results[f"Q{k}"] = s
+    try:
+        _play(plan, env, engine, samples, temperature, top_p, max_new_tokens, seed, progress, trajectories, results)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
     return {
         "model": "scripted-expert" if expert else os.fspath(model_dir),
         "role": meta.get("role"),
@@ -196,6 +205,19 @@ def evaluate(
         "source": source,
         "results": results,
     }
+
+
+def _play(plan, env, engine, samples, temperature, top_p, max_new_tokens, seed, progress, trajectories, results) -> None:
+    for k, tasks_k in plan:
+        t0, c0 = time.time(), time.process_time()
+        trajs = rollout(env, engine, tasks_k, group_size=samples, temperature=temperature, top_p=top_p,
+                        max_new_tokens=max_new_tokens, seed=seed, progress=progress)
+        if trajectories is not None:
+            trajectories.extend(trajs)
+        s = summarize(trajs)
+        s["wall_s"] = round(time.time() - t0, 3)
+        s["cpu_s"] = round(time.process_time() - c0, 3)
+        results[f"Q{k}"] = s
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from memopd.memory import MemoryPolicy, make_policy
+from memopd.recording import Recorder
 from memopd.records import Invocation, Trajectory
 
 from .data import DataError, Document, Task
@@ -162,14 +163,12 @@ class Episode:
         self.env = env
         self.task = task
         self.group_id = group_id
-        self.prefix_ids = env.prefix_ids(task)
-        self.context_ids: list[int] = []
-        self.context_provenance: list[tuple[int, int, int]] = []
+        # the exact state (q, x_t with provenance) and the calls: memopd.recording.Recorder
+        self.recorder = Recorder(env.policy, env.prefix_ids(task), task_id=task.task_id, group_id=group_id)
         # a set's own budget (`Task.meta["max_turns"]`, the "efficient" turn budget of a
         # world) applies unless the environment fixes one for every set
         own = (task.meta or {}).get("max_turns") if env.config.max_turns is None else None
         self.max_turns = int(own) if own is not None else env.config.turns_for(task.k)
-        self.invocations: list[Invocation] = []
         self.done = False
         self.finish: str | None = None  # "answer", "budget" or "overflow"
         self.predictions: list[str] | None = None
@@ -179,11 +178,27 @@ class Episode:
 
     @property
     def turn(self) -> int:
-        return len(self.invocations)
+        return self.recorder.turn
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        return self.recorder.prefix_ids
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.recorder.context_ids
+
+    @property
+    def context_provenance(self) -> list[tuple[int, int, int]]:
+        return self.recorder.context_provenance
+
+    @property
+    def invocations(self) -> list[Invocation]:
+        return self.recorder.invocations
 
     def prompt_ids(self) -> list[int]:
         """Exactly the ids the model receives at this call: q + x_t."""
-        return self.prefix_ids + self.context_ids
+        return self.recorder.prompt_ids()
 
     def step(self, action_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> StepResult:
         if self.done:
@@ -212,24 +227,9 @@ class Episode:
                 self.predictions = split_answers(text, self.task.k)
                 self.done, self.finish = True, "answer"
                 obs = []  # nothing follows the final answer
-        t = self.turn
-        self.invocations.append(
-            Invocation(
-                prefix_ids=list(self.prefix_ids),
-                context_ids=list(self.context_ids),
-                action_ids=action_ids,
-                sample_logprobs=None if logprobs is None else list(logprobs),
-                provenance=list(self.context_provenance),
-                observation_ids=list(obs),
-            )
-        )
-        if not self.done:
-            upd = env.policy.update(
-                self.context_ids, action_ids, obs, context_provenance=self.context_provenance, call=t
-            )
-            self.context_ids, self.context_provenance = list(upd.ids), list(upd.provenance)
-            if self.turn >= self.max_turns:
-                self.done, self.finish = True, "budget"
+        self.recorder.record(action_ids, logprobs, obs, last=self.done)
+        if not self.done and self.turn >= self.max_turns:
+            self.done, self.finish = True, "budget"
         return StepResult(list(obs), self.done, parsed.kind, parsed.error)
 
     def stop(self, reason: str) -> None:

@@ -1,8 +1,9 @@
 """Rollout engine: many episodes at once, every model call recorded exactly.
 
-- `Engine` is the interface a generator implements (the HF one here; a vLLM one could
-  follow): `generate(prompts, max_new_tokens=, temperature=, top_p=, stop_ids=, seed=)`
-  returns one `Sample(ids, logprobs, finish)` per prompt.
+- `Engine` is the interface a generator implements (`HFEngine` here, `VLLMEngine` in
+  `memopd.env.vllm_engine`): `generate(prompts, max_new_tokens=, temperature=, top_p=,
+  stop_ids=, seed=)` returns one `Sample(ids, logprobs, finish, sampling=)` per prompt;
+  `sampling` is the settings the request was drawn with, kept per call in the trajectory.
 - `HFEngine` runs a Hugging Face causal LM: left-padded batches, explicit attention mask
   and position ids (so a padded row sees the positions it would see alone), KV cache,
   and its own temperature / top-p sampling. Generation stops right after a stop id
@@ -20,7 +21,8 @@
   every live episode's `prompt_ids()` (q + x_t) to the engine, and hands the sampled ids, as
   they are, to `episode.step`, which records them in an `Invocation`. The action ids are
   the sampled ids (never decoded and re-encoded); observations are tokenised by the
-  environment; the next context is built on ids by the memory policy, with provenance.
+  environment; the next context is built on ids by the memory policy, with provenance
+  (the episode records through a `memopd.recording.Recorder`, as a user's own loop does).
 
 Recorded log-probs (`Sample.logprobs` -> `Invocation.sample_logprobs`) are the
 log-probabilities of the sampled ids under the tempered, untruncated distribution
@@ -60,6 +62,9 @@ class Sample:
     logprobs: list[float] | None
     finish: str = "stop"
     sampling_logprobs: list[float] | None = None
+    # the settings this request was sampled with (engine, temperature, top_p, top_k, seed),
+    # kept per call in the trajectory (info["sampling"]["calls"]) so a rollout can be replayed
+    sampling: dict | None = None
 
 
 @runtime_checkable
@@ -254,6 +259,9 @@ class HFEngine:
                 res = self._generate_batch([prompts[i] for i in chunk], [limits[i] for i in chunk],
                                            temperature, top_p, stop_set, generator, stop_seqs)
                 for i, r in zip(chunk, res):
+                    # one generator per generate(): the seed reproduces the whole batch, in this order
+                    r.sampling = {"engine": "hf", "temperature": float(temperature), "top_p": float(top_p),
+                                  "top_k": 0, "seed": None if seed is None else int(seed), "seed_scope": "batch"}
                     out[i] = r
         finally:
             self.model.train(was_training)
@@ -335,6 +343,7 @@ def rollout(
         from memopd.progress import progress_bar
 
         bar = progress_bar(len(episodes), "rollout", unit="ep")
+    calls: dict[int, list[dict]] = {id(e): [] for e in episodes}  # per-call sampling settings
     rnd = 0
     while True:
         live = [e for e in episodes if not e.done]
@@ -362,6 +371,7 @@ def rollout(
                     e.stop("empty_action")
                     continue
                 e.step(s.ids, s.logprobs)
+                calls[id(e)].append(dict(s.sampling or {}))
         if bar is not None:
             bar.update(sum(e.done for e in episodes) - bar.n)
         rnd += 1
@@ -375,5 +385,7 @@ def rollout(
         tr.info["rollout_index"] = e.rollout_index
         tr.info["sampling"] = {"temperature": float(temperature), "top_p": float(top_p),
                                "vocab_size": getattr(engine, "vocab_size", None)}
+        if any(calls[id(e)]):
+            tr.info["sampling"]["calls"] = calls[id(e)]
         out.append(tr)
     return out
