@@ -179,30 +179,40 @@ class AttentionMeta:
             raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
         lens = cu[1:] - cu[:-1]
         T = int(cu[-1]) if S else 0
-        seg_of_tok = torch.repeat_interleave(torch.arange(S), lens)
-        idx = torch.arange(T)
-        seg_start = cu[:-1][seg_of_tok]
-        pad = kind[seg_of_tok] == SegmentKind.PAD
-        seg_start = torch.where(pad, idx + 1, seg_start)
-        for s in range(S):
+        # the first segment (in order) whose link is not a prefix segment, or links to one
+        # that itself links to a prefix
+        linked = ps >= 0
+        to = ps.clamp(0, max(S - 1, 0))
+        not_prefix = linked & ((ps >= S) | (kind[to] != SegmentKind.PREFIX))
+        chained = linked & ~not_prefix & (ps[to] >= 0)
+        bad = torch.nonzero(not_prefix | chained)
+        if bad.numel():
+            s = int(bad[0, 0])
             p = int(ps[s])
-            if p < 0:
-                continue
-            if p >= S or kind[p] != SegmentKind.PREFIX:
+            if not_prefix[s]:
                 raise ValueError(f"segment {s} links to segment {p}, which is not a prefix segment")
-            if ps[p] >= 0:
-                raise ValueError(f"prefix segment {p} itself links to a prefix")
-        has_p = ps >= 0
-        pstart = torch.where(has_p, cu[:-1][ps.clamp(min=0)], torch.zeros_like(ps))
-        pend = torch.where(has_p, cu[1:][ps.clamp(min=0)], torch.zeros_like(ps))
+            raise ValueError(f"prefix segment {p} itself links to a prefix")
+        # token-level arrays, computed in int32 (what they are stored in) when T fits
+        small = T < 2**31 - 1
+        it = torch.int32 if small else torch.int64
+        cu_t = cu.to(it)
+        seg_of_tok = torch.repeat_interleave(torch.arange(S, dtype=it), lens)
+        seg_start = cu_t[:-1][seg_of_tok]
+        pad_seg = kind == SegmentKind.PAD
+        if bool(pad_seg.any()):
+            pad = pad_seg[seg_of_tok]
+            seg_start = torch.where(pad, torch.arange(1, T + 1, dtype=it), seg_start)
+            del pad
+        pstart = torch.where(linked, cu[:-1][to], torch.zeros_like(ps))
+        pend = torch.where(linked, cu[1:][to], torch.zeros_like(ps))
         prefix_lens = pend - pstart
         return cls(
             cu_seqlens=cu.to(torch.int32),
             prefix_segment=ps.to(torch.int32),
             segment_kind=kind,
             seg_start=seg_start.to(torch.int32),
-            prefix_start=pstart[seg_of_tok].to(torch.int32),
-            prefix_end=pend[seg_of_tok].to(torch.int32),
+            prefix_start=pstart.to(it)[seg_of_tok].to(torch.int32),
+            prefix_end=pend.to(it)[seg_of_tok].to(torch.int32),
             max_seqlen=int(lens.max()) if S else 0,
             max_prefix_len=int(prefix_lens.max()) if S else 0,
         ).validate()

@@ -82,6 +82,113 @@ def _ints(values: list, trajs: Sequence[Trajectory], names: tuple[str, ...]) -> 
         raise _Unfit(_first_bad_id(trajs, names)) from None
 
 
+def _core_reader():
+    """The C++ record reader (`memopd._C.read_records`), or None: no core, or one built
+    before it existed."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return getattr(_C, "read_records", None)
+
+
+def _locate(find, trajs: Sequence[Trajectory]) -> tuple[int, int, int]:
+    for bi, tr in enumerate(trajs):
+        for t, inv in enumerate(tr.invocations):
+            hits = find(inv)
+            if hits:
+                return bi, t, hits[0]
+    return -1, -1, -1
+
+
+def _read_records(trajs: Sequence[Trajectory], read_prov: bool, check: bool) -> dict:
+    """The arrays of `_Records` (the same dict as the C++ reader returns), in Python;
+    raises `_Unfit` naming the first record it cannot read."""
+    ids: list = []
+    lps: list = []
+    prov: list = []
+    obs: list = []
+    q_off: list[int] = []
+    q_len: list[int] = []
+    n_calls: list[int] = []
+    x_len: list[int] = []
+    a_len: list[int] = []
+    o_len: list[int] = []
+    has_lp: list[bool] = []
+    has_prov: list[bool] = []
+    odd_prefix = False
+    nan = math.nan
+    for bi, tr in enumerate(trajs):
+        if not isinstance(tr, Trajectory):
+            raise _Unfit(PackError(f"trajectory {bi} is a {type(tr).__name__}, not a memopd.Trajectory"))
+        invs = tr.invocations
+        if not invs:
+            raise _Unfit(PackError(f"trajectory {bi} has no invocations"))
+        q = invs[0].prefix_ids
+        q_off.append(len(ids))
+        q_len.append(len(q))
+        n_calls.append(len(invs))
+        ids += q
+        for t, inv in enumerate(invs):
+            p = inv.prefix_ids
+            if p is not q and p != q:
+                odd_prefix = True
+            x = inv.context_ids
+            a = inv.action_ids
+            ids += x
+            ids += a
+            x_len.append(len(x))
+            a_len.append(len(a))
+            lp = inv.sample_logprobs
+            if lp is None:
+                lps += [nan] * len(a)
+                has_lp.append(False)
+            else:
+                if len(lp) != len(a):
+                    raise _Unfit(PackError(f"trajectory {bi}, call {t}: sample_logprobs has {len(lp)} values "
+                                           f"for {len(a)} action tokens"))
+                lps += lp
+                has_lp.append(True)
+            if read_prov:
+                pv = inv.provenance
+                if pv is None:
+                    has_prov.append(False)
+                else:
+                    if len(pv) != len(x):
+                        raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance has {len(pv)} entries "
+                                               f"for {len(x)} context tokens"))
+                    prov += pv
+                    has_prov.append(True)
+            if check:
+                ob = inv.observation_ids
+                if ob is None:
+                    o_len.append(-1)
+                else:
+                    o_len.append(len(ob))
+                    obs += ob
+    d = {"ids": _ints(ids, trajs, ("prefix_ids", "context_ids", "action_ids")), "lps": np.array(lps, dtype=np.float64),
+         "odd_prefix": odd_prefix, "has_lp": np.array(has_lp, dtype=bool)}
+    for name, v in (("q_off", q_off), ("q_len", q_len), ("n_calls", n_calls), ("x_len", x_len), ("a_len", a_len)):
+        d[name] = np.array(v, dtype=_I64)
+    if read_prov:
+        d["has_prov"] = np.array(has_prov, dtype=bool)
+        n = len(prov)
+        if n and set(map(len, prov)) != {3}:
+            bi, t, i = _locate(lambda inv: [j for j, p in enumerate(inv.provenance or ()) if len(p) != 3], trajs)
+            raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance[{i}] is not (source, call, offset)"))
+        try:
+            d["prov"] = np.fromiter(chain.from_iterable(prov), _I64, count=3 * n).reshape(n, 3)
+        except (OverflowError, TypeError, ValueError):
+            bi, t, i = _locate(lambda inv: [j for j, p in enumerate(inv.provenance or ())
+                                            if not all(isinstance(v, (int, np.integer)) and -(2**63) <= v < 2**63 for v in p)],
+                               trajs)
+            raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance[{i}] is not three int64 integers")) from None
+    if check:
+        d["o_len"] = np.array(o_len, dtype=_I64)
+        d["obs"] = _ints(obs, trajs, ("observation_ids",))
+    return d
+
+
 class _Records:
     """The batch's records as flat int64 arrays, read in one pass over the Python lists.
 
@@ -96,123 +203,45 @@ class _Records:
     """
 
     def __init__(self, trajs: Sequence[Trajectory], need_src: bool, check: bool) -> None:
-        ids: list = []
-        lps: list = []
-        prov: list = []
-        obs: list = []
-        q_off: list[int] = []
-        q_len: list[int] = []
-        n_calls: list[int] = []
-        x_len: list[int] = []
-        a_len: list[int] = []
-        o_len: list[int] = []
-        has_lp: list[bool] = []
-        has_prov: list[bool] = []
-        self.odd_prefix = False  # a call whose prefix is not call 0's
         read_prov = need_src or check
-        nan = math.nan
-        for bi, tr in enumerate(trajs):
-            if not isinstance(tr, Trajectory):
-                raise _Unfit(PackError(f"trajectory {bi} is a {type(tr).__name__}, not a memopd.Trajectory"))
-            invs = tr.invocations
-            if not invs:
-                raise _Unfit(PackError(f"trajectory {bi} has no invocations"))
-            q = invs[0].prefix_ids
-            q_off.append(len(ids))
-            q_len.append(len(q))
-            n_calls.append(len(invs))
-            ids += q
-            for t, inv in enumerate(invs):
-                p = inv.prefix_ids
-                if p is not q and p != q:
-                    self.odd_prefix = True
-                x = inv.context_ids
-                a = inv.action_ids
-                ids += x
-                ids += a
-                x_len.append(len(x))
-                a_len.append(len(a))
-                lp = inv.sample_logprobs
-                if lp is None:
-                    lps += [nan] * len(a)
-                    has_lp.append(False)
-                else:
-                    if len(lp) != len(a):
-                        raise _Unfit(PackError(f"trajectory {bi}, call {t}: sample_logprobs has {len(lp)} values "
-                                               f"for {len(a)} action tokens"))
-                    lps += lp
-                    has_lp.append(True)
-                if read_prov:
-                    pv = inv.provenance
-                    if pv is None:
-                        has_prov.append(False)
-                    else:
-                        if len(pv) != len(x):
-                            raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance has {len(pv)} entries "
-                                                   f"for {len(x)} context tokens"))
-                        prov += pv
-                        has_prov.append(True)
-                if check:
-                    ob = inv.observation_ids
-                    if ob is None:
-                        o_len.append(-1)
-                    else:
-                        o_len.append(len(ob))
-                        obs += ob
+        core = _core_reader()
+        d = core(trajs, Trajectory, read_prov, check) if core is not None else None
+        if d is None:  # no core, or a record that is not plain: the Python reader names problems
+            d = _read_records(trajs, read_prov, check)
         self.B = B = len(trajs)
-        self.ids = _ints(ids, trajs, ("prefix_ids", "context_ids", "action_ids"))
-        del ids
-        self.lps = np.array(lps, dtype=np.float64)
-        del lps
-        self.n_calls = np.array(n_calls, dtype=_I64)
+        self.odd_prefix = bool(d["odd_prefix"])  # a call whose prefix is not call 0's
+        self.ids = d["ids"]
+        self.lps = d["lps"]
+        n_calls, x_len, a_len, q_len, q_off = d["n_calls"], d["x_len"], d["a_len"], d["q_len"], d["q_off"]
+        self.n_calls = n_calls
         self.C = C = int(self.n_calls.sum())
         self.call_base = np.cumsum(self.n_calls) - self.n_calls
         self.traj = np.repeat(np.arange(B, dtype=_I64), self.n_calls)
         self.t = np.arange(C, dtype=_I64) - self.call_base[self.traj]
-        self.x_len = np.array(x_len, dtype=_I64)
-        self.a_len = np.array(a_len, dtype=_I64)
-        self.q_len_traj = np.array(q_len, dtype=_I64)
+        self.x_len = x_len
+        self.a_len = a_len
+        self.q_len_traj = q_len
         self.q_len = self.q_len_traj[self.traj]
         # x_t of call c starts after its trajectory's q and the earlier calls' [x, a]
         xa = self.x_len + self.a_len
         before = np.cumsum(xa) - xa
         before -= before[self.call_base][self.traj]
-        self.q_off_traj = np.array(q_off, dtype=_I64)
+        self.q_off_traj = q_off
         self.x_off = self.q_off_traj[self.traj] + self.q_len + before
         self.a_off = self.x_off + self.x_len
-        self.has_lp = np.array(has_lp, dtype=bool)
+        self.has_lp = d["has_lp"]
         self.src = self.prov = None
         if read_prov:
-            self.has_prov = np.array(has_prov, dtype=bool)
-            n = len(prov)
-            if n and set(map(len, prov)) != {3}:
-                bi, t, i = self._locate(lambda inv: [j for j, p in enumerate(inv.provenance or ()) if len(p) != 3], trajs)
-                raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance[{i}] is not (source, call, offset)"))
-            try:
-                flat = np.fromiter(chain.from_iterable(prov), _I64, count=3 * n)
-            except (OverflowError, TypeError, ValueError):
-                bi, t, i = self._locate(lambda inv: [j for j, p in enumerate(inv.provenance or ())
-                                                     if not all(isinstance(v, (int, np.integer)) and -(2**63) <= v < 2**63
-                                                                for v in p)], trajs)
-                raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance[{i}] is not three int64 integers")) from None
-            self.prov = flat.reshape(n, 3)
+            self.has_prov = d["has_prov"]
+            self.prov = d["prov"]
             # per context token: the source code, -1 where the call has no provenance
             tok_has = np.repeat(self.has_prov, self.x_len)
             self.src = np.full(int(self.x_len.sum()), -1, dtype=_I64)
             self.src[tok_has] = self.prov[:, 0]
             self.prov_tok = tok_has
         if check:
-            self.o_len = np.array(o_len, dtype=_I64)
-            self.obs = _ints(obs, trajs, ("observation_ids",))
-
-    @staticmethod
-    def _locate(find, trajs):
-        for bi, tr in enumerate(trajs):
-            for t, inv in enumerate(tr.invocations):
-                hits = find(inv)
-                if hits:
-                    return bi, t, hits[0]
-        return -1, -1, -1  # pragma: no cover
+            self.o_len = d["o_len"]
+            self.obs = d["obs"]
 
     def valid(self, trajs: Sequence[Trajectory], vocab_size: int | None) -> bool:
         """True when every rule of `Trajectory.validate` holds (checked on the arrays);

@@ -7,16 +7,18 @@ tight and loose budgets) and every layout, action domain and share_prefix mode, 
 tensor of the PackedBatch and its AttentionMeta must be identical (dtype, shape, bits),
 and broken records must raise the same error with the same message.
 """
+import contextlib
 import math
 from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 from _pack_reference import reference_from_segments, reference_pack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memopd import Invocation, Trajectory, pack, random_trajectories
+from memopd import Invocation, Trajectory, pack, packing, random_trajectories
 from memopd.errors import UserError
 from memopd.layout import AttentionMeta, SegmentKind
 from memopd.memory import POLICIES
@@ -123,11 +125,29 @@ def records_valid(trajs) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def python_reader():
+    """pack as in a checkout without the C++ core: records read by the Python reader."""
+    saved = packing._core_reader
+    packing._core_reader = lambda: None
+    try:
+        yield
+    finally:
+        packing._core_reader = saved
+
+
 def check_against_reference(trajs, kw):
-    """Same batch, or the same error word for word. Unvalidated invalid records (the
-    caller's promise broken) may instead get one clear line (a UserError) from pack."""
+    """Same batch, or the same error word for word, whichever reader (C++ core or
+    Python) reads the records. Unvalidated invalid records (the caller's promise broken)
+    may instead get one clear line (a UserError) from pack."""
     want, err = outcome(reference_pack, trajs, **kw)
-    got, err2 = outcome(pack, trajs, **kw)
+    for reader in (contextlib.nullcontext, python_reader):
+        with reader():
+            got, err2 = outcome(pack, trajs, **kw)
+        check_outcome(trajs, kw, want, err, got, err2)
+
+
+def check_outcome(trajs, kw, want, err, got, err2):
     if not kw["validate"] and not records_valid(trajs):
         if err2 is not None:
             assert isinstance(err2, UserError) and "\n" not in str(err2), repr(err2)
@@ -277,3 +297,25 @@ def test_harness_can_fail():
         assert_same_batch(pack(trajs, share_prefix="trajectory"), a)
     with pytest.raises(PackError):
         pack(trajs, max_tokens=3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(trajs=batches(), read_prov=st.booleans(), check=st.booleans())
+def test_core_reader_equals_python_reader(trajs, read_prov, check):
+    core = packing._core_reader()
+    if core is None:
+        pytest.skip("memopd._C has no read_records (core not built from this checkout)")
+    got = core(trajs, packing.Trajectory, read_prov, check)
+    want = packing._read_records(trajs, read_prov, check)
+    assert got is not None and got.keys() == want.keys()
+    for k, w in want.items():
+        if isinstance(w, np.ndarray):
+            assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
+            assert np.array_equal(got[k], w, equal_nan=w.dtype.kind == "f"), k
+        else:
+            assert got[k] == w, k
+    # a record that is not plain (a numpy id, an id past int64) is left to the Python reader
+    trajs[0].invocations[0].action_ids[0] = np.int64(5)
+    assert core(trajs, packing.Trajectory, read_prov, check) is None
+    trajs[0].invocations[0].action_ids[0] = 2**64
+    assert core(trajs, packing.Trajectory, read_prov, check) is None
