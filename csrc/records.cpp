@@ -14,7 +14,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 namespace py = pybind11;
@@ -55,6 +54,11 @@ PyObject* attr(PyObject* obj, PyObject* name) {
   return v;
 }
 
+// Where one call's action and observation ids sit in `ids` / `obs` (o_len -1: none).
+struct CallSpan {
+  int64_t a_off, a_len, o_off, o_len;
+};
+
 py::object read_records(py::sequence trajectories, py::object trajectory_type, bool read_provenance,
                         bool read_observations) {
   static PyObject* s_inv = PyUnicode_InternFromString("invocations");
@@ -65,26 +69,66 @@ py::object read_records(py::sequence trajectories, py::object trajectory_type, b
   static PyObject* s_prov = PyUnicode_InternFromString("provenance");
   static PyObject* s_obs = PyUnicode_InternFromString("observation_ids");
 
-  std::vector<int64_t> ids, prov, obs, q_off, q_len, n_calls, x_len, a_len, o_len;
-  std::vector<double> lps;
-  std::vector<bool> has_lp_v, has_prov_v;
-  bool odd_prefix = false;
-  const double nan = std::nan("");
   const Py_ssize_t B = PySequence_Size(trajectories.ptr());
   if (B < 0) throw py::error_already_set();
+  std::vector<py::object> trajs;
+  trajs.reserve(static_cast<size_t>(B));
+  // sizes first, so that every buffer is allocated once at its final size
+  size_t n_ids = 0, n_act = 0, n_ctx = 0, n_obs = 0, n_call = 0;
   for (Py_ssize_t b = 0; b < B; ++b) {
-    py::object tr = trajectories[b];
-    const int is_traj = PyObject_IsInstance(tr.ptr(), trajectory_type.ptr());
+    trajs.push_back(trajectories[b]);
+    const int is_traj = PyObject_IsInstance(trajs.back().ptr(), trajectory_type.ptr());
     if (is_traj < 0) throw py::error_already_set();
     if (!is_traj) return py::none();
-    PyObject* invs = attr(tr.ptr(), s_inv);
+    PyObject* invs = attr(trajs.back().ptr(), s_inv);
     if (!PyList_CheckExact(invs) || PyList_GET_SIZE(invs) == 0) return py::none();
+    PyObject* q = attr(PyList_GET_ITEM(invs, 0), s_prefix);
+    if (!PyList_CheckExact(q)) return py::none();
+    n_ids += PyList_GET_SIZE(q);
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(invs); ++t) {
+      PyObject* inv = PyList_GET_ITEM(invs, t);
+      PyObject* x = attr(inv, s_context);
+      PyObject* a = attr(inv, s_action);
+      if (!PyList_CheckExact(x) || !PyList_CheckExact(a)) return py::none();
+      n_ctx += PyList_GET_SIZE(x);
+      n_act += PyList_GET_SIZE(a);
+      if (read_observations) {
+        PyObject* ob = attr(inv, s_obs);
+        if (ob != Py_None) {
+          if (!PyList_CheckExact(ob)) return py::none();
+          n_obs += PyList_GET_SIZE(ob);
+        }
+      }
+      ++n_call;
+    }
+  }
+  n_ids += n_ctx + n_act;
+  std::vector<int64_t> ids, obs, q_off, q_len, n_calls, x_len, a_len;
+  std::vector<double> lps;
+  std::vector<int8_t> src, has_lp, has_prov;
+  ids.reserve(n_ids);
+  lps.reserve(n_act);
+  obs.reserve(n_obs);
+  for (auto* v : {&q_off, &q_len, &n_calls}) v->reserve(static_cast<size_t>(B));
+  for (auto* v : {&x_len, &a_len}) v->reserve(n_call);
+  has_lp.reserve(n_call);
+  if (read_provenance) {
+    src.reserve(n_ctx);
+    has_prov.reserve(n_call);
+  }
+  bool odd_prefix = false;
+  bool prov_ok = true;  // every triple points at an earlier call's token of its kind, equal to it
+  const double nan = std::nan("");
+  std::vector<CallSpan> spans;
+  for (Py_ssize_t b = 0; b < B; ++b) {
+    PyObject* invs = attr(trajs[b].ptr(), s_inv);
     const Py_ssize_t C = PyList_GET_SIZE(invs);
     PyObject* q = attr(PyList_GET_ITEM(invs, 0), s_prefix);
     q_off.push_back(static_cast<int64_t>(ids.size()));
     if (!append_ids(q, ids)) return py::none();
     q_len.push_back(static_cast<int64_t>(PyList_GET_SIZE(q)));
     n_calls.push_back(C);
+    spans.clear();
     for (Py_ssize_t t = 0; t < C; ++t) {
       PyObject* inv = PyList_GET_ITEM(invs, t);
       PyObject* p = attr(inv, s_prefix);
@@ -95,6 +139,7 @@ py::object read_records(py::sequence trajectories, py::object trajectory_type, b
       }
       PyObject* x = attr(inv, s_context);
       PyObject* a = attr(inv, s_action);
+      const int64_t x_off = static_cast<int64_t>(ids.size());
       if (!append_ids(x, ids) || !append_ids(a, ids)) return py::none();
       const Py_ssize_t nx = PyList_GET_SIZE(x), na = PyList_GET_SIZE(a);
       x_len.push_back(nx);
@@ -102,7 +147,7 @@ py::object read_records(py::sequence trajectories, py::object trajectory_type, b
       PyObject* lp = attr(inv, s_lps);
       if (lp == Py_None) {
         lps.insert(lps.end(), static_cast<size_t>(na), nan);
-        has_lp_v.push_back(false);
+        has_lp.push_back(0);
       } else {
         if (!PyList_CheckExact(lp) || PyList_GET_SIZE(lp) != na) return py::none();
         for (Py_ssize_t i = 0; i < na; ++i) {
@@ -110,47 +155,71 @@ py::object read_records(py::sequence trajectories, py::object trajectory_type, b
           if (!PyFloat_CheckExact(v)) return py::none();
           lps.push_back(PyFloat_AS_DOUBLE(v));
         }
-        has_lp_v.push_back(true);
+        has_lp.push_back(1);
       }
+      CallSpan span{x_off + nx, na, static_cast<int64_t>(obs.size()), -1};
+      if (read_observations) {
+        PyObject* ob = attr(inv, s_obs);
+        if (ob != Py_None) {
+          if (!append_ids(ob, obs)) return py::none();
+          span.o_len = PyList_GET_SIZE(ob);
+        }
+      }
+      spans.push_back(span);
       if (read_provenance) {
         PyObject* pv = attr(inv, s_prov);
         if (pv == Py_None) {
-          has_prov_v.push_back(false);
-        } else {
-          if (!PyList_CheckExact(pv) || PyList_GET_SIZE(pv) != nx) return py::none();
-          for (Py_ssize_t i = 0; i < nx; ++i) {
-            PyObject* triple = PyList_GET_ITEM(pv, i);
-            if (!PyTuple_CheckExact(triple) || PyTuple_GET_SIZE(triple) != 3) return py::none();
-            for (int k = 0; k < 3; ++k) {
-              PyObject* v = PyTuple_GET_ITEM(triple, k);
-              if (!PyLong_Check(v) || PyBool_Check(v)) return py::none();
-              int overflow = 0;
-              const long long y = PyLong_AsLongLongAndOverflow(v, &overflow);
-              if (overflow) return py::none();
-              prov.push_back(static_cast<int64_t>(y));
-            }
+          has_prov.push_back(0);
+          src.insert(src.end(), static_cast<size_t>(nx), -1);
+          continue;
+        }
+        if (!PyList_CheckExact(pv) || PyList_GET_SIZE(pv) != nx) return py::none();
+        for (Py_ssize_t i = 0; i < nx; ++i) {
+          PyObject* triple = PyList_GET_ITEM(pv, i);
+          if (!PyTuple_CheckExact(triple) || PyTuple_GET_SIZE(triple) != 3) return py::none();
+          long long f[3];
+          for (int k = 0; k < 3; ++k) {
+            PyObject* v = PyTuple_GET_ITEM(triple, k);
+            if (!PyLong_Check(v) || PyBool_Check(v)) return py::none();
+            int overflow = 0;
+            f[k] = PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow) return py::none();
           }
-          has_prov_v.push_back(true);
+          const long long source = f[0], call = f[1], off = f[2];
+          if (source < 0 || source > 2) {
+            prov_ok = false;  // not a Source code; recorded as "no source" (-1 is no action copy either)
+            src.push_back(source == 1 ? 1 : 3);
+            continue;
+          }
+          src.push_back(static_cast<int8_t>(source));
+          if (!prov_ok) continue;
+          if (source == 0) {  // template: inserted by the update of call `call` (-1: initial)
+            prov_ok = call >= -1 && call < t;
+            continue;
+          }
+          if (call < 0 || call >= t) {
+            prov_ok = false;
+            continue;
+          }
+          const CallSpan& r = spans[static_cast<size_t>(call)];
+          const int64_t n_src = source == 1 ? r.a_len : r.o_len;
+          if (off < 0 || off >= n_src) {
+            prov_ok = false;
+            continue;
+          }
+          const int64_t ref = source == 1 ? ids[static_cast<size_t>(r.a_off + off)] : obs[static_cast<size_t>(r.o_off + off)];
+          prov_ok = ref == ids[static_cast<size_t>(x_off + i)];
         }
-      }
-      if (read_observations) {
-        PyObject* ob = attr(inv, s_obs);
-        if (ob == Py_None) {
-          o_len.push_back(-1);
-        } else {
-          if (!append_ids(ob, obs)) return py::none();
-          o_len.push_back(PyList_GET_SIZE(ob));
-        }
+        has_prov.push_back(1);
       }
     }
   }
-  auto bools = [](const std::vector<bool>& v) {
-    py::array_t<bool> out(static_cast<ssize_t>(v.size()));
-    bool* d = out.mutable_data();
-    for (size_t i = 0; i < v.size(); ++i) d[i] = v[i];
-    return out;
-  };
   py::dict out;
+  int64_t obs_min = 0, obs_max = -1;  // max < min: no observation ids
+  for (size_t i = 0; i < obs.size(); ++i) {
+    if (i == 0 || obs[i] < obs_min) obs_min = obs[i];
+    if (i == 0 || obs[i] > obs_max) obs_max = obs[i];
+  }
   out["ids"] = to_array(std::move(ids));
   out["lps"] = to_array(std::move(lps));
   out["q_off"] = to_array(std::move(q_off));
@@ -158,15 +227,16 @@ py::object read_records(py::sequence trajectories, py::object trajectory_type, b
   out["n_calls"] = to_array(std::move(n_calls));
   out["x_len"] = to_array(std::move(x_len));
   out["a_len"] = to_array(std::move(a_len));
-  out["has_lp"] = bools(has_lp_v);
+  out["has_lp"] = to_array(std::move(has_lp)).attr("view")("bool");
   out["odd_prefix"] = odd_prefix;
   if (read_provenance) {
-    out["prov"] = to_array(std::move(prov), 3);
-    out["has_prov"] = bools(has_prov_v);
+    out["src"] = to_array(std::move(src));
+    out["has_prov"] = to_array(std::move(has_prov)).attr("view")("bool");
+    out["prov_ok"] = prov_ok;
   }
   if (read_observations) {
-    out["obs"] = to_array(std::move(obs));
-    out["o_len"] = to_array(std::move(o_len));
+    out["obs_min"] = obs_min;
+    out["obs_max"] = obs_max;
   }
   return std::move(out);
 }
@@ -176,7 +246,8 @@ py::object read_records(py::sequence trajectories, py::object trajectory_type, b
 void register_records(py::module_& m) {
   m.def("read_records", &read_records, py::arg("trajectories"), py::arg("trajectory_type"),
         py::arg("read_provenance"), py::arg("read_observations"),
-        "Flat arrays of a batch of plain trajectory records (ids, log-probs, lengths, and on "
-        "request provenance triples and observation ids) as a dict, or None when a record is "
-        "not plain (the Python reader then names the problem).");
+        "Flat arrays of a batch of plain trajectory records (ids, log-probs, lengths; on request "
+        "each context token's provenance source and whether every provenance triple holds, and "
+        "the range of the observation ids) as a dict, or None when a record is not plain (the "
+        "Python reader then names the problem).");
 }

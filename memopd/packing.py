@@ -230,18 +230,25 @@ class _Records:
         self.x_off = self.q_off_traj[self.traj] + self.q_len + before
         self.a_off = self.x_off + self.x_len
         self.has_lp = d["has_lp"]
-        self.src = self.prov = None
+        self.src = None
+        self.prov_ok: bool | None = d.get("prov_ok")  # the core checked the provenance triples
+        self.prov = d.get("prov")  # else the Python reader's triples, checked in valid()
         if read_prov:
             self.has_prov = d["has_prov"]
-            self.prov = d["prov"]
-            # per context token: the source code, -1 where the call has no provenance
-            tok_has = np.repeat(self.has_prov, self.x_len)
-            self.src = np.full(int(self.x_len.sum()), -1, dtype=_I64)
-            self.src[tok_has] = self.prov[:, 0]
-            self.prov_tok = tok_has
+            self.src = d.get("src")
+            if self.src is None:
+                # per context token: the provenance source (3 for a code that is none), -1
+                # where the call has no provenance
+                code = self.prov[:, 0]
+                self.src = np.full(int(self.x_len.sum()), -1, dtype=np.int8)
+                self.src[np.repeat(self.has_prov, self.x_len)] = np.where((code >= 0) & (code <= 2), code, 3)
         if check:
-            self.o_len = d["o_len"]
-            self.obs = d["obs"]
+            self.obs = d.get("obs")
+            if self.obs is not None:
+                self.o_len = d["o_len"]
+                self.obs_range = (int(self.obs.min()), int(self.obs.max())) if self.obs.size else (0, -1)
+            else:
+                self.obs_range = (d["obs_min"], d["obs_max"])
 
     def valid(self, trajs: Sequence[Trajectory], vocab_size: int | None) -> bool:
         """True when every rule of `Trajectory.validate` holds (checked on the arrays);
@@ -254,12 +261,15 @@ class _Records:
                 return False
         if self.C and (self.a_len.min() == 0 or (self.q_len + self.x_len).min() == 0):
             return False
-        for arr in (self.ids, self.obs):
-            if arr.size and (int(arr.min()) < 0 or (vocab_size is not None and int(arr.max()) >= vocab_size)):
+        id_range = (int(self.ids.min()), int(self.ids.max())) if self.ids.size else (0, -1)
+        for lo, hi in (id_range, self.obs_range):
+            if hi >= lo and (lo < 0 or (vocab_size is not None and hi >= vocab_size)):
                 return False
         lp = self.lps[np.repeat(self.has_lp, self.a_len)]
         if lp.size and not (np.isfinite(lp).all() and (lp <= 1e-6).all()):
             return False
+        if self.prov_ok is not None:
+            return self.prov_ok
         if self.prov is not None and len(self.prov):
             return self._provenance_valid()
         return True
@@ -268,8 +278,9 @@ class _Records:
         """Every provenance triple points at an earlier call's token of its kind and equals it."""
         src, call, off = self.prov[:, 0], self.prov[:, 1], self.prov[:, 2]
         # the call and the context position of each triple
-        tok_call = np.repeat(np.arange(self.C, dtype=_I64), self.x_len)[self.prov_tok]
-        j = (np.arange(int(self.x_len.sum()), dtype=_I64) - np.repeat(np.cumsum(self.x_len) - self.x_len, self.x_len))[self.prov_tok]
+        tok_has = np.repeat(self.has_prov, self.x_len)
+        tok_call = np.repeat(np.arange(self.C, dtype=_I64), self.x_len)[tok_has]
+        j = (np.arange(int(self.x_len.sum()), dtype=_I64) - np.repeat(np.cumsum(self.x_len) - self.x_len, self.x_len))[tok_has]
         t = self.t[tok_call]
         if not np.isin(src, (Source.TEMPLATE, Source.ACTION, Source.OBSERVATION)).all():
             return False

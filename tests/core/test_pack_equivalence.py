@@ -299,23 +299,39 @@ def test_harness_can_fail():
         pack(trajs, max_tokens=3)
 
 
-@settings(max_examples=100, deadline=None)
-@given(trajs=batches(), read_prov=st.booleans(), check=st.booleans())
-def test_core_reader_equals_python_reader(trajs, read_prov, check):
-    core = packing._core_reader()
-    if core is None:
+@settings(max_examples=150, deadline=None)
+@given(trajs=batches(), need_src=st.booleans(), check=st.booleans(), kind=st.sampled_from((None,) + CORRUPTIONS),
+       data=st.data())
+def test_core_reader_equals_python_reader(trajs, need_src, check, kind, data):
+    """The C++ record reader and the Python one give the same arrays, and the same verdict
+    of the fast record checks, on valid and broken records."""
+    if packing._core_reader() is None:
         pytest.skip("memopd._C has no read_records (core not built from this checkout)")
-    got = core(trajs, packing.Trajectory, read_prov, check)
-    want = packing._read_records(trajs, read_prov, check)
-    assert got is not None and got.keys() == want.keys()
-    for k, w in want.items():
-        if isinstance(w, np.ndarray):
-            assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
-            assert np.array_equal(got[k], w, equal_nan=w.dtype.kind == "f"), k
-        else:
-            assert got[k] == w, k
+    if kind is not None:
+        trajs = _corrupt(trajs, kind, data)
+    got, err = outcome(packing._Records, trajs, need_src, check)
+    with python_reader():
+        want, err2 = outcome(packing._Records, trajs, need_src, check)
+    assert (err is None) == (err2 is None) and str(err) == str(err2)
+    if err is not None:
+        return
+    for name in ("ids", "lps", "has_lp", "n_calls", "x_len", "a_len", "q_len", "q_off_traj", "x_off", "a_off", "traj", "t",
+                 "src", "has_prov"):
+        w, g = getattr(want, name, None), getattr(got, name, None)
+        if w is None:
+            assert g is None, name
+            continue
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert np.array_equal(g, w, equal_nan=w.dtype.kind == "f"), name
+    assert got.odd_prefix == want.odd_prefix
+    if check:
+        for vocab in (None, 60):
+            assert got.valid(trajs, vocab) == want.valid(trajs, vocab)
     # a record that is not plain (a numpy id, an id past int64) is left to the Python reader
-    trajs[0].invocations[0].action_ids[0] = np.int64(5)
-    assert core(trajs, packing.Trajectory, read_prov, check) is None
-    trajs[0].invocations[0].action_ids[0] = 2**64
-    assert core(trajs, packing.Trajectory, read_prov, check) is None
+    core = packing._core_reader()
+    trajs = [tr for tr in trajs if isinstance(tr, Trajectory) and tr.invocations]
+    if trajs:
+        trajs[0].invocations[0].action_ids = [np.int64(5)]
+        assert core(trajs, packing.Trajectory, need_src, check) is None
+        trajs[0].invocations[0].action_ids = [2**64]
+        assert core(trajs, packing.Trajectory, need_src, check) is None
