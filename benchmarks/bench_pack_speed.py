@@ -8,7 +8,8 @@ Trajectories: Q8-shaped expert episodes (`bench_packing.qa_shaped_trajectories`,
 memory, groups of 4, provenance and sampling log-probs on every call, ~36 context and ~20
 action ids per call), drawn once per size and pickled; each measurement then runs in a
 fresh process that unpickles them, so no contender inherits another's heap. In that
-process `pack(..., validate=True)` (the default) runs once for the peak memory
+process, after one call on 8 trajectories (first-use costs), `pack(..., validate=True)`
+(the default) runs once for the peak memory
 (`_fresh_process.measure_call`: peak RSS above the RSS right before the call, the
 counter reset through /proc/self/clear_refs), then `--repeats` more times for the time,
 the median of all runs on the process CPU clock with one torch thread. For each
@@ -100,6 +101,7 @@ def _child(path: str, config: str, impl: str, repeats: int) -> dict:
         trajs = pickle.load(f)
     layout, kw = CONFIGS[config]
     fn = pack if impl == "new" else reference_pack
+    fn(trajs[:8], layout=layout, max_tokens=MAX_TOKENS, **kw)  # first-use costs (lazy imports, allocator pools)
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:

@@ -124,8 +124,12 @@ class AttentionMeta:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"AttentionMeta.{name} must be an integer >= 0, got {v!r}")
         dev = self.device
-        i = torch.arange(T, device=dev)
-        ss, ps, pe = self.seg_start.long(), self.prefix_start.long(), self.prefix_end.long()
+        # token-level checks in int32 when the arrays are int32 and T + 1 fits (no int64
+        # copies of the three T-long arrays); in int64 otherwise
+        tok = (self.seg_start, self.prefix_start, self.prefix_end)
+        it = torch.int32 if T < 2**31 - 2 and all(t.dtype == torch.int32 for t in tok) else torch.long
+        i = torch.arange(T, device=dev, dtype=it)
+        ss, ps, pe = (t.to(it) for t in tok)
         cu, link = self.cu_seqlens.long(), self.prefix_segment.long()
         seg_len = cu[1:] - cu[:-1]
         linked = self.segment_kind[link.clamp(0, max(S - 1, 0))] if S else link
