@@ -25,6 +25,15 @@ Action domain (`action_domain=`, any layout):
 
 Rows are planned by the C++ planner under `max_tokens`; an item that cannot fit is an
 error, never a truncation.
+
+How (nothing here is per token in Python): the records are read once into flat int64
+arrays (`_Records`: by the C++ core's `read_records` where it is built, else by a Python
+reader), the record rules are checked on those arrays (`_Records.valid`; only when one
+may fail does `validate_trajectories` run, to name the problem in its words), each layout
+computes its segments and, per call, where x_t and a_t land (`_layout_*`), and the token
+stream, positions and action entries are gathered from the arrays in a few vectorised
+passes (`_tokens`, `_entries`). The batches are those of the earlier per-token compiler,
+bit for bit (tests/core/test_pack_equivalence.py).
 """
 from __future__ import annotations
 
@@ -102,8 +111,11 @@ def _locate(find, trajs: Sequence[Trajectory]) -> tuple[int, int, int]:
 
 
 def _read_records(trajs: Sequence[Trajectory], read_prov: bool, check: bool) -> dict:
-    """The arrays of `_Records` (the same dict as the C++ reader returns), in Python;
-    raises `_Unfit` naming the first record it cannot read."""
+    """The arrays of `_Records`, in Python: what the C++ reader returns, except that the
+    provenance comes as its triples (`prov`, checked by `_Records.valid`) and the
+    observation ids as themselves (`obs`, `o_len`) instead of the core's verdict (`src`,
+    `prov_ok`) and range (`obs_min`, `obs_max`). Raises `_Unfit` naming the first record
+    it cannot read."""
     ids: list = []
     lps: list = []
     prov: list = []
@@ -409,9 +421,11 @@ def _layout_aligned(rec: _Records, trajs, max_tokens: int, shared: bool, share_p
 
     seg_start = np.cumsum(seg_len) - seg_len
     start = seg_start[call_seg]
-    has_p = link_s >= 0
-    pend = np.where(has_p, seg_start[np.maximum(link_s, 0)] + seg_len[np.maximum(link_s, 0)], -1) - 1
-    pend = np.where(has_p, pend, -2)  # no prefix: (-1) + 0 - 1, as the list compiler had it
+    # the last token of the call's prefix segment reads x_t[0] (or a_t[0]) when they open the
+    # call; -2 without a prefix segment (start -1 + length 0 - 1), reached only by a call
+    # with neither q nor x_t (a broken record packed with validate=False)
+    to = np.maximum(link_s, 0)
+    pend = np.where(link_s >= 0, seg_start[to] + seg_len[to] - 1, -2)
     first_s = start + n[order] - rec.a_len[order]
     x_start_s = first_s - rec.x_len[order]
     per_call = [np.empty(C, dtype=_I64) for _ in range(4)]

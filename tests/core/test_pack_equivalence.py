@@ -246,11 +246,12 @@ def test_ids_outside_int64_are_one_clear_line(layout, bad, validate):
         pack(trajs, layout=layout, validate=validate)
     msg = str(e.value)
     assert "\n" not in msg and "trajectory 1, call 1" in msg and "context_ids[0]" in msg
-    # an id from the constructor (a float that is an integer, e.g. 1e300) takes the same path
+    # an id through the constructor (a float that is an integer, e.g. 1e300): refused there
+    # or by pack, in one line either way
     inv = trajs[1].invocations[1]
-    trajs[1].invocations[1] = Invocation(inv.prefix_ids, [1e300] + inv.context_ids[1:], inv.action_ids,
-                                         inv.sample_logprobs, inv.provenance, inv.observation_ids)
     with pytest.raises(UserError, match=r"^[^\n]*context_ids\[0\][^\n]*$"):
+        trajs[1].invocations[1] = Invocation(inv.prefix_ids, [1e300] + inv.context_ids[1:], inv.action_ids,
+                                             inv.sample_logprobs, inv.provenance, inv.observation_ids)
         pack(trajs, layout=layout, validate=validate)
 
 
