@@ -123,7 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", default="1000,10000,100000", help="comma-separated batch sizes in calls")
     ap.add_argument("--layouts", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs after the first (default: 6/3/1 by size)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs after the first (default: 6 up to 2k calls, else 3)")
     ap.add_argument("--json", default=None, help="write the rows here too")
     ap.add_argument("--child", nargs=4, metavar=("PATH", "CONFIG", "IMPL", "REPEATS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -140,7 +140,7 @@ def main() -> None:
         for calls in (int(c) for c in args.calls.split(",")):
             path = os.path.join(tmp, f"trajs{calls}.pkl")
             n = _trajectories(calls, path)
-            repeats = args.repeats if args.repeats is not None else (6 if n <= 2000 else 3 if n <= 20000 else 1)
+            repeats = args.repeats if args.repeats is not None else (6 if n <= 2000 else 3)
             for config in args.layouts.split(","):
                 res = {}
                 for impl in ("new", "old"):

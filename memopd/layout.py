@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 __all__ = ["SegmentKind", "AttentionMeta", "PackedBatch", "cached_on_metadata"]
@@ -196,27 +197,27 @@ class AttentionMeta:
             if not_prefix[s]:
                 raise ValueError(f"segment {s} links to segment {p}, which is not a prefix segment")
             raise ValueError(f"prefix segment {p} itself links to a prefix")
-        # token-level arrays, computed in int32 (what they are stored in) when T fits
-        small = T < 2**31 - 1
-        it = torch.int32 if small else torch.int64
-        cu_t = cu.to(it)
-        seg_of_tok = torch.repeat_interleave(torch.arange(S, dtype=it), lens)
-        seg_start = cu_t[:-1][seg_of_tok]
-        pad_seg = kind == SegmentKind.PAD
-        if bool(pad_seg.any()):
-            pad = pad_seg[seg_of_tok]
-            seg_start = torch.where(pad, torch.arange(1, T + 1, dtype=it), seg_start)
+        # token-level arrays: each segment's values repeated over its tokens (numpy's repeat,
+        # one pass), in int32 (what they are stored in) when T fits
+        it = np.int32 if T < 2**31 - 1 else np.int64
+        lens_np = lens.numpy()
+        seg_start = np.repeat(cu[:-1].numpy().astype(it), lens_np)
+        pad_seg = (kind == SegmentKind.PAD).numpy()
+        if pad_seg.any():
+            pad = np.flatnonzero(np.repeat(pad_seg, lens_np))
+            seg_start[pad] = pad + 1  # a padding token sees nothing
             del pad
         pstart = torch.where(linked, cu[:-1][to], torch.zeros_like(ps))
         pend = torch.where(linked, cu[1:][to], torch.zeros_like(ps))
         prefix_lens = pend - pstart
+        tokens = {name: torch.from_numpy(np.repeat(v.numpy().astype(it), lens_np)).to(torch.int32)
+                  for name, v in (("prefix_start", pstart), ("prefix_end", pend))}
         return cls(
             cu_seqlens=cu.to(torch.int32),
             prefix_segment=ps.to(torch.int32),
             segment_kind=kind,
-            seg_start=seg_start.to(torch.int32),
-            prefix_start=pstart.to(it)[seg_of_tok].to(torch.int32),
-            prefix_end=pend.to(it)[seg_of_tok].to(torch.int32),
+            seg_start=torch.from_numpy(seg_start).to(torch.int32),
+            **tokens,
             max_seqlen=int(lens.max()) if S else 0,
             max_prefix_len=int(prefix_lens.max()) if S else 0,
         ).validate()

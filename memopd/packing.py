@@ -524,6 +524,15 @@ def _tokens(rec: _Records, pieces) -> tuple[np.ndarray, np.ndarray]:
     return ids, pos
 
 
+def _action_copies(rec: _Records) -> tuple[np.ndarray, np.ndarray]:
+    """(call, context position j) of every context token whose provenance is an action:
+    re-encoded copies of earlier model output."""
+    at = np.flatnonzero(rec.src == Source.ACTION)
+    x_end = np.cumsum(rec.x_len)
+    call = np.searchsorted(x_end, at, side="right")
+    return call, at - (x_end - rec.x_len)[call]
+
+
 def _entries(rec: _Records, lay: _Layout, naive_domain: bool) -> dict:
     """Per-entry arrays in (trajectory, call, k) order: in the naive domain a call's
     re-encoded copies of model output (context positions j whose source is an action;
@@ -541,11 +550,10 @@ def _entries(rec: _Records, lay: _Layout, naive_domain: bool) -> dict:
     if not naive_domain or rec.src is None:
         return {"index": a_idx, "pred": a_pred, "target": a_tgt, "lps": lps, "call": a_call, "k": i,
                 "sampled": np.ones(A, dtype=bool)}
-    xl = rec.x_len
-    j = np.arange(int(xl.sum()), dtype=_I64) - np.repeat(np.cumsum(xl) - xl, xl)
-    x_call = np.repeat(calls, xl)
-    copy = (rec.src == Source.ACTION) & ~((j == 0) & (rec.q_len[x_call] == 0))
-    cj, cc = j[copy], x_call[copy]
+    cc, cj = _action_copies(rec)
+    # j = 0 has nothing to be predicted from when q is empty: not an entry
+    keep = (cj > 0) | (rec.q_len[cc] > 0)
+    cc, cj = cc[keep], cj[keep]
     ncopy = np.bincount(cc, minlength=C).astype(_I64)
     per_call = ncopy + al
     base = np.cumsum(per_call) - per_call
@@ -553,16 +561,26 @@ def _entries(rec: _Records, lay: _Layout, naive_domain: bool) -> dict:
     rank = np.arange(cc.size, dtype=_I64) - (np.cumsum(ncopy) - ncopy)[cc]
     at_c = base[cc] + rank
     at_a = base[a_call] + ncopy[a_call] + i
-    out = {"index": np.empty(N, dtype=_I64), "pred": np.empty(N, dtype=_I64), "target": np.empty(N, dtype=_I64),
-           "lps": np.full(N, math.nan), "call": np.empty(N, dtype=_I64), "k": np.empty(N, dtype=_I64),
-           "sampled": np.zeros(N, dtype=bool)}
+    def scatter(a_val, c_val, dtype=_I64) -> np.ndarray:
+        o = np.empty(N, dtype=dtype)
+        o[at_a] = a_val
+        o[at_c] = c_val
+        return o
+
+    # one entry array at a time, each action-token temporary dropped once placed
     c_idx = lay.x_start[cc] + cj
-    for name, a_val, c_val in (("index", a_idx, c_idx), ("pred", a_pred, np.where(cj == 0, lay.x_pred[cc], c_idx - 1)),
-                               ("target", a_tgt, rec.ids[rec.x_off[cc] + cj]), ("call", a_call, cc), ("k", ncopy[a_call] + i, rank)):
-        out[name][at_a] = a_val
-        out[name][at_c] = c_val
-    out["lps"][at_a] = lps
-    out["sampled"][at_a] = True
+    out = {"pred": scatter(a_pred, np.where(cj == 0, lay.x_pred[cc], c_idx - 1))}
+    del a_pred
+    out["index"] = scatter(a_idx, c_idx)
+    del a_idx, c_idx
+    out["target"] = scatter(a_tgt, rec.ids[rec.x_off[cc] + cj])
+    del a_tgt
+    out["k"] = scatter(ncopy[a_call] + i, rank)
+    del i
+    out["call"] = scatter(a_call, cc)
+    del a_call
+    out["lps"] = scatter(lps, math.nan, np.float64)
+    out["sampled"] = scatter(True, False, bool)
     return out
 
 
@@ -590,9 +608,8 @@ def _build(rec: _Records, lay: _Layout, layout: str, naive_domain: bool, pad_id:
         naive = np.zeros(T, dtype=bool)
         naive[e["index"][e["sampled"]]] = True
         if rec.src is not None:
-            xl = rec.x_len
-            x_at = np.repeat(lay.x_start - (np.cumsum(xl) - xl), xl) + np.arange(int(xl.sum()), dtype=_I64)
-            naive[x_at[rec.src == Source.ACTION]] = True
+            cc, cj = _action_copies(rec)
+            naive[lay.x_start[cc] + cj] = True
     N = e["index"].size
     t = torch.from_numpy
     return PackedBatch(
