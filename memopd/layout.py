@@ -126,31 +126,48 @@ class AttentionMeta:
                 raise ValueError(f"AttentionMeta.{name} must be an integer >= 0, got {v!r}")
         dev = self.device
         # token-level checks in int32 when the arrays are int32 and T + 1 fits (no int64
-        # copies of the three T-long arrays); in int64 otherwise
+        # copies), over blocks of tokens (no T-long temporaries); in int64 otherwise
         tok = (self.seg_start, self.prefix_start, self.prefix_end)
         it = torch.int32 if T < 2**31 - 2 and all(t.dtype == torch.int32 for t in tok) else torch.long
-        i = torch.arange(T, device=dev, dtype=it)
-        ss, ps, pe = (t.to(it) for t in tok)
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+
+        def token_masks(lo: int, hi: int):
+            """Violation masks of seg_start, prefix_start, prefix_end on tokens [lo, hi),
+            and the longest prefix interval there."""
+            i = torch.arange(lo, hi, device=dev, dtype=it)
+            ss, ps, pe = (t[lo:hi].to(it) for t in tok)
+            masks = [(ss < 0) | (ss > i + 1), (ps < 0) | (ps > T), (pe < ps) | (pe > T)]
+            return masks, ((pe - ps).clamp(min=0).max().long() if hi > lo else zero)
+
         cu, link = self.cu_seqlens.long(), self.prefix_segment.long()
         seg_len = cu[1:] - cu[:-1]
         linked = self.segment_kind[link.clamp(0, max(S - 1, 0))] if S else link
-        zero = torch.zeros((), dtype=torch.long, device=dev)
-        # (field, rule, per-entry violation mask); the masks are reduced in one sync
+        # (field, rule, per-entry violation mask or None for the token-level ones); the
+        # flags are reduced in one sync
         rules = [
             ("cu_seqlens", f"must start at 0, never decrease and end at T = {T}",
              torch.cat([(cu[:1] != 0), seg_len < 0, (cu[-1:] != T)])),
             ("prefix_segment", f"must be -1 or the index of a prefix segment (< {S})",
              (link < -1) | (link >= S) | ((link >= 0) & (linked != SegmentKind.PREFIX))),
-            ("seg_start", "must be in [0, i + 1] for token i (i + 1: a row that sees nothing)", (ss < 0) | (ss > i + 1)),
-            ("prefix_start", f"must be in [0, T = {T}]", (ps < 0) | (ps > T)),
-            ("prefix_end", f"must be in [prefix_start, T = {T}]", (pe < ps) | (pe > T)),
+            ("seg_start", "must be in [0, i + 1] for token i (i + 1: a row that sees nothing)", None),
+            ("prefix_start", f"must be in [0, T = {T}]", None),
+            ("prefix_end", f"must be in [prefix_start, T = {T}]", None),
         ]
+        block = 1 << 20
+        tok_flags: list[list[torch.Tensor]] = [[], [], []]
+        longest_pre = zero
+        for lo in range(0, T, block):
+            masks, pre = token_masks(lo, min(T, lo + block))
+            for acc, m in zip(tok_flags, masks):
+                acc.append(m.any())
+            longest_pre = torch.maximum(longest_pre, pre)
         longest_seg = seg_len.max() if S else zero
-        longest_pre = (pe - ps).clamp(min=0).max() if T else zero
-        flags = torch.stack([m.any() for _, _, m in rules] + [longest_seg > self.max_seqlen,
-                                                             longest_pre > self.max_prefix_len]).tolist()
-        for (name, rule, mask), bad in zip(rules, flags):
+        any_of = [rules[0][2].any(), rules[1][2].any()] + [torch.stack(f).any() if f else zero.bool() for f in tok_flags]
+        flags = torch.stack(any_of + [longest_seg > self.max_seqlen, longest_pre > self.max_prefix_len]).tolist()
+        for k, ((name, rule, mask), bad) in enumerate(zip(rules, flags)):
             if bad:
+                if mask is None:  # a token-level rule: its mask over all tokens, to name the first
+                    mask = token_masks(0, T)[0][k - 2]
                 at = int(mask.nonzero()[0, 0])
                 shown = "" if name == "cu_seqlens" else f"[{at}] = {int(getattr(self, name)[at])}"
                 raise ValueError(f"inconsistent AttentionMeta: {name}{shown}: {rule}")

@@ -513,15 +513,20 @@ def _tokens(rec: _Records, pieces) -> tuple[np.ndarray, np.ndarray]:
     positions pos0, pos0+1, ...)."""
     src, length, pos0 = (p.reshape(-1) for p in pieces)
     starts = np.cumsum(length) - length
-    T = int(length.sum())
-    ar = np.arange(T, dtype=_I64)
     at = np.repeat(src - starts, length)
-    at += ar
+    _add_arange(at)
     ids = rec.ids[at]
     del at
     pos = np.repeat(pos0 - starts, length)
-    pos += ar
+    _add_arange(pos)
     return ids, pos
+
+
+def _add_arange(x: np.ndarray, block: int = 1 << 20) -> None:
+    """x += arange(len(x)), in place and in blocks (no second array of len(x) at once)."""
+    for lo in range(0, x.size, block):
+        hi = min(x.size, lo + block)
+        x[lo:hi] += np.arange(lo, hi, dtype=x.dtype)
 
 
 def _action_copies(rec: _Records) -> tuple[np.ndarray, np.ndarray]:
