@@ -34,9 +34,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for path in (ROOT, HERE, os.path.join(ROOT, "tests")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+
+
+def _paths() -> None:
+    """This checkout's memopd, the benchmark helpers and the reference compiler (tests/)."""
+    for path in (HERE, os.path.join(ROOT, "tests"), ROOT):
+        if path not in sys.path:
+            sys.path.insert(0, path)
 
 CONFIGS = {  # name: (layout, pack keywords)
     "aligned": ("aligned", {"share_prefix": "group"}),
@@ -127,6 +131,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows here too")
     ap.add_argument("--child", nargs=4, metavar=("PATH", "CONFIG", "IMPL", "REPEATS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    _paths()
     if args.child:
         path, config, impl, repeats = args.child
         print(json.dumps(_child(path, config, impl, int(repeats))))
