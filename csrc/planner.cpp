@@ -142,10 +142,13 @@ std::vector<int64_t> plan_rows(const std::vector<int64_t>& lengths,
 }  // namespace
 
 void register_logit_chunks(py::module_& m);  // csrc/logit_chunks.cpp
+void register_records(py::module_& m);  // csrc/records.cpp
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "memopd C++ core: the packed-row planner and the CPU logit-chunk kernels of the fused losses";
+  m.doc() = "memopd C++ core: the packed-row planner, the record reader of the pack compiler and the CPU logit-chunk "
+            "kernels of the fused losses";
   register_logit_chunks(m);
+  register_records(m);
   m.def("plan_rows", &plan_rows, py::arg("lengths"), py::arg("groups"), py::arg("group_cost"),
         py::arg("budget"),
         "Assign items to rows under a token budget, few prefix copies first: the items of "

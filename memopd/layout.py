@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 __all__ = ["SegmentKind", "AttentionMeta", "PackedBatch", "cached_on_metadata"]
@@ -124,28 +125,49 @@ class AttentionMeta:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"AttentionMeta.{name} must be an integer >= 0, got {v!r}")
         dev = self.device
-        i = torch.arange(T, device=dev)
-        ss, ps, pe = self.seg_start.long(), self.prefix_start.long(), self.prefix_end.long()
+        # token-level checks in int32 when the arrays are int32 and T + 1 fits (no int64
+        # copies), over blocks of tokens (no T-long temporaries); in int64 otherwise
+        tok = (self.seg_start, self.prefix_start, self.prefix_end)
+        it = torch.int32 if T < 2**31 - 2 and all(t.dtype == torch.int32 for t in tok) else torch.long
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+
+        def token_masks(lo: int, hi: int):
+            """Violation masks of seg_start, prefix_start, prefix_end on tokens [lo, hi),
+            and the longest prefix interval there."""
+            i = torch.arange(lo, hi, device=dev, dtype=it)
+            ss, ps, pe = (t[lo:hi].to(it) for t in tok)
+            masks = [(ss < 0) | (ss > i + 1), (ps < 0) | (ps > T), (pe < ps) | (pe > T)]
+            return masks, ((pe - ps).clamp(min=0).max().long() if hi > lo else zero)
+
         cu, link = self.cu_seqlens.long(), self.prefix_segment.long()
         seg_len = cu[1:] - cu[:-1]
         linked = self.segment_kind[link.clamp(0, max(S - 1, 0))] if S else link
-        zero = torch.zeros((), dtype=torch.long, device=dev)
-        # (field, rule, per-entry violation mask); the masks are reduced in one sync
+        # (field, rule, per-entry violation mask or None for the token-level ones); the
+        # flags are reduced in one sync
         rules = [
             ("cu_seqlens", f"must start at 0, never decrease and end at T = {T}",
              torch.cat([(cu[:1] != 0), seg_len < 0, (cu[-1:] != T)])),
             ("prefix_segment", f"must be -1 or the index of a prefix segment (< {S})",
              (link < -1) | (link >= S) | ((link >= 0) & (linked != SegmentKind.PREFIX))),
-            ("seg_start", "must be in [0, i + 1] for token i (i + 1: a row that sees nothing)", (ss < 0) | (ss > i + 1)),
-            ("prefix_start", f"must be in [0, T = {T}]", (ps < 0) | (ps > T)),
-            ("prefix_end", f"must be in [prefix_start, T = {T}]", (pe < ps) | (pe > T)),
+            ("seg_start", "must be in [0, i + 1] for token i (i + 1: a row that sees nothing)", None),
+            ("prefix_start", f"must be in [0, T = {T}]", None),
+            ("prefix_end", f"must be in [prefix_start, T = {T}]", None),
         ]
+        block = 1 << 20
+        tok_flags: list[list[torch.Tensor]] = [[], [], []]
+        longest_pre = zero
+        for lo in range(0, T, block):
+            masks, pre = token_masks(lo, min(T, lo + block))
+            for acc, m in zip(tok_flags, masks):
+                acc.append(m.any())
+            longest_pre = torch.maximum(longest_pre, pre)
         longest_seg = seg_len.max() if S else zero
-        longest_pre = (pe - ps).clamp(min=0).max() if T else zero
-        flags = torch.stack([m.any() for _, _, m in rules] + [longest_seg > self.max_seqlen,
-                                                             longest_pre > self.max_prefix_len]).tolist()
-        for (name, rule, mask), bad in zip(rules, flags):
+        any_of = [rules[0][2].any(), rules[1][2].any()] + [torch.stack(f).any() if f else zero.bool() for f in tok_flags]
+        flags = torch.stack(any_of + [longest_seg > self.max_seqlen, longest_pre > self.max_prefix_len]).tolist()
+        for k, ((name, rule, mask), bad) in enumerate(zip(rules, flags)):
             if bad:
+                if mask is None:  # a token-level rule: its mask over all tokens, to name the first
+                    mask = token_masks(0, T)[0][k - 2]
                 at = int(mask.nonzero()[0, 0])
                 shown = "" if name == "cu_seqlens" else f"[{at}] = {int(getattr(self, name)[at])}"
                 raise ValueError(f"inconsistent AttentionMeta: {name}{shown}: {rule}")
@@ -179,30 +201,40 @@ class AttentionMeta:
             raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
         lens = cu[1:] - cu[:-1]
         T = int(cu[-1]) if S else 0
-        seg_of_tok = torch.repeat_interleave(torch.arange(S), lens)
-        idx = torch.arange(T)
-        seg_start = cu[:-1][seg_of_tok]
-        pad = kind[seg_of_tok] == SegmentKind.PAD
-        seg_start = torch.where(pad, idx + 1, seg_start)
-        for s in range(S):
+        # the first segment (in order) whose link is not a prefix segment, or links to one
+        # that itself links to a prefix
+        linked = ps >= 0
+        to = ps.clamp(0, max(S - 1, 0))
+        not_prefix = linked & ((ps >= S) | (kind[to] != SegmentKind.PREFIX))
+        chained = linked & ~not_prefix & (ps[to] >= 0)
+        bad = torch.nonzero(not_prefix | chained)
+        if bad.numel():
+            s = int(bad[0, 0])
             p = int(ps[s])
-            if p < 0:
-                continue
-            if p >= S or kind[p] != SegmentKind.PREFIX:
+            if not_prefix[s]:
                 raise ValueError(f"segment {s} links to segment {p}, which is not a prefix segment")
-            if ps[p] >= 0:
-                raise ValueError(f"prefix segment {p} itself links to a prefix")
-        has_p = ps >= 0
-        pstart = torch.where(has_p, cu[:-1][ps.clamp(min=0)], torch.zeros_like(ps))
-        pend = torch.where(has_p, cu[1:][ps.clamp(min=0)], torch.zeros_like(ps))
+            raise ValueError(f"prefix segment {p} itself links to a prefix")
+        # token-level arrays: each segment's values repeated over its tokens (numpy's repeat,
+        # one pass), in int32 (what they are stored in) when T fits
+        it = np.int32 if T < 2**31 - 1 else np.int64
+        lens_np = lens.numpy()
+        seg_start = np.repeat(cu[:-1].numpy().astype(it), lens_np)
+        pad_seg = (kind == SegmentKind.PAD).numpy()
+        if pad_seg.any():
+            pad = np.flatnonzero(np.repeat(pad_seg, lens_np))
+            seg_start[pad] = pad + 1  # a padding token sees nothing
+            del pad
+        pstart = torch.where(linked, cu[:-1][to], torch.zeros_like(ps))
+        pend = torch.where(linked, cu[1:][to], torch.zeros_like(ps))
         prefix_lens = pend - pstart
+        tokens = {name: torch.from_numpy(np.repeat(v.numpy().astype(it), lens_np)).to(torch.int32)
+                  for name, v in (("prefix_start", pstart), ("prefix_end", pend))}
         return cls(
             cu_seqlens=cu.to(torch.int32),
             prefix_segment=ps.to(torch.int32),
             segment_kind=kind,
-            seg_start=seg_start.to(torch.int32),
-            prefix_start=pstart[seg_of_tok].to(torch.int32),
-            prefix_end=pend[seg_of_tok].to(torch.int32),
+            seg_start=torch.from_numpy(seg_start).to(torch.int32),
+            **tokens,
             max_seqlen=int(lens.max()) if S else 0,
             max_prefix_len=int(prefix_lens.max()) if S else 0,
         ).validate()

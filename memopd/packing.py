@@ -25,18 +25,28 @@ Action domain (`action_domain=`, any layout):
 
 Rows are planned by the C++ planner under `max_tokens`; an item that cannot fit is an
 error, never a truncation.
+
+How (nothing here is per token in Python): the records are read once into flat int64
+arrays (`_Records`: by the C++ core's `read_records` where it is built, else by a Python
+reader), the record rules are checked on those arrays (`_Records.valid`; only when one
+may fail does `validate_trajectories` run, to name the problem in its words), each layout
+computes its segments and, per call, where x_t and a_t land (`_layout_*`), and the token
+stream, positions and action entries are gathered from the arrays in a few vectorised
+passes (`_tokens`, `_entries`). The batches are those of the earlier per-token compiler,
+bit for bit (tests/core/test_pack_equivalence.py).
 """
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from itertools import chain
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .errors import UserError
 from .layout import AttentionMeta, PackedBatch, SegmentKind
-from .planner import plan_rows, rows_from_assignment
+from .planner import plan_rows
 from .records import Source, Trajectory, validate_trajectories
 
 __all__ = ["LAYOUTS", "ACTION_DOMAINS", "PackError", "pack"]
@@ -50,113 +60,259 @@ class PackError(UserError, ValueError):
     """The trajectories cannot be packed as asked (e.g. an item over the budget)."""
 
 
-class _Builder:
-    """Accumulates the flat token stream, segments and action entries."""
+_I64 = np.int64
 
-    def __init__(self, action_domain: str = "exact") -> None:
-        self.naive_domain = action_domain == "naive"
-        self.ids: list[int] = []
-        self.pos: list[int] = []
-        self.act_mask: list[bool] = []
-        self.naive: list[bool] = []
-        self.cu = [0]
-        self.seg_prefix: list[int] = []
-        self.seg_kind: list[int] = []
-        self.seg_traj: list[int] = []
-        self.seg_call: list[int] = []
-        self.cu_rows = [0]
-        # per action token
-        self.a_index: list[int] = []
-        self.p_index: list[int] = []
-        self.targets: list[int] = []
-        self.lps: list[float] = []
-        self.a_traj: list[int] = []
-        self.a_call: list[int] = []
-        self.a_k: list[int] = []
-        self.a_sampled: list[bool] = []
 
-    def segment(self, ids, positions, kind, prefix_seg, traj, call, naive=None) -> tuple[int, int]:
-        start = len(self.ids)
-        self.ids += ids
-        self.pos += positions
-        self.act_mask += [False] * len(ids)
-        self.naive += naive if naive is not None else [False] * len(ids)
-        self.cu.append(len(self.ids))
-        self.seg_prefix.append(prefix_seg)
-        self.seg_kind.append(kind)
-        self.seg_traj.append(traj)
-        self.seg_call.append(call)
-        return len(self.seg_kind) - 1, start
+class _Unfit(Exception):
+    """Records that cannot be laid out. Carries the PackError; `pack` first lets the
+    record rules name the problem when asked to validate."""
 
-    def _entry(self, idx: int, pred: int, tok: int, lp: float, traj: int, call: int, k: int, sampled: bool) -> None:
-        self.act_mask[idx] = True
-        self.a_index.append(idx)
-        self.p_index.append(pred)
-        self.targets.append(tok)
-        self.lps.append(lp)
-        self.a_traj.append(traj)
-        self.a_call.append(call)
-        self.a_k.append(k)
-        self.a_sampled.append(sampled)
+    def __init__(self, error: PackError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
-    def call_entries(self, x_start: int, x_pred: int, first_index: int, first_pred: int, inv, q_len: int,
-                     traj: int, call: int) -> None:
-        """Entries of one call. x_t starts at packed index `x_start` (its first token
-        is predicted at `x_pred`), a_t at `first_index` (a_{t,0} predicted at
-        `first_pred`); every later token is predicted at the token just before it.
-        Context copies enter only in the naive domain; a copy at position 0 of
-        [q, x_t, a_t] (empty q) has nothing to be predicted from and is left out."""
-        k = 0
-        prov = inv.provenance
-        if self.naive_domain and prov is not None:
-            for j, (src, _, _) in enumerate(prov):
-                if src != Source.ACTION or (j == 0 and q_len == 0):
-                    continue
-                idx = x_start + j
-                self._entry(idx, x_pred if j == 0 else idx - 1, inv.context_ids[j], math.nan, traj, call, k, False)
-                k += 1
-        lps = inv.sample_logprobs
-        for i, tok in enumerate(inv.action_ids):
-            idx = first_index + i
-            self.naive[idx] = True
-            self._entry(idx, first_pred if i == 0 else idx - 1, tok, math.nan if lps is None else lps[i],
-                        traj, call, k, True)
-            k += 1
 
-    def end_row(self) -> None:
-        self.cu_rows.append(len(self.ids))
+def _first_bad_id(trajs: Sequence[Trajectory], names: tuple[str, ...]) -> PackError:
+    """The first id that is no integer in int64 range, named by trajectory, call, field, index."""
+    for bi, tr in enumerate(trajs):
+        for t, inv in enumerate(tr.invocations):
+            for name in names:
+                for i, v in enumerate(getattr(inv, name) or ()):
+                    if not isinstance(v, (int, np.integer)) or not -(2**63) <= v < 2**63:
+                        return PackError(f"trajectory {bi}, call {t}: {name}[{i}] = {v!r} is not a token id "
+                                         "(an integer in [0, vocab_size), at most 2**63 - 1)")
+    return PackError("a token id is not an integer in int64 range")
 
-    def build(self, layout: str, n_traj: int, pad_id: int) -> PackedBatch:
-        attn = AttentionMeta.from_segments(self.cu, self.seg_prefix, self.seg_kind)
-        # action entries in (trajectory, call, k) order, whatever the row order was
-        order = sorted(range(len(self.a_index)), key=lambda i: (self.a_traj[i], self.a_call[i], self.a_k[i]))
 
-        def take(xs, dtype):
-            return torch.tensor([xs[i] for i in order], dtype=dtype)
+def _ints(values: list, trajs: Sequence[Trajectory], names: tuple[str, ...]) -> np.ndarray:
+    try:
+        return np.fromiter(values, _I64, count=len(values))
+    except (OverflowError, TypeError, ValueError):
+        raise _Unfit(_first_bad_id(trajs, names)) from None
 
-        return PackedBatch(
-            layout=layout,
-            input_ids=torch.tensor(self.ids, dtype=torch.long),
-            position_ids=torch.tensor(self.pos, dtype=torch.long),
-            attn=attn,
-            cu_rows=torch.tensor(self.cu_rows, dtype=torch.long),
-            action_mask=torch.tensor(self.act_mask, dtype=torch.bool),
-            action_index=take(self.a_index, torch.long),
-            pred_index=take(self.p_index, torch.long),
-            target_ids=take(self.targets, torch.long),
-            sample_logprobs=take(self.lps, torch.float32),
-            teacher_mask=torch.ones(len(order), dtype=torch.bool),
-            traj_index=take(self.a_traj, torch.long),
-            call_index=take(self.a_call, torch.long),
-            token_index=take(self.a_k, torch.long),
-            segment_traj=torch.tensor(self.seg_traj, dtype=torch.long),
-            segment_call=torch.tensor(self.seg_call, dtype=torch.long),
-            action_id=torch.arange(len(order), dtype=torch.long),
-            is_sampled=take(self.a_sampled, torch.bool),
-            naive_action_mask=torch.tensor(self.naive, dtype=torch.bool) if layout == "flatten" else None,
-            num_trajectories=n_traj,
-            pad_id=pad_id,
-        )
+
+def _core_reader():
+    """The C++ record reader (`memopd._C.read_records`), or None: no core, or one built
+    before it existed."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return getattr(_C, "read_records", None)
+
+
+def _locate(find, trajs: Sequence[Trajectory]) -> tuple[int, int, int]:
+    for bi, tr in enumerate(trajs):
+        for t, inv in enumerate(tr.invocations):
+            hits = find(inv)
+            if hits:
+                return bi, t, hits[0]
+    return -1, -1, -1
+
+
+def _read_records(trajs: Sequence[Trajectory], read_prov: bool, check: bool) -> dict:
+    """The arrays of `_Records`, in Python: what the C++ reader returns, except that the
+    provenance comes as its triples (`prov`, checked by `_Records.valid`) and the
+    observation ids as themselves (`obs`, `o_len`) instead of the core's verdict (`src`,
+    `prov_ok`) and range (`obs_min`, `obs_max`). Raises `_Unfit` naming the first record
+    it cannot read."""
+    ids: list = []
+    lps: list = []
+    prov: list = []
+    obs: list = []
+    q_off: list[int] = []
+    q_len: list[int] = []
+    n_calls: list[int] = []
+    x_len: list[int] = []
+    a_len: list[int] = []
+    o_len: list[int] = []
+    has_lp: list[bool] = []
+    has_prov: list[bool] = []
+    odd_prefix = False
+    nan = math.nan
+    for bi, tr in enumerate(trajs):
+        if not isinstance(tr, Trajectory):
+            raise _Unfit(PackError(f"trajectory {bi} is a {type(tr).__name__}, not a memopd.Trajectory"))
+        invs = tr.invocations
+        if not invs:
+            raise _Unfit(PackError(f"trajectory {bi} has no invocations"))
+        q = invs[0].prefix_ids
+        q_off.append(len(ids))
+        q_len.append(len(q))
+        n_calls.append(len(invs))
+        ids += q
+        for t, inv in enumerate(invs):
+            p = inv.prefix_ids
+            if p is not q and p != q:
+                odd_prefix = True
+            x = inv.context_ids
+            a = inv.action_ids
+            ids += x
+            ids += a
+            x_len.append(len(x))
+            a_len.append(len(a))
+            lp = inv.sample_logprobs
+            if lp is None:
+                lps += [nan] * len(a)
+                has_lp.append(False)
+            else:
+                if len(lp) != len(a):
+                    raise _Unfit(PackError(f"trajectory {bi}, call {t}: sample_logprobs has {len(lp)} values "
+                                           f"for {len(a)} action tokens"))
+                lps += lp
+                has_lp.append(True)
+            if read_prov:
+                pv = inv.provenance
+                if pv is None:
+                    has_prov.append(False)
+                else:
+                    if len(pv) != len(x):
+                        raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance has {len(pv)} entries "
+                                               f"for {len(x)} context tokens"))
+                    prov += pv
+                    has_prov.append(True)
+            if check:
+                ob = inv.observation_ids
+                if ob is None:
+                    o_len.append(-1)
+                else:
+                    o_len.append(len(ob))
+                    obs += ob
+    d = {"ids": _ints(ids, trajs, ("prefix_ids", "context_ids", "action_ids")), "lps": np.array(lps, dtype=np.float64),
+         "odd_prefix": odd_prefix, "has_lp": np.array(has_lp, dtype=bool)}
+    for name, v in (("q_off", q_off), ("q_len", q_len), ("n_calls", n_calls), ("x_len", x_len), ("a_len", a_len)):
+        d[name] = np.array(v, dtype=_I64)
+    if read_prov:
+        d["has_prov"] = np.array(has_prov, dtype=bool)
+        n = len(prov)
+        if n and set(map(len, prov)) != {3}:
+            bi, t, i = _locate(lambda inv: [j for j, p in enumerate(inv.provenance or ()) if len(p) != 3], trajs)
+            raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance[{i}] is not (source, call, offset)"))
+        try:
+            d["prov"] = np.fromiter(chain.from_iterable(prov), _I64, count=3 * n).reshape(n, 3)
+        except (OverflowError, TypeError, ValueError):
+            bi, t, i = _locate(lambda inv: [j for j, p in enumerate(inv.provenance or ())
+                                            if not all(isinstance(v, (int, np.integer)) and -(2**63) <= v < 2**63 for v in p)],
+                               trajs)
+            raise _Unfit(PackError(f"trajectory {bi}, call {t}: provenance[{i}] is not three int64 integers")) from None
+    if check:
+        d["o_len"] = np.array(o_len, dtype=_I64)
+        d["obs"] = _ints(obs, trajs, ("observation_ids",))
+    return d
+
+
+class _Records:
+    """The batch's records as flat int64 arrays, read in one pass over the Python lists.
+
+    `ids` holds, per trajectory, q (call 0's prefix) and then x_0, a_0, x_1, a_1, ...
+    (the `flatten` layout's history). Calls are numbered 0..C-1 in (trajectory, call)
+    order; per call: `traj`, `t`, `x_off`/`x_len` (x_t in `ids`), `a_off`/`a_len` (a_t),
+    `q_len` (its trajectory's |q|). Per action token, in call order: `lps` (NaN where the
+    call has none). With `need_src`: `src`, per context token the provenance source (-1
+    where the call has no provenance). With `check`, also what the record checks read:
+    the provenance triples, the observation ids, and which calls hold a prefix other
+    than call 0's.
+    """
+
+    def __init__(self, trajs: Sequence[Trajectory], need_src: bool, check: bool) -> None:
+        read_prov = need_src or check
+        core = _core_reader()
+        d = core(trajs, Trajectory, read_prov, check) if core is not None else None
+        if d is None:  # no core, or a record that is not plain: the Python reader names problems
+            d = _read_records(trajs, read_prov, check)
+        self.B = B = len(trajs)
+        self.odd_prefix = bool(d["odd_prefix"])  # a call whose prefix is not call 0's
+        self.ids = d["ids"]
+        self.lps = d["lps"]
+        n_calls, x_len, a_len, q_len, q_off = d["n_calls"], d["x_len"], d["a_len"], d["q_len"], d["q_off"]
+        self.n_calls = n_calls
+        self.C = C = int(self.n_calls.sum())
+        self.call_base = np.cumsum(self.n_calls) - self.n_calls
+        self.traj = np.repeat(np.arange(B, dtype=_I64), self.n_calls)
+        self.t = np.arange(C, dtype=_I64) - self.call_base[self.traj]
+        self.x_len = x_len
+        self.a_len = a_len
+        self.q_len_traj = q_len
+        self.q_len = self.q_len_traj[self.traj]
+        # x_t of call c starts after its trajectory's q and the earlier calls' [x, a]
+        xa = self.x_len + self.a_len
+        before = np.cumsum(xa) - xa
+        before -= before[self.call_base][self.traj]
+        self.q_off_traj = q_off
+        self.x_off = self.q_off_traj[self.traj] + self.q_len + before
+        self.a_off = self.x_off + self.x_len
+        self.has_lp = d["has_lp"]
+        self.src = None
+        self.prov_ok: bool | None = d.get("prov_ok")  # the core checked the provenance triples
+        self.prov = d.get("prov")  # else the Python reader's triples, checked in valid()
+        if read_prov:
+            self.has_prov = d["has_prov"]
+            self.src = d.get("src")
+            if self.src is None:
+                # per context token: the provenance source (3 for a code that is none), -1
+                # where the call has no provenance
+                code = self.prov[:, 0]
+                self.src = np.full(int(self.x_len.sum()), -1, dtype=np.int8)
+                self.src[np.repeat(self.has_prov, self.x_len)] = np.where((code >= 0) & (code <= 2), code, 3)
+        if check:
+            self.obs = d.get("obs")
+            if self.obs is not None:
+                self.o_len = d["o_len"]
+                self.obs_range = (int(self.obs.min()), int(self.obs.max())) if self.obs.size else (0, -1)
+            else:
+                self.obs_range = (d["obs_min"], d["obs_max"])
+
+    def valid(self, trajs: Sequence[Trajectory], vocab_size: int | None) -> bool:
+        """True when every rule of `Trajectory.validate` holds (checked on the arrays);
+        False when one may not, and the record rules must run to name it."""
+        if self.odd_prefix:
+            return False
+        for tr in trajs:
+            r = tr.reward
+            if not ((type(r) is float and r - r == 0.0) or (type(r) is int and abs(r) < 2**1000)):
+                return False
+        if self.C and (self.a_len.min() == 0 or (self.q_len + self.x_len).min() == 0):
+            return False
+        id_range = (int(self.ids.min()), int(self.ids.max())) if self.ids.size else (0, -1)
+        for lo, hi in (id_range, self.obs_range):
+            if hi >= lo and (lo < 0 or (vocab_size is not None and hi >= vocab_size)):
+                return False
+        lp = self.lps[np.repeat(self.has_lp, self.a_len)]
+        if lp.size and not (np.isfinite(lp).all() and (lp <= 1e-6).all()):
+            return False
+        if self.prov_ok is not None:
+            return self.prov_ok
+        if self.prov is not None and len(self.prov):
+            return self._provenance_valid()
+        return True
+
+    def _provenance_valid(self) -> bool:
+        """Every provenance triple points at an earlier call's token of its kind and equals it."""
+        src, call, off = self.prov[:, 0], self.prov[:, 1], self.prov[:, 2]
+        # the call and the context position of each triple
+        tok_has = np.repeat(self.has_prov, self.x_len)
+        tok_call = np.repeat(np.arange(self.C, dtype=_I64), self.x_len)[tok_has]
+        j = (np.arange(int(self.x_len.sum()), dtype=_I64) - np.repeat(np.cumsum(self.x_len) - self.x_len, self.x_len))[tok_has]
+        t = self.t[tok_call]
+        if not np.isin(src, (Source.TEMPLATE, Source.ACTION, Source.OBSERVATION)).all():
+            return False
+        tmpl = src == Source.TEMPLATE
+        if not ((call[tmpl] >= -1) & (call[tmpl] < t[tmpl])).all():
+            return False
+        ref = ~tmpl
+        call, off, src, t = call[ref], off[ref], src[ref], t[ref]
+        if not ((call >= 0) & (call < t)).all():
+            return False
+        rc = self.call_base[self.traj[tok_call[ref]]] + call
+        is_act = src == Source.ACTION
+        n_src = np.where(is_act, self.a_len[rc], self.o_len[rc])  # -1: no observation ids
+        if not ((off >= 0) & (off < n_src)).all():
+            return False
+        o_off = np.cumsum(np.maximum(self.o_len, 0)) - np.maximum(self.o_len, 0)
+        got = np.where(is_act, self.ids[np.where(is_act, self.a_off[rc] + off, 0)],
+                       self.obs[np.where(is_act, 0, o_off[rc] + off)] if self.obs.size else 0)
+        want = self.ids[self.x_off[tok_call[ref]] + j[ref]]
+        return bool((got == want).all())
 
 
 def _budget_error(what: str, need: int, max_tokens: int) -> PackError:
@@ -166,113 +322,324 @@ def _budget_error(what: str, need: int, max_tokens: int) -> PackError:
     )
 
 
-def _pack_aligned(trajs: Sequence[Trajectory], max_tokens: int, shared: bool, share_prefix: str, b: _Builder) -> None:
-    items: list[tuple[int, int]] = []
-    lengths: list[int] = []
-    groups: list[int] = []
-    group_keys: "OrderedDict[tuple, int]" = OrderedDict()
-    group_cost: list[int] = []
-    group_prefix: list[list[int]] = []
-    for bi, tr in enumerate(trajs):
-        q = tr.prefix_ids
-        if shared and q:
-            key = (tr.group_id, tuple(q)) if share_prefix == "group" else (bi,)
-            if key not in group_keys:
-                group_keys[key] = len(group_cost)
-                group_cost.append(len(q))
-                group_prefix.append(list(q))
-            g = group_keys[key]
-        else:
-            g = -1
-        for t, inv in enumerate(tr.invocations):
-            n = len(inv.context_ids) + len(inv.action_ids) + (0 if shared else len(q))
-            need = n + (len(q) if g >= 0 else 0)
-            if need > max_tokens:
-                raise _budget_error(f"trajectory {bi}, call {t} (|q|={len(q)}, |x|={len(inv.context_ids)}, "
-                                    f"|a|={len(inv.action_ids)})", need, max_tokens)
-            items.append((bi, t))
-            lengths.append(n)
-            groups.append(g)
-    rows = rows_from_assignment(plan_rows(lengths, groups, group_cost, max_tokens)) if items else []
-    for row in rows:
-        # prefix segment first, then that group's calls in (trajectory, call) order
-        by_group: "OrderedDict[int, list[int]]" = OrderedDict()
-        for i in row:
-            by_group.setdefault(groups[i], []).append(i)
-        for g, members in by_group.items():
-            pseg, pstart, plen = -1, -1, 0
-            if g >= 0:
-                q = group_prefix[g]
-                plen = len(q)
-                owner = items[members[0]][0] if share_prefix != "group" else -1
-                pseg, pstart = b.segment(list(q), list(range(plen)), SegmentKind.PREFIX, -1, owner, -1)
-            for i in members:
-                bi, t = items[i]
-                inv = trajs[bi].invocations[t]
-                q = trajs[bi].prefix_ids
-                body = ([] if g >= 0 else list(q)) + inv.context_ids + inv.action_ids
-                # restored positions: a call segment under a shared prefix starts at |q|
-                p0 = len(q) if g >= 0 else 0
-                positions = list(range(p0, p0 + len(body)))
-                _, start = b.segment(body, positions, SegmentKind.CALL, pseg, bi, t)
-                first = start + len(body) - len(inv.action_ids)
-                # a_{t,0} is read at the token before it; with an empty x_t under a shared
-                # prefix, that token is the last one of the prefix segment
-                first_pred = first - 1 if first > start else pstart + plen - 1
-                x_start = first - len(inv.context_ids)
-                x_pred = x_start - 1 if x_start > start else pstart + plen - 1
-                b.call_entries(x_start, x_pred, first, first_pred, inv, len(q), bi, t)
-        b.end_row()
+class _Layout:
+    """Segments in stream order and, per call (in call order), where its x_t and a_t
+    landed: `x_start`/`first` (packed index of x_t / a_t's first token) and
+    `x_pred`/`first_pred` (the index whose output predicts that first token)."""
+
+    def __init__(self, seg_len, seg_kind, seg_link, seg_traj, seg_call, seg_row, pieces, x_start, x_pred, first,
+                 first_pred) -> None:
+        self.seg_len, self.seg_kind, self.seg_link = seg_len, seg_kind, seg_link
+        self.seg_traj, self.seg_call, self.seg_row = seg_traj, seg_call, seg_row
+        self.pieces = pieces  # (src in rec.ids, length, first position), two per segment
+        self.x_start, self.x_pred, self.first, self.first_pred = x_start, x_pred, first, first_pred
 
 
-def _pack_independent(trajs: Sequence[Trajectory], max_tokens: int, pad_id: int, b: _Builder) -> None:
-    calls = [(bi, t) for bi, tr in enumerate(trajs) for t in range(len(tr.invocations))]
-    width = max((len(trajs[bi].invocations[t]) for bi, t in calls), default=0)
+def _plan(lengths: np.ndarray, groups: np.ndarray, group_cost: np.ndarray, max_tokens: int) -> np.ndarray:
+    return np.array(plan_rows(lengths.tolist(), groups.tolist(), group_cost.tolist(), max_tokens), dtype=_I64)
+
+
+def _empty_item(rec: _Records, c: int) -> PackError:
+    return PackError(f"trajectory {int(rec.traj[c])}, call {int(rec.t[c])} has no tokens to pack")
+
+
+def _layout_aligned(rec: _Records, trajs, max_tokens: int, shared: bool, share_prefix: str) -> _Layout:
+    C, ql = rec.C, rec.q_len
+    xa = rec.x_len + rec.a_len
+    n = xa if shared else xa + ql
+    if shared:
+        keys: dict = {}
+        first_traj: list[int] = []
+        g_of: list[int] = []
+        for bi, tr in enumerate(trajs):
+            if rec.q_len_traj[bi]:
+                key = (tr.group_id, tuple(tr.invocations[0].prefix_ids)) if share_prefix == "group" else (bi,)
+                g = keys.setdefault(key, len(keys))
+                if g == len(first_traj):
+                    first_traj.append(bi)
+                g_of.append(g)
+            else:
+                g_of.append(-1)
+        groups = np.array(g_of, dtype=_I64)[rec.traj]
+        group_traj = np.array(first_traj, dtype=_I64)
+        group_cost = rec.q_len_traj[group_traj]
+    else:
+        groups = np.full(C, -1, dtype=_I64)
+        group_traj = group_cost = np.zeros(0, dtype=_I64)
+    grouped = groups >= 0
+    need = n + np.where(grouped, ql, 0)
+    over = np.flatnonzero(need > max_tokens)
+    if over.size:
+        c = int(over[0])
+        raise _budget_error(f"trajectory {int(rec.traj[c])}, call {int(rec.t[c])} (|q|={int(ql[c])}, |x|={int(rec.x_len[c])}, "
+                            f"|a|={int(rec.a_len[c])})", int(need[c]), max_tokens)
+    if C and n.min() <= 0:
+        raise _empty_item(rec, int(np.flatnonzero(n <= 0)[0]))
+    row_of = _plan(n, groups, group_cost, max_tokens)
+    # in each row: the groups in order of their first call, a group's prefix segment
+    # first, then its calls in (trajectory, call) order; ungrouped calls form one group
+    pair = row_of * (len(group_cost) + 1) + (groups + 1)
+    _, first_idx, inverse = np.unique(pair, return_index=True, return_inverse=True)
+    pair_first = first_idx[inverse.reshape(-1)]
+    order = np.lexsort((np.arange(C, dtype=_I64), pair_first, row_of))
+    g_s = groups[order]
+    opens = (pair_first[order] == order) & (g_s >= 0)  # a prefix segment before this call
+    call_seg = np.arange(C, dtype=_I64) + np.cumsum(opens)
+    S = C + int(opens.sum())
+    pre_seg = call_seg[opens] - 1
+    link_s = np.where(g_s >= 0, np.maximum.accumulate(np.where(opens, call_seg - 1, -1)) if C else g_s, -1)
+
+    seg_len = np.empty(S, dtype=_I64)
+    seg_kind = np.full(S, int(SegmentKind.CALL), dtype=np.int8)
+    seg_link = np.full(S, -1, dtype=_I64)
+    seg_traj = np.empty(S, dtype=_I64)
+    seg_call = np.full(S, -1, dtype=_I64)
+    seg_row = np.empty(S, dtype=_I64)
+    src = np.zeros((S, 2), dtype=_I64)
+    plen = np.zeros((S, 2), dtype=_I64)
+    pos0 = np.zeros((S, 2), dtype=_I64)
+    tr_s = rec.traj[order]
+    seg_len[call_seg] = n[order]
+    seg_link[call_seg] = link_s
+    seg_traj[call_seg] = tr_s
+    seg_call[call_seg] = rec.t[order]
+    seg_row[call_seg] = row_of[order]
+    if not shared:
+        src[call_seg, 0] = rec.q_off_traj[tr_s]
+        plen[call_seg, 0] = ql[order]
+    src[call_seg, 1] = rec.x_off[order]
+    plen[call_seg, 1] = xa[order]
+    pos0[call_seg, 1] = ql[order]
+    if S > C:
+        g_open = g_s[opens]
+        seg_len[pre_seg] = group_cost[g_open]
+        seg_kind[pre_seg] = int(SegmentKind.PREFIX)
+        seg_traj[pre_seg] = tr_s[opens] if share_prefix != "group" else -1
+        seg_row[pre_seg] = row_of[order][opens]
+        src[pre_seg, 0] = rec.q_off_traj[group_traj[g_open]]
+        plen[pre_seg, 0] = group_cost[g_open]
+
+    seg_start = np.cumsum(seg_len) - seg_len
+    start = seg_start[call_seg]
+    # the last token of the call's prefix segment reads x_t[0] (or a_t[0]) when they open the
+    # call; -2 without a prefix segment (start -1 + length 0 - 1), reached only by a call
+    # with neither q nor x_t (a broken record packed with validate=False)
+    to = np.maximum(link_s, 0)
+    pend = np.where(link_s >= 0, seg_start[to] + seg_len[to] - 1, -2)
+    first_s = start + n[order] - rec.a_len[order]
+    x_start_s = first_s - rec.x_len[order]
+    per_call = [np.empty(C, dtype=_I64) for _ in range(4)]
+    for out, v in zip(per_call, (x_start_s, np.where(x_start_s > start, x_start_s - 1, pend), first_s,
+                                 np.where(first_s > start, first_s - 1, pend))):
+        out[order] = v
+    return _Layout(seg_len, seg_kind, seg_link, seg_traj, seg_call, seg_row, (src, plen, pos0), *per_call)
+
+
+def _layout_independent(rec: _Records, max_tokens: int) -> _Layout:
+    C = rec.C
+    if rec.odd_prefix:
+        raise PackError("a call's prefix_ids differ from call 0's in its trajectory; the independent layout "
+                        "needs one prefix per trajectory (pack with validate=True to see which)")
+    body = rec.q_len + rec.x_len + rec.a_len
+    width = int(body.max()) if C else 0
     if width > max_tokens:
-        bi, t = max(calls, key=lambda c: len(trajs[c[0]].invocations[c[1]]))
-        raise _budget_error(f"trajectory {bi}, call {t} (the longest call, one padded row each)", width, max_tokens)
-    for bi, t in calls:
-        inv = trajs[bi].invocations[t]
-        body = inv.input_ids
-        _, start = b.segment(body, list(range(len(body))), SegmentKind.CALL, -1, bi, t)
-        first = start + len(body) - len(inv.action_ids)
-        x_start = first - len(inv.context_ids)
-        b.call_entries(x_start, x_start - 1, first, first - 1, inv, len(inv.prefix_ids), bi, t)
-        pad = width - len(body)
-        if pad:
-            b.segment([pad_id] * pad, [0] * pad, SegmentKind.PAD, -1, -1, -1)
-        b.end_row()
+        c = int(np.argmax(body))
+        raise _budget_error(f"trajectory {int(rec.traj[c])}, call {int(rec.t[c])} (the longest call, one padded row each)",
+                            width, max_tokens)
+    if C and width <= 0:
+        raise _empty_item(rec, 0)
+    pad = width - body
+    padded = pad > 0
+    # per call a CALL segment, then a PAD segment where the call is shorter than the widest
+    nseg = 1 + padded.astype(_I64)
+    call_seg = np.cumsum(nseg) - nseg
+    S = int(nseg.sum())
+    pad_seg = call_seg[padded] + 1
+    seg_len = np.empty(S, dtype=_I64)
+    seg_kind = np.full(S, int(SegmentKind.CALL), dtype=np.int8)
+    seg_traj = np.full(S, -1, dtype=_I64)
+    seg_call = np.full(S, -1, dtype=_I64)
+    seg_row = np.empty(S, dtype=_I64)
+    seg_len[call_seg] = body
+    seg_len[pad_seg] = pad[padded]
+    seg_kind[pad_seg] = int(SegmentKind.PAD)
+    seg_traj[call_seg] = rec.traj
+    seg_call[call_seg] = rec.t
+    calls = np.arange(C, dtype=_I64)
+    seg_row[call_seg] = calls
+    seg_row[pad_seg] = calls[padded]
+    src = np.zeros((S, 2), dtype=_I64)
+    plen = np.zeros((S, 2), dtype=_I64)
+    pos0 = np.zeros((S, 2), dtype=_I64)
+    src[call_seg, 0] = rec.q_off_traj[rec.traj]
+    plen[call_seg, 0] = rec.q_len
+    src[call_seg, 1] = rec.x_off
+    plen[call_seg, 1] = rec.x_len + rec.a_len
+    pos0[call_seg, 1] = rec.q_len
+    plen[pad_seg, 0] = pad[padded]  # placeholder ids and positions, set to pad_id / 0 afterwards
+    x_start = calls * width + rec.q_len
+    first = x_start + rec.x_len
+    return _Layout(seg_len, seg_kind, np.full(S, -1, dtype=_I64), seg_traj, seg_call, seg_row, (src, plen, pos0),
+                   x_start, x_start - 1, first, first - 1)
 
 
-def _pack_flatten(trajs: Sequence[Trajectory], max_tokens: int, b: _Builder) -> None:
-    lengths = []
-    for bi, tr in enumerate(trajs):
-        n = tr.flattened_tokens
-        if n > max_tokens:
-            raise _budget_error(f"trajectory {bi} flattened", n, max_tokens)
-        lengths.append(n)
-    rows = rows_from_assignment(plan_rows(lengths, [-1] * len(trajs), [], max_tokens)) if trajs else []
-    for row in rows:
-        for bi in row:
-            tr = trajs[bi]
-            ids = list(tr.prefix_ids)
-            naive = [False] * len(ids)
-            starts = []
-            for inv in tr.invocations:
-                prov = inv.provenance
-                ids += inv.context_ids
-                # a re-encoded copy of earlier model output looks like a decision to a
-                # trainer that marks every model-written token: the naive domain
-                naive += [p[0] == Source.ACTION for p in prov] if prov is not None else [False] * len(inv.context_ids)
-                starts.append(len(ids))
-                ids += inv.action_ids
-                naive += [False] * len(inv.action_ids)
-            _, start = b.segment(ids, list(range(len(ids))), SegmentKind.HISTORY, -1, bi, -1, naive=naive)
-            for t, inv in enumerate(tr.invocations):
-                first = start + starts[t]
-                x_start = first - len(inv.context_ids)
-                b.call_entries(x_start, x_start - 1, first, first - 1, inv, len(tr.prefix_ids), bi, t)
-        b.end_row()
+def _layout_flatten(rec: _Records, max_tokens: int) -> _Layout:
+    B = rec.B
+    xa = rec.x_len + rec.a_len
+    per_traj = np.bincount(rec.traj, weights=xa, minlength=B).astype(_I64) if rec.C else np.zeros(B, dtype=_I64)
+    lengths = rec.q_len_traj + per_traj
+    over = np.flatnonzero(lengths > max_tokens)
+    if over.size:
+        raise _budget_error(f"trajectory {int(over[0])} flattened", int(lengths[over[0]]), max_tokens)
+    row_of = _plan(lengths, np.full(B, -1, dtype=_I64), np.zeros(0, dtype=_I64), max_tokens)
+    order = np.argsort(row_of, kind="stable")
+    seg_len = lengths[order]
+    seg_start_s = np.cumsum(seg_len) - seg_len
+    start = np.empty(B, dtype=_I64)
+    start[order] = seg_start_s
+    src = np.zeros((B, 2), dtype=_I64)
+    plen = np.zeros((B, 2), dtype=_I64)
+    src[:, 0] = rec.q_off_traj[order]
+    plen[:, 0] = seg_len
+    first = start[rec.traj] + (rec.a_off - rec.q_off_traj[rec.traj])
+    x_start = first - rec.x_len
+    return _Layout(seg_len, np.full(B, int(SegmentKind.HISTORY), dtype=np.int8), np.full(B, -1, dtype=_I64), order,
+                   np.full(B, -1, dtype=_I64), row_of[order], (src, plen, np.zeros((B, 2), dtype=_I64)),
+                   x_start, x_start - 1, first, first - 1)
+
+
+def _tokens(rec: _Records, pieces) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and positions of the pieces laid end to end (piece k: ids[src:src+len] at
+    positions pos0, pos0+1, ...)."""
+    src, length, pos0 = (p.reshape(-1) for p in pieces)
+    starts = np.cumsum(length) - length
+    at = np.repeat(src - starts, length)
+    _add_arange(at)
+    ids = rec.ids[at]
+    del at
+    pos = np.repeat(pos0 - starts, length)
+    _add_arange(pos)
+    return ids, pos
+
+
+def _add_arange(x: np.ndarray, block: int = 1 << 20) -> None:
+    """x += arange(len(x)), in place and in blocks (no second array of len(x) at once)."""
+    for lo in range(0, x.size, block):
+        hi = min(x.size, lo + block)
+        x[lo:hi] += np.arange(lo, hi, dtype=x.dtype)
+
+
+def _action_copies(rec: _Records) -> tuple[np.ndarray, np.ndarray]:
+    """(call, context position j) of every context token whose provenance is an action:
+    re-encoded copies of earlier model output."""
+    at = np.flatnonzero(rec.src == Source.ACTION)
+    x_end = np.cumsum(rec.x_len)
+    call = np.searchsorted(x_end, at, side="right")
+    return call, at - (x_end - rec.x_len)[call]
+
+
+def _entries(rec: _Records, lay: _Layout, naive_domain: bool) -> dict:
+    """Per-entry arrays in (trajectory, call, k) order: in the naive domain a call's
+    re-encoded copies of model output (context positions j whose source is an action;
+    j = 0 only under a non-empty q) come before its action tokens."""
+    C, al = rec.C, rec.a_len
+    calls = np.arange(C, dtype=_I64)
+    A = int(al.sum())
+    a_call = np.repeat(calls, al)
+    i = np.arange(A, dtype=_I64) - np.repeat(np.cumsum(al) - al, al)
+    a_idx = lay.first[a_call] + i
+    a_pred = a_idx - 1
+    a_pred[i == 0] = lay.first_pred[al > 0]
+    a_tgt = rec.ids[rec.a_off[a_call] + i]
+    lps = rec.lps
+    if not naive_domain or rec.src is None:
+        return {"index": a_idx, "pred": a_pred, "target": a_tgt, "lps": lps, "call": a_call, "k": i,
+                "sampled": np.ones(A, dtype=bool)}
+    cc, cj = _action_copies(rec)
+    # j = 0 has nothing to be predicted from when q is empty: not an entry
+    keep = (cj > 0) | (rec.q_len[cc] > 0)
+    cc, cj = cc[keep], cj[keep]
+    ncopy = np.bincount(cc, minlength=C).astype(_I64)
+    per_call = ncopy + al
+    base = np.cumsum(per_call) - per_call
+    N = int(per_call.sum())
+    rank = np.arange(cc.size, dtype=_I64) - (np.cumsum(ncopy) - ncopy)[cc]
+    at_c = base[cc] + rank
+    at_a = base[a_call] + ncopy[a_call] + i
+    def scatter(a_val, c_val, dtype=_I64) -> np.ndarray:
+        o = np.empty(N, dtype=dtype)
+        o[at_a] = a_val
+        o[at_c] = c_val
+        return o
+
+    # one entry array at a time, each action-token temporary dropped once placed
+    c_idx = lay.x_start[cc] + cj
+    out = {"pred": scatter(a_pred, np.where(cj == 0, lay.x_pred[cc], c_idx - 1))}
+    del a_pred
+    out["index"] = scatter(a_idx, c_idx)
+    del a_idx, c_idx
+    out["target"] = scatter(a_tgt, rec.ids[rec.x_off[cc] + cj])
+    del a_tgt
+    out["k"] = scatter(ncopy[a_call] + i, rank)
+    del i
+    out["call"] = scatter(a_call, cc)
+    del a_call
+    out["lps"] = scatter(lps, math.nan, np.float64)
+    out["sampled"] = scatter(True, False, bool)
+    return out
+
+
+def _build(rec: _Records, lay: _Layout, layout: str, naive_domain: bool, pad_id: int) -> PackedBatch:
+    cu = np.zeros(lay.seg_len.size + 1, dtype=_I64)
+    np.cumsum(lay.seg_len, out=cu[1:])
+    attn = AttentionMeta.from_segments(cu, lay.seg_link, lay.seg_kind)
+    ids, pos = _tokens(rec, lay.pieces)
+    T = ids.size
+    if layout == "independent" and T:
+        pads = np.repeat(lay.seg_kind == SegmentKind.PAD, lay.seg_len)
+        ids[pads] = pad_id
+        pos[pads] = 0
+        del pads
+    rows = int(lay.seg_row[-1]) + 1 if lay.seg_row.size else 0
+    cu_rows = np.zeros(rows + 1, dtype=_I64)
+    cu_rows[1:] = cu[np.searchsorted(lay.seg_row, np.arange(rows, dtype=_I64), side="right")]
+    e = _entries(rec, lay, naive_domain)
+    act = np.zeros(T, dtype=bool)
+    act[e["index"]] = True
+    naive = None
+    if layout == "flatten":
+        # every token that came from a model output: the action tokens and, in later
+        # contexts, their re-encoded copies
+        naive = np.zeros(T, dtype=bool)
+        naive[e["index"][e["sampled"]]] = True
+        if rec.src is not None:
+            cc, cj = _action_copies(rec)
+            naive[lay.x_start[cc] + cj] = True
+    N = e["index"].size
+    t = torch.from_numpy
+    return PackedBatch(
+        layout=layout,
+        input_ids=t(ids),
+        position_ids=t(pos),
+        attn=attn,
+        cu_rows=t(cu_rows),
+        action_mask=t(act),
+        action_index=t(e["index"]),
+        pred_index=t(e["pred"]),
+        target_ids=t(e["target"]),
+        sample_logprobs=t(e["lps"].astype(np.float32)),
+        teacher_mask=torch.ones(N, dtype=torch.bool),
+        traj_index=t(rec.traj[e["call"]]),
+        call_index=t(rec.t[e["call"]]),
+        token_index=t(e["k"]),
+        segment_traj=t(lay.seg_traj),
+        segment_call=t(lay.seg_call),
+        action_id=torch.arange(N, dtype=torch.long),
+        is_sampled=t(e["sampled"]),
+        naive_action_mask=None if naive is None else t(naive),
+        num_trajectories=rec.B,
+        pad_id=pad_id,
+    )
 
 
 def pack(
@@ -311,15 +678,19 @@ def pack(
         raise PackError(f"pack() takes a sequence of memopd.Trajectory, got a {type(trajectories).__name__}") from None
     if not trajectories:
         raise PackError("no trajectories to pack")
-    if validate:
+    naive_domain = action_domain == "naive"
+    try:
+        rec = _Records(trajectories, need_src=naive_domain or layout == "flatten", check=validate)
+    except _Unfit as e:
+        if validate:  # the record rules name what is wrong, in their words
+            validate_trajectories(trajectories, vocab_size)
+        raise e.error from None
+    if validate and not rec.valid(trajectories, vocab_size):
         validate_trajectories(trajectories, vocab_size)
-    b = _Builder(action_domain)
-    if layout == "aligned":
-        _pack_aligned(trajectories, max_tokens, True, share_prefix, b)
-    elif layout == "aligned_unshared":
-        _pack_aligned(trajectories, max_tokens, False, share_prefix, b)
+    if layout in ("aligned", "aligned_unshared"):
+        lay = _layout_aligned(rec, trajectories, max_tokens, layout == "aligned", share_prefix)
     elif layout == "independent":
-        _pack_independent(trajectories, max_tokens, pad_id, b)
+        lay = _layout_independent(rec, max_tokens)
     else:
-        _pack_flatten(trajectories, max_tokens, b)
-    return b.build(layout, len(trajectories), pad_id)
+        lay = _layout_flatten(rec, max_tokens)
+    return _build(rec, lay, layout, naive_domain, pad_id)
