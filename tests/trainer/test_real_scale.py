@@ -144,7 +144,10 @@ def test_mismatched_heads_temperature_bias_and_scale(tmp_path, extra):
     with torch.no_grad():  # ... although unmasked they would hold most of the mass
         full = torch.softmax(packed_forward(student0, batch, output="logits").double() / TEMPERATURE, -1)
     assert float(full[:, vocab:].sum(-1).mean()) > 0.5
-    assert all(t.info["sampling"] == {"temperature": TEMPERATURE, "top_p": 1.0, "vocab_size": vocab} for t in trajs)
+    settings = {"temperature": TEMPERATURE, "top_p": 1.0, "vocab_size": vocab}
+    assert all({k: t.info["sampling"][k] for k in settings} == settings for t in trajs)
+    # and each call's own settings, so a rollout can be replayed (memopd.recording)
+    assert all(len(t.info["sampling"]["calls"]) == len(t.invocations) for t in trajs)
     # recorded sampling log-probs == training log-probs (RCE in training), ratio 1, no clipping
     assert m["rce/max_dlogp_vs_sampling"] < 1e-5
     assert m["train/first_ratio_maxdev"] < 1e-5
