@@ -38,7 +38,7 @@ from .stats import (
     VF_LOSS,
 )
 
-__all__ = ["Scored", "UpdateSettings", "score", "update", "entry_offsets", "check_token_ids", "check_sampling"]
+__all__ = ["Scored", "UpdateSettings", "score", "update", "teacher_mask_of", "entry_offsets", "check_token_ids", "check_sampling"]
 
 
 @dataclass
@@ -56,6 +56,9 @@ class Scored:
     offsets: torch.Tensor  # [B, max_calls]: global entry id of (b, t, k=0)
     sample_dlogp: float  # max |logp_old - recorded sampling log-prob| (RCE in training)
     is_sampled: torch.Tensor  # False on the context copies of a naive action domain
+    # where the teacher speaks: None (everywhere) for a model; a reader teacher
+    # (memopd.env.ruleteacher.RuleTeacher) is silent where its rule is, masked out of the OPD term
+    teacher_speaks: torch.Tensor | None = None
 
 
 def entry_offsets(batch, trajs: Sequence[Trajectory]) -> torch.Tensor:
@@ -159,14 +162,19 @@ def score(
     logp_old = _per_action(logp_of(actor.lm), batch, max_tokens)
     logp_ref = _per_action(logp_of(ref_lm), batch, max_tokens) if ref_lm is not None else None
     values = _per_action(critic, batch, max_tokens)
-    teacher_hidden = None
+    teacher_hidden = teacher_speaks = None
     if teacher_lm is not None and teacher_layout is not None:
         # same action domain: entry (b, t, k) is the same token under either layout
         tbatch = _pack(trajs, max_tokens, action_domain, layout=teacher_layout)
-        teacher_hidden = _per_action(
-            lambda mb: packed_forward(teacher_lm, mb, output="hidden", attention_backend=actor.attention_backend),
-            tbatch, max_tokens,
-        )
+        reader = getattr(teacher_lm, "read_packed", None)
+        if reader is not None:  # a teacher that reads the visible ids: [A, H + 1], the last column where it speaks
+            both = _per_action(reader, tbatch, max_tokens)
+            teacher_hidden, teacher_speaks = both[:, :-1].contiguous(), both[:, -1] > 0
+        else:
+            teacher_hidden = _per_action(
+                lambda mb: packed_forward(teacher_lm, mb, output="hidden", attention_backend=actor.attention_backend),
+                tbatch, max_tokens,
+            )
     ti = batch.traj_index.to(logp_old.device)
     final = torch.tensor([float(tr.reward) for tr in trajs], device=logp_old.device)
     rewards, pen = token_rewards(final, ti, logp_old, logp_ref, kl_coef)
@@ -175,7 +183,16 @@ def score(
     known = ~torch.isnan(recorded)
     sample_dlogp = float((logp_old[known] - recorded[known]).abs().max()) if bool(known.any()) else math.nan
     return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, entry_offsets(batch, trajs),
-                  sample_dlogp, batch.is_sampled.clone())
+                  sample_dlogp, batch.is_sampled.clone(), teacher_speaks)
+
+
+def teacher_mask_of(scored: Scored, mb, gid: torch.Tensor) -> torch.Tensor:
+    """The OPD term's mask of micro-batch `mb` (entries `gid` of `scored`): its teacher
+    mask, less the positions where a reader teacher is silent."""
+    tm = mb.teacher_mask.to(gid.device)
+    if scored.teacher_speaks is not None:
+        tm = tm & scored.teacher_speaks.to(gid.device).index_select(0, gid)
+    return tm
 
 
 @dataclass(frozen=True)
@@ -240,7 +257,8 @@ def update(
             # zero weight
             n_real = len(mbs)
             mbs = mbs + [mbs[-1]] * (actor_backend.all_reduce_max(n_real) - n_real)
-            counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
+            gid_all = (scored.offsets[gmap[batch.traj_index], batch.call_index] + batch.token_index).to(device)
+            counts = torch.tensor([float(batch.num_actions), float(teacher_mask_of(scored, batch, gid_all).sum())])
             counts = actor_backend.all_reduce_sum(counts)
             n_act, n_t = float(counts[0]), float(counts[1])
             agg = dict.fromkeys(LOSS_STATS, 0.0)
@@ -250,7 +268,7 @@ def update(
                 gid = scored.offsets[gmap[mb.traj_index], mb.call_index] + mb.token_index
                 gid = gid.to(device)
                 th = scored.teacher_hidden.index_select(0, gid) if has_teacher else None
-                tm = mb.teacher_mask.to(device)
+                tm = teacher_mask_of(scored, mb, gid)
                 ppo = PPOInputs(scored.logp_old[gid], adv_all[gid], tm, coefs, normalizer=max(n_act, 1.0) / world,
                                 kl_normalizer=max(n_t, 1.0) / world)
                 # one fused op: PPO surrogate + entropy bonus + teacher KL, gradients in its forward
