@@ -508,6 +508,237 @@ def _student_of(out: str) -> str:
         return f.read().strip()
 
 
+# ----------------------------------------------------------------------------------
+# the report
+# ----------------------------------------------------------------------------------
+def _area(r: dict, sft: float) -> float:
+    from .replicate import curve_area
+
+    return curve_area([(0, sft)] + [tuple(x) for x in r["curve"]])
+
+
+def _paired(rows_a: list[dict], rows_b: list[dict], sft: float) -> dict | None:
+    """memopd-style difference a − b paired by seed: area and final, with both intervals."""
+    from .replicate import bootstrap_seeds_sets, minimal_detectable_effect
+
+    a = {r["job"]["seed"]: r for r in rows_a}
+    b = {r["job"]["seed"]: r for r in rows_b}
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return None
+    out = {"seeds": seeds}
+    for key in ("area", "final"):
+        if key == "area":
+            x, y = [_area(a[s], sft) for s in seeds], [_area(b[s], sft) for s in seeds]
+            boot = bootstrap_seeds_sets(x, y) if len(seeds) > 1 else None
+        else:
+            x, y = [a[s]["curve"][-1][1] for s in seeds], [b[s]["curve"][-1][1] for s in seeds]
+            boot = (bootstrap_seeds_sets([a[s]["final_per_set"] for s in seeds], [b[s]["final_per_set"] for s in seeds])
+                    if len(seeds) > 1 else None)
+        d = [u - v for u, v in zip(x, y)]
+        out[key] = {"a": x, "b": y, "per_seed": d, "mean": statistics.mean(d),
+                    "t": interval_t(d) if len(d) > 1 else None,
+                    "bootstrap": None if boot is None else {"lo": boot["lo"], "hi": boot["hi"],
+                                                            "resamples": "seeds" if key == "area" else "seeds and sets"},
+                    "mde": minimal_detectable_effect(d) if len(d) > 1 else None}
+    return out
+
+
+def _verdict(primary: dict | None, gates_ok: bool) -> str:
+    if primary is None or primary["area"]["t"] is None:
+        return "not enough seeds"
+    t, mde = primary["area"]["t"], primary["area"]["mde"]
+    if t["lo"] > 0:
+        v = "harm shown: the t-interval of memopd − persistent lies above 0"
+    elif t["lo"] <= 0 <= t["hi"] and mde is not None and t["hi"] < mde:
+        v = "no harm larger than the MDE"
+    else:
+        v = "inconclusive"
+    return v if gates_ok else v + " (a gate failed: not read as evidence)"
+
+
+def build_report(out: str) -> dict:
+    with open(os.path.join(out, "gates.json")) as f:
+        gates = json.load(f)
+    student = _student_of(out)
+    sft1 = sft_baseline(out, student, 1.0)["f1_mean"]
+    rows = _load_runs(out)
+    p_star = gates["g0"]["p"]
+    lf_main = PLAN["arms"]["linked_frac"]
+
+    def pick(arm, lf, p):
+        return [r for r in rows if r["job"]["arm"] == arm and r["job"]["linked_frac"] == lf and r["job"]["stage"] != "g0"
+                and (p is None or r["job"]["p"] is None or float(r["job"]["p"]) == float(p))]
+
+    arms = {a: [r for r in pick(a, lf_main, p_star) if r["job"]["stage"] == "arms"] for a in PLAN["arms"]["arms"]}
+    primary = _paired(arms["memopd"], arms["persistent"], sft1)
+    secondary = {"memopd − ppo": _paired(arms["memopd"], arms["ppo"], sft1),
+                 "persistent − ppo": _paired(arms["persistent"], arms["ppo"], sft1)}
+    dose = []
+    for lf in PLAN["dose"]["linked_frac"]:
+        for p in PLAN["dose"]["p"]:
+            seeds = set(PLAN["dose"]["seeds"])
+            m = [r for r in pick("memopd", lf, p) if r["job"]["seed"] in seeds]
+            q = [r for r in pick("persistent", lf, p) if r["job"]["seed"] in seeds]
+            d = _paired(m, q, sft1)
+            dose.append({"linked_frac": lf, "p": p, "diff": d,
+                         "memopd_area": statistics.mean(_area(r, sft1) for r in m) if m else None,
+                         "persistent_area": statistics.mean(_area(r, sft1) for r in q) if q else None,
+                         "memopd_final": statistics.mean(r["curve"][-1][1] for r in m) if m else None,
+                         "persistent_final": statistics.mean(r["curve"][-1][1] for r in q) if q else None})
+    checks = gates["checks"]
+    c = checks[str(p_star)] if p_star is not None else None
+    gates_ok = bool(gates["g0"]["passed"] and c and c["G1"] and c["G2"] and gates["G3"]["passed"])
+    costs = [r["cpu_s"] for r in rows]
+    summary = {a: {"seeds": [r["job"]["seed"] for r in rs],
+                   "area": [_area(r, sft1) for r in rs], "final": [r["curve"][-1][1] for r in rs]} for a, rs in arms.items()}
+    return {"protocol": PROTOCOL, "gates_statement": GATES, "plan": PLAN, "student": student, "sft_linked_f1": sft1,
+            "sft_plain_f1": sft_baseline(out, student, 0.0)["f1_mean"], "gates": gates, "p": p_star,
+            "lambda": gates["lambda"].get(str(p_star)), "gates_passed": gates_ok, "arms": summary,
+            "curves": {a: [{"seed": r["job"]["seed"], "curve": [[0, sft1]] + r["curve"]} for r in rs] for a, rs in arms.items()},
+            "primary": primary, "secondary": secondary, "verdict": _verdict(primary, gates_ok), "dose": dose,
+            "g0_runs": [{"arm": r["job"]["arm"], "p": r["job"]["p"], "seed": r["job"]["seed"], "curve": r["curve"]}
+                        for r in rows if r["job"]["stage"] == "g0"],
+            "runs": len(rows), "cpu_s_per_run": {"mean": statistics.mean(costs), "max": max(costs)} if costs else None}
+
+
+def _iv(d: dict | None, key: str) -> str:
+    if d is None:
+        return "-"
+    x = d[key]
+    t = "" if x["t"] is None else f" t [{x['t']['lo']:+.3f}, {x['t']['hi']:+.3f}]"
+    b = "" if x["bootstrap"] is None else f" boot [{x['bootstrap']['lo']:+.3f}, {x['bootstrap']['hi']:+.3f}]"
+    return f"{x['mean']:+.3f}{t}{b}"
+
+
+def format_report(rep: dict) -> str:
+    g = rep["gates"]
+    p = rep["p"]
+    lines = ["# The rule-teacher replication", "",
+             f"Teacher: the world's rule read on each packed row (`memopd/env/ruleteacher.py`), p(target) = {p}, "
+             f"opd_coef λ = {rep['lambda']:.4g} (matched at step 0). Student: the info-gap SFT student "
+             f"(held-out linked Q2 F1 {rep['sft_linked_f1']:.3f}, plain {rep['sft_plain_f1']:.3f}; 200 sets x 4 "
+             "episodes at temperature 1). Protocol and gates: `trainer/rulegap.py` (`PROTOCOL`, `GATES`), "
+             "docs/replication.md.", "", "## Gates", "",
+             "| p | λ(p) | G1 gap calls | G2 top-1 differs: gap-call tokens / gap calls / other tokens | excess KL "
+             "(flat − aligned, nats/token) | G1 | G2 |", "|---|---|---|---|---|---|---|"]
+    for q, c in g["checks"].items():
+        t = c["top1"]
+        lines.append(f"| {q} | {g['lambda'][q]:.4g} | {100 * c['gap_call_share']:.1f}% ({c['gap_calls']}/{c['calls']}) | "
+                     f"{100 * (t['gap_calls'] or 0):.1f}% / {100 * (t['gap_calls_any_token'] or 0):.1f}% / "
+                     f"{100 * (t['other_calls'] or 0):.2f}% | {c['kl']['flatten_minus_aligned']:+.3f} | "
+                     f"{'pass' if c['G1'] else 'FAIL'} | {'pass' if c['G2'] else 'FAIL'} |")
+    g3 = g["G3"]
+    lines += ["", "G3 (F1 on 200 held-out linked Q2 sets, one episode each, the scripted expert elsewhere): "
+              + "; ".join(f"linked_frac={lf}: aligned step {g3[lf]['aligned']['f1']:.3f}, flattened step "
+                          f"{g3[lf]['flatten']['f1']:.3f} ({g3[lf]['flatten']['gap_calls']} gap calls), loss "
+                          f"{g3[lf]['loss']:.3f}" for lf in ("1.0", "0.25"))
+              + f" -> {'pass' if g3['passed'] else 'FAIL'} (needs >= {GATES['thresholds']['G3_f1_loss']})."]
+    g0 = g["g0"]
+    lines += ["", f"G0 (linked_frac=0, final plain Q2 F1, 1 seed): SFT {g0['sft_f1']:.3f}, ppo {g0['ppo_f1']:.3f}; "
+              + ", ".join(f"memopd p={q} {v['memopd_f1']:.3f} ({'pass' if v['passed'] else 'fail'})"
+                          for q, v in g0["per_p"].items())
+              + f" -> p = {g0['p']}.", "", f"All gates: {'passed' if rep['gates_passed'] else 'NOT passed'}.", "",
+              "## Arms at linked_frac=1 (held-out linked Q2 F1)", "",
+              "| arm | seeds | F1 area (mean ± sd) | final F1 (mean ± sd) |", "|---|---|---|---|"]
+    def sd(xs):
+        return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+    for a, s in rep["arms"].items():
+        if s["area"]:
+            lines.append(f"| {a} | {len(s['area'])} | {statistics.mean(s['area']):.3f} ± {sd(s['area']):.3f} | "
+                         f"{statistics.mean(s['final']):.3f} ± {sd(s['final']):.3f} |")
+    pr = rep["primary"]
+    lines += ["", "## Primary and secondary (paired by seed; t: Student t 95%; boot: percentile bootstrap 95%, over "
+              "the per-seed differences for the area, over seeds and sets for the final F1)", "",
+              "| comparison | area | final F1 | MDE (area) |", "|---|---|---|---|"]
+    rowsd = [("memopd − persistent (primary)", pr)] + list(rep["secondary"].items())
+    for name, d in rowsd:
+        mde = "-" if d is None or d["area"]["mde"] is None else f"{d['area']['mde']:.3f}"
+        lines.append(f"| {name} | {_iv(d, 'area')} | {_iv(d, 'final')} | {mde} |")
+    if pr:
+        lines += ["", "Per-seed memopd − persistent area: " + ", ".join(f"{x:+.3f}" for x in pr["area"]["per_seed"])
+                  + f" (seeds {pr['seeds']})."]
+    lines += ["", f"Decision: {rep['verdict']}.", "", "## Dose-response (memopd − persistent, seeds 0-2 where run)", "",
+              "| linked_frac | p | seeds | memopd area / final | persistent area / final | Δ area | Δ final |",
+              "|---|---|---|---|---|---|---|"]
+    for c in rep["dose"]:
+        d = c["diff"]
+        n = len(d["seeds"]) if d else 0
+        fm = "-" if c["memopd_area"] is None else f"{c['memopd_area']:.3f} / {c['memopd_final']:.3f}"
+        fp = "-" if c["persistent_area"] is None else f"{c['persistent_area']:.3f} / {c['persistent_final']:.3f}"
+        lines.append(f"| {c['linked_frac']} | {c['p']} | {n} | {fm} | {fp} | {_iv(d, 'area')} | {_iv(d, 'final')} |")
+    cr = rep["cpu_s_per_run"]
+    if cr:
+        lines += ["", f"{rep['runs']} runs; process CPU time per run (one thread, shared 2-core machine) mean "
+                  f"{cr['mean']:.0f} s, max {cr['max']:.0f} s."]
+    lines += ["", "Curves: `rulegap.png` (mean ± sd over seeds; step 0 = the SFT student). A rule teacher reads every "
+              "visible fact, always: this bounds what a leak of that strength does, not how often a trained LLM teacher "
+              "reads the history at such points."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(rep: dict, path: str) -> str:
+    from .plot import _matplotlib, _save_png
+
+    matplotlib = _matplotlib()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for arm, runs in rep["curves"].items():
+        if not runs:
+            continue
+        steps = [s for s, _ in runs[0]["curve"]]
+        ys = [[dict(map(tuple, r["curve"]))[s] for r in runs] for s in steps]
+        m = [statistics.mean(v) for v in ys]
+        sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in ys]
+        (line,) = ax.plot(steps, m, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
+        ax.fill_between(steps, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)], color=line.get_color(),
+                        alpha=0.15)
+    ax.set_title(f"linked_frac=1, p={rep['p']}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out linked Q2 F1 (T=1)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    for p in PLAN["dose"]["p"]:
+        cells = [c for c in rep["dose"] if float(c["p"]) == float(p) and c["diff"]]
+        xs = [c["linked_frac"] for c in cells]
+        ys = [c["diff"]["area"]["mean"] for c in cells]
+        err = [[y - (c["diff"]["area"]["t"] or {"lo": y})["lo"] for y, c in zip(ys, cells)],
+               [(c["diff"]["area"]["t"] or {"hi": y})["hi"] - y for y, c in zip(ys, cells)]]
+        bx.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"p={p}")
+    bx.axhline(0, color="grey", lw=0.8)
+    bx.set_title("dose-response: memopd − persistent (F1 area, t 95%)")
+    bx.set_xlabel("linked_frac (share of training sets with a linked pair)")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    _save_png(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _report(args) -> int:
+    import shutil
+
+    rep = build_report(args.out)
+    paths = {ext: os.path.join(args.out, f"rulegap.{ext}") for ext in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump(rep, f, indent=1)
+    text = format_report(rep)
+    with open(paths["md"], "w") as f:
+        f.write(text)
+    plot_report(rep, paths["png"])
+    print(text)
+    if args.publish:
+        from .replicate import RESULTS_DIR
+
+        for src in paths.values():
+            shutil.copyfile(src, os.path.join(RESULTS_DIR, os.path.basename(src)))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m memopd.trainer.rulegap", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -528,7 +759,12 @@ def main(argv=None) -> int:
     s = sub.add_parser("sft")
     s.add_argument("--out", required=True)
     s.add_argument("--student", required=True)
+    rp = sub.add_parser("report")
+    rp.add_argument("--out", required=True)
+    rp.add_argument("--publish", action="store_true", help="copy rulegap.{json,md,png} to benchmarks/results/")
     args = p.parse_args(argv)
+    if args.cmd == "report":
+        return _report(args)
     if args.cmd in ("gates", "run", "sft"):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "student.txt"), "w") as f:
