@@ -34,12 +34,20 @@ __all__ = ["PROTOCOL", "GATES", "PLAN", "adoption_loss", "interval_t", "g0_choic
 # ----------------------------------------------------------------------------------
 # the protocol, stated before any arm's run
 # ----------------------------------------------------------------------------------
+# Version 2, stated before any arm's run: version 1 (80 steps, 200 sets x 4 plays, every arm 5 seeds, the dose
+# grid 3 seeds) measured 41.5 s CPU for its first 20 ppo steps and one evaluation, at 24% of a core per process on
+# the shared machine: about 10 min wall per run, 37 runs, far past the deadline. Its G0 runs were stopped at step 20
+# (only ppo's step-20 F1 was read) and are not used. Version 2 halves the steps and the plays, runs ppo on 3 seeds
+# (a secondary comparison) and the dose grid on 2 seeds, and interleaves the stages (`MAIN_ORDER`).
 PLAN = {
-    "steps": 80, "eval_every": 20, "eval_sets": 200, "eval_plays": 4, "eval_temperature": 1.0, "eval_seed": 1234,
+    "version": 2,
+    "steps": 40, "eval_every": 20, "eval_sets": 200, "eval_plays": 2, "eval_temperature": 1.0, "eval_seed": 1234,
     "g0": {"linked_frac": 0.0, "p": [0.5, 0.6, 0.9], "arms": ["ppo", "memopd"], "seeds": [0]},
-    "arms": {"linked_frac": 1.0, "arms": ["ppo", "persistent", "memopd"], "seeds": [0, 1, 2, 3, 4]},
-    "dose": {"linked_frac": [0.25, 1.0], "p": [0.6, 0.9], "arms": ["persistent", "memopd"], "seeds": [0, 1, 2]},
+    "arms": {"linked_frac": 1.0, "arms": ["ppo", "persistent", "memopd"], "seeds": [0, 1, 2, 3, 4], "ppo_seeds": [0, 1, 2]},
+    "dose": {"linked_frac": [0.25, 1.0], "p": [0.6, 0.9], "arms": ["persistent", "memopd"], "seeds": [0, 1]},
 }
+# the order of the `main` stage: primary seeds 0-1, the dose grid's seed 0, primary seeds 2-4, the dose grid's seed 1
+MAIN_ORDER = (("arms", (0, 1)), ("dose", (0,)), ("arms", (2, 3, 4)), ("dose", (1,)))
 PROTOCOL = {
     "version": 1,
     "teacher": "the world's rational rule (memopd/env/ruleteacher.py) read on the visible ids of each packed row: "
@@ -47,16 +55,17 @@ PROTOCOL = {
                "silent (masked out of the OPD term) where the rule is",
     "student": "the info-gap world's SFT student (1,000 SFT steps of the scripted expert), one for every run",
     "training": "RL on Q2 sets of the info-gap world with linked_frac set per stage, 80 steps, 4 sets x 4 rollouts "
-                "per step, temperature 1, every other setting the trainer's default; opd_coef λ(p) matched at step 0",
+                "per step, temperature 1, every other setting the trainer's default; opd_coef λ(p) matched at step 0 "
+                "(steps: PLAN)",
     "endpoint": "held-out linked Q2 F1: the eval split of the info-gap world with linked_frac=1 (every set holds a "
-                "linked pair), 200 sets x 4 episodes at temperature 1 (the same sets and sampling seed for every run "
-                "and step), read at steps 0 (the SFT student), 20, 40, 60, 80",
-    "primary": "memopd − persistent on the area under that F1 curve (trapezoid / 80 steps: the mean F1 over "
+                "linked pair), 200 sets x 2 episodes at temperature 1 (the same sets and sampling seed for every run "
+                "and step), read at step 0 (the SFT student) and every 20 steps to the last (PLAN)",
+    "primary": "memopd − persistent on the area under that F1 curve (trapezoid / steps: the mean F1 over "
                "training), at linked_frac=1 and the p G0 picks, paired by seed over 5 seeds",
-    "secondary": ["memopd − persistent on the final (step 80) F1, same reading",
+    "secondary": ["memopd − persistent on the final F1, same reading",
                   "memopd − ppo and persistent − ppo on the area (the teacher's own effect, each view)",
                   "dose-response: memopd − persistent (area and final) at linked_frac ∈ {0.25, 1.0} × p ∈ {0.6, 0.9}, "
-                  "3 seeds each (seeds 0-2 of the primary cell are the primary's runs)"],
+                  "seeds 0-1 (the primary cell's are the primary's runs)"],
     "intervals": "two, side by side: the Student t 95% interval over the per-seed differences (mean ± t_{0.975,n-1} · "
                  "sd / √n), and the 95% percentile bootstrap that resamples the per-seed differences only (the area is "
                  "one number per seed; for the final F1 it resamples seeds and sets together, paired). With 5 seeds a "
@@ -96,16 +105,10 @@ GATES = {
 # statistics
 # ----------------------------------------------------------------------------------
 def interval_t(per_seed, level: float = 0.95) -> dict:
-    """Mean of the per-seed differences and its Student t interval (n − 1 degrees of freedom)."""
-    from .replicate import student_t_quantile
+    """The Student t interval over per-seed differences (`replicate.t_interval`)."""
+    from .replicate import t_interval
 
-    xs = [float(x) for x in per_seed]
-    n = len(xs)
-    if n < 2:
-        raise ValueError(f"a t-interval needs at least two seeds, got {n}")
-    m, sd = statistics.mean(xs), statistics.stdev(xs)
-    h = student_t_quantile(1 - (1 - level) / 2, n - 1) * sd / n ** 0.5
-    return {"mean": m, "lo": m - h, "hi": m + h, "sd": sd, "n": n, "level": level}
+    return t_interval(per_seed, level)
 
 
 def g0_choice(g0: dict, thresholds=None) -> dict:
@@ -325,7 +328,10 @@ def job_name(j: dict) -> str:
     return f"{j['stage']}_lf{j['linked_frac']}_p{j.get('p', '-')}_{j['arm']}_s{j['seed']}"
 
 
-def stage_jobs(stage: str, gates: dict, plan: dict = PLAN) -> list[dict]:
+def stage_jobs(stage: str, gates: dict, plan: dict = PLAN, seeds=None) -> list[dict]:
+    """The jobs of a stage in the order they run; `main`: `MAIN_ORDER`."""
+    if stage == "main":
+        return [j for st, ss in MAIN_ORDER for j in stage_jobs(st, gates, plan, seeds=ss)]
     lam = gates["lambda"]
     if stage == "g0":
         g = plan["g0"]
@@ -340,12 +346,14 @@ def stage_jobs(stage: str, gates: dict, plan: dict = PLAN) -> list[dict]:
         if stage == "arms":
             g = plan["arms"]
             jobs = [{"arm": a, "seed": s, "linked_frac": g["linked_frac"], "p": None if a == "ppo" else p_star}
-                    for s in g["seeds"] for a in g["arms"]]
+                    for s in (seeds if seeds is not None else g["seeds"]) for a in g["arms"]
+                    if a != "ppo" or s in g.get("ppo_seeds", g["seeds"])]
         else:
             g = plan["dose"]
             # seed-major: every cell gets its seed s before any cell gets s + 1 (a run cut by the clock
             # leaves cells with equal seed counts)
-            jobs = [{"arm": a, "seed": s, "linked_frac": lf, "p": p} for s in g["seeds"] for lf in g["linked_frac"]
+            jobs = [{"arm": a, "seed": s, "linked_frac": lf, "p": p} for s in (seeds if seeds is not None else g["seeds"])
+                    for lf in g["linked_frac"]
                     for p in g["p"] for a in g["arms"]
                     if not (lf == plan["arms"]["linked_frac"] and float(p) == float(p_star))]  # the primary's runs
         for j in jobs:
@@ -617,8 +625,9 @@ def format_report(rep: dict) -> str:
     lines = ["# The rule-teacher replication", "",
              f"Teacher: the world's rule read on each packed row (`memopd/env/ruleteacher.py`), p(target) = {p}, "
              f"opd_coef λ = {rep['lambda']:.4g} (matched at step 0). Student: the info-gap SFT student "
-             f"(held-out linked Q2 F1 {rep['sft_linked_f1']:.3f}, plain {rep['sft_plain_f1']:.3f}; 200 sets x 4 "
-             "episodes at temperature 1). Protocol and gates: `trainer/rulegap.py` (`PROTOCOL`, `GATES`), "
+             f"(held-out linked Q2 F1 {rep['sft_linked_f1']:.3f}, plain {rep['sft_plain_f1']:.3f}; {PLAN['eval_sets']} sets x "
+             f"{PLAN['eval_plays']} episodes at temperature 1). {PLAN['steps']} steps, plan version {PLAN['version']}. "
+             "Protocol and gates: `trainer/rulegap.py` (`PROTOCOL`, `GATES`), "
              "docs/replication.md.", "", "## Gates", "",
              "| p | λ(p) | G1 gap calls | G2 top-1 differs: gap-call tokens / gap calls / other tokens | excess KL "
              "(flat − aligned, nats/token) | G1 | G2 |", "|---|---|---|---|---|---|---|"]
@@ -748,7 +757,7 @@ def main(argv=None) -> int:
     g.add_argument("--check-tasks", type=int, default=16)
     g.add_argument("--g0", action="store_true", help="also read G0 from the g0 stage's runs")
     r = sub.add_parser("run")
-    r.add_argument("stage", choices=["g0", "arms", "dose"])
+    r.add_argument("stage", choices=["g0", "arms", "dose", "main"])
     r.add_argument("--out", required=True)
     r.add_argument("--student", required=True)
     r.add_argument("--jobs", type=int, default=2)
