@@ -42,10 +42,15 @@ __all__ = ["PROTOCOL", "GATES", "PLAN", "adoption_loss", "interval_t", "g0_choic
 PLAN = {
     "version": 2,
     "steps": 40, "eval_every": 20, "eval_sets": 200, "eval_plays": 2, "eval_temperature": 1.0, "eval_seed": 1234,
-    "g0": {"linked_frac": 0.0, "p": [0.5, 0.6, 0.9], "arms": ["ppo", "memopd"], "seeds": [0]},
+    "g0": {"linked_frac": 0.0, "p": [0.5, 0.6, 0.9, 0.99, 0.999], "arms": ["ppo", "memopd"], "seeds": [0]},
     "arms": {"linked_frac": 1.0, "arms": ["ppo", "persistent", "memopd"], "seeds": [0, 1, 2, 3, 4], "ppo_seeds": [0, 1, 2]},
-    "dose": {"linked_frac": [0.25, 1.0], "p": [0.6, 0.9], "arms": ["persistent", "memopd"], "seeds": [0, 1]},
+    "dose": {"linked_frac": [0.25, 1.0], "p": [0.99, 0.999], "arms": ["persistent", "memopd"], "seeds": [0, 1]},
 }
+# G0 amendment (stated before any arm's run): with p in {0.5, 0.6, 0.9} G0 failed at every p (final plain Q2 F1
+# 0.001 / 0.003 / 0.298 against SFT 0.470 and ppo 0.473) while the KL to the teacher fell: KL(student || teacher)
+# is smallest at the teacher itself, and softmax(beta*onehot) spreads 1 - p over the 881 other ids, so the student
+# learns to emit a random id with probability ~1 - p per token. The grid gains p in {0.99, 0.999}; the dose grid's
+# p values (0.6, 0.9: teachers G0 shows insane) become these two.
 # the order of the `main` stage: primary seeds 0-1, the dose grid's seed 0, primary seeds 2-4, the dose grid's seed 1
 MAIN_ORDER = (("arms", (0, 1)), ("dose", (0,)), ("arms", (2, 3, 4)), ("dose", (1,)))
 PROTOCOL = {
@@ -83,7 +88,7 @@ PROTOCOL = {
 GATES = {
     "G0": "the teacher is sane: at linked_frac=0, where the two views agree, the memopd arm's final held-out Q2 F1 "
           "(plain sets, same reading) is >= the SFT student's and > the ppo arm's, for the p chosen; among the p in "
-          "{0.5, 0.6, 0.9} that pass, the one with the highest memopd final F1 is chosen (ties: the smaller p); "
+          "{0.5, 0.6, 0.9} (amended after all three failed, before any arm: {0.99, 0.999} added) that pass, the one with the highest memopd final F1 is chosen (ties: the smaller p); "
           "λ(p) is matched at step 0 at linked_frac=0 (‖λ∇OPD‖ = ‖∇PPO‖), before any linked run",
     "G1": "dose: information-gap calls are >= 15% of the SFT student's Q2 calls at linked_frac=1",
     "G2": "the teacher reads the view: on those rollouts its top-1 (silence counted as a value) differs between the "
@@ -420,18 +425,18 @@ def _gates(args) -> int:
         b = replace(bundle, teacher=RuleTeacher(bundle.tokenizer, w.config, vocab_size=V, p_target=p), tasks=w)
         return manipulation_check(cfg, b, k=2, tasks=args.check_tasks, seed=0)
 
-    if "lambda" not in gates:
-        gates["lambda"] = {}
-        gates["lambda_checks"] = {}
-        for p in PLAN["g0"]["p"]:
+    gates.setdefault("lambda", {})
+    gates.setdefault("lambda_checks", {})
+    gates.setdefault("checks", {})
+    for p in PLAN["g0"]["p"]:
+        if str(p) not in gates["lambda"]:
             c = check(0.0, p)
             gates["lambda"][str(p)] = c["opd_coef_matched"]
             gates["lambda_checks"][str(p)] = {k: c[k] for k in ("grad", "kl", "gap_call_share", "top1", "student_em")}
             print(f"[rulegap] p={p}: matched opd_coef {c['opd_coef_matched']:.4g}", flush=True)
-    if "checks" not in gates:
-        th = GATES["thresholds"]
-        gates["checks"] = {}
-        for p in PLAN["g0"]["p"]:
+    th = GATES["thresholds"]
+    for p in PLAN["g0"]["p"]:
+        if str(p) not in gates["checks"]:
             c = check(1.0, p)
             t = c["top1"]
             gates["checks"][str(p)] = {
