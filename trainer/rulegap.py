@@ -88,7 +88,8 @@ PROTOCOL = {
 GATES = {
     "G0": "the teacher is sane: at linked_frac=0, where the two views agree, the memopd arm's final held-out Q2 F1 "
           "(plain sets, same reading) is >= the SFT student's and > the ppo arm's, for the p chosen; among the p in "
-          "{0.5, 0.6, 0.9} (amended after all three failed, before any arm: {0.99, 0.999} added) that pass, the one with the highest memopd final F1 is chosen (ties: the smaller p); "
+          "{0.5, 0.6, 0.9} (amended after all three failed, before any arm: {0.99, 0.999} added) that pass, the one "
+          "with the highest memopd final F1 is chosen (ties: the smaller p); "
           "λ(p) is matched at step 0 at linked_frac=0 (‖λ∇OPD‖ = ‖∇PPO‖), before any linked run",
     "G1": "dose: information-gap calls are >= 15% of the SFT student's Q2 calls at linked_frac=1",
     "G2": "the teacher reads the view: on those rollouts its top-1 (silence counted as a value) differs between the "
