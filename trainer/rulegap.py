@@ -349,6 +349,7 @@ def stage_jobs(stage: str, gates: dict, plan: dict = PLAN, seeds=None) -> list[d
         p_star = gates.get("g0", {}).get("p")
         if p_star is None:
             raise SystemExit("G0 has not picked a p yet (run the g0 stage, then `gates --g0`)")
+        p_star = float(p_star)  # G0's verdict names it as a key
         if stage == "arms":
             g = plan["arms"]
             jobs = [{"arm": a, "seed": s, "linked_frac": g["linked_frac"], "p": None if a == "ppo" else p_star}
@@ -577,7 +578,7 @@ def build_report(out: str) -> dict:
     student = _student_of(out)
     sft1 = sft_baseline(out, student, 1.0)["f1_mean"]
     rows = _load_runs(out)
-    p_star = gates["g0"]["p"]
+    p_star = None if gates["g0"]["p"] is None else float(gates["g0"]["p"])
     lf_main = PLAN["arms"]["linked_frac"]
 
     def pick(arm, lf, p):
@@ -674,15 +675,21 @@ def format_report(rep: dict) -> str:
     if pr:
         lines += ["", "Per-seed memopd − persistent area: " + ", ".join(f"{x:+.3f}" for x in pr["area"]["per_seed"])
                   + f" (seeds {pr['seeds']})."]
-    lines += ["", f"Decision: {rep['verdict']}.", "", "## Dose-response (memopd − persistent, seeds 0-2 where run)", "",
-              "| linked_frac | p | seeds | memopd area / final | persistent area / final | Δ area | Δ final |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", f"Decision: {rep['verdict']}.", "",
+              f"## Dose-response (memopd − persistent, seeds {PLAN['dose']['seeds']} where run)", "",
+              "Leak strength: the share of training sets with a linked pair (linked_frac) and the teacher's sharpness p "
+              "(its excess KL, flattened − aligned, on the SFT student's rollouts at linked_frac=1, nats/token); G3's "
+              "F1 loss at full adoption is 0.375 at linked_frac=1 and 0.108 at 0.25.", "",
+              "| linked_frac | p | excess KL | seeds | memopd area / final | persistent area / final | Δ area | Δ final |",
+              "|---|---|---|---|---|---|---|---|"]
     for c in rep["dose"]:
         d = c["diff"]
         n = len(d["seeds"]) if d else 0
         fm = "-" if c["memopd_area"] is None else f"{c['memopd_area']:.3f} / {c['memopd_final']:.3f}"
         fp = "-" if c["persistent_area"] is None else f"{c['persistent_area']:.3f} / {c['persistent_final']:.3f}"
-        lines.append(f"| {c['linked_frac']} | {c['p']} | {n} | {fm} | {fp} | {_iv(d, 'area')} | {_iv(d, 'final')} |")
+        kl = g["checks"].get(str(c["p"]), {}).get("kl", {}).get("flatten_minus_aligned")
+        kl = "-" if kl is None else f"{kl:+.3f}"
+        lines.append(f"| {c['linked_frac']} | {c['p']} | {kl} | {n} | {fm} | {fp} | {_iv(d, 'area')} | {_iv(d, 'final')} |")
     cr = rep["cpu_s_per_run"]
     if cr:
         lines += ["", f"{rep['runs']} runs; process CPU time per run (one thread, shared 2-core machine) mean "
