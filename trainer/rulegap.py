@@ -465,8 +465,9 @@ def _gates(args) -> int:
     if args.g0:
         gates["g0"] = _g0_verdict(args.out)
         print(f"[rulegap] G0: {json.dumps(gates['g0'])}", flush=True)
-    gates["gates_wall_s"] = round(time.time() - t0, 1)
-    gates["gates_cpu_s"] = round(time.process_time() - c0, 1)
+    # summed over the passes (the first pass's figure was overwritten by a later one before this)
+    gates["gates_wall_s"] = round(gates.get("gates_wall_s", 0.0) + time.time() - t0, 1)
+    gates["gates_cpu_s"] = round(gates.get("gates_cpu_s", 0.0) + time.process_time() - c0, 1)
     with open(path + ".tmp", "w") as f:
         json.dump(gates, f, indent=1)
     os.replace(path + ".tmp", path)
