@@ -125,7 +125,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     from .loop import resolve_vocab_size
     from .modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
     from .ppo import whiten
-    from .update import _pack, score
+    from .update import _pack, score, teacher_mask_of
 
     student, teacher, env, world = bundle.student, bundle.teacher, bundle.env, bundle.tasks
     if teacher is None:
@@ -169,6 +169,8 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
                 z = z + thead.bias[:V].to(z.dtype)
             parts.append(z.argmax(-1))
         top[name] = torch.cat(parts).cpu()
+        if scored[name].teacher_speaks is not None:  # a reader teacher's silent positions: no top-1 (-1)
+            top[name] = torch.where(scored[name].teacher_speaks.cpu(), top[name], torch.full_like(top[name], -1))
     differ = top["aligned"] != top["flatten"]
     by_role = {r: _share(differ, sampled & torch.tensor([x == r for x in role], dtype=torch.bool)) for r in ROLES}
     # per information-gap call: does the teacher's top-1 differ at any of its action tokens
@@ -192,6 +194,9 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     for p in params:
         p.requires_grad_(True)
     kl_sum = {name: 0.0 for name, _ in SCORED_VIEWS}
+    # per view: the tokens its OPD term averages over (a reader teacher's silent positions left out)
+    n_view = {name: sum(float(teacher_mask_of(scored[name], mb, offsets[mb.traj_index, mb.call_index] + mb.token_index).sum())
+                        for mb in mbs) for name, _ in SCORED_VIEWS}
     grads = {}
     student.train()
     try:
@@ -207,6 +212,8 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
                     on_gap = torch.tensor([gaps[b][t] for b, t in zip(mb.traj_index.tolist(), mb.call_index.tolist())],
                                           dtype=torch.bool, device=tm.device)
                     tm = tm & on_gap
+                if which != "ppo":
+                    tm = tm & teacher_mask_of(scored[which.removesuffix("_gap")], mb, gid)
                 logp_old = scored["aligned"].logp_old[gid]
                 if which == "ppo":
                     coefs = ActorLossCoefs(cfg.clip_eps, cfg.entropy_coef, 0.0)
@@ -214,9 +221,9 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
                     out = actor(mb, None, None, ppo=ppo)
                 else:
                     coefs = ActorLossCoefs(cfg.clip_eps, 0.0, 1.0)
-                    ppo = PPOInputs(logp_old, torch.zeros_like(logp_old), tm, coefs, normalizer=max(n_act, 1.0),
-                                    kl_normalizer=max(n_t, 1.0))
                     view = which.removesuffix("_gap")
+                    ppo = PPOInputs(logp_old, torch.zeros_like(logp_old), tm, coefs, normalizer=max(n_act, 1.0),
+                                    kl_normalizer=max(n_view[view], 1.0))
                     out = actor(mb, scored[view].teacher_hidden.index_select(0, gid), thead_op, ppo=ppo)
                     if view == which:
                         kl_sum[which] += float((out.kl.detach() * tm.float()).sum())
@@ -234,10 +241,10 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
 
     cos = cosine(grads["aligned"], grads["flatten"])
     cos_gap = cosine(grads["aligned_gap"], grads["flatten_gap"]) if "aligned_gap" in grads else None
-    kl = {name: kl_sum[name] / max(n_t, 1.0) for name, _ in VIEWS}
+    kl = {name: kl_sum[name] / max(n_view[name], 1.0) for name, _ in VIEWS}
     kl["flatten_minus_aligned"] = kl["flatten"] - kl["aligned"]
     controls = {name: {"top1_vs_aligned": _share(top[name] != top["aligned"], sampled),
-                       "kl": kl_sum[name] / max(n_t, 1.0),
+                       "kl": kl_sum[name] / max(n_view[name], 1.0),
                        "cosine_vs_aligned": cosine(grads["aligned"], grads[name])}
                 for name, _ in CONTROL_VIEWS}
     opd = 0.5 * (norms["aligned"] + norms["flatten"])

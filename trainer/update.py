@@ -38,7 +38,7 @@ from .stats import (
     VF_LOSS,
 )
 
-__all__ = ["Scored", "UpdateSettings", "score", "update", "entry_offsets", "check_token_ids", "check_sampling"]
+__all__ = ["Scored", "UpdateSettings", "score", "update", "teacher_mask_of", "entry_offsets", "check_token_ids", "check_sampling"]
 
 
 @dataclass
@@ -60,6 +60,9 @@ class Scored:
     sample_logprobs: torch.Tensor | None = None
     # the student's log-probs of the same entries packed in the flatten layout (mismatch_flatten)
     logp_flatten: torch.Tensor | None = None
+    # where the teacher speaks: None (everywhere) for a model; a reader teacher
+    # (memopd.env.ruleteacher.RuleTeacher) is silent where its rule is, masked out of the OPD term
+    teacher_speaks: torch.Tensor | None = None
 
 
 def entry_offsets(batch, trajs: Sequence[Trajectory]) -> torch.Tensor:
@@ -166,14 +169,19 @@ def score(
     logp_old = _per_action(logp_of(actor.lm), batch, max_tokens)
     logp_ref = _per_action(logp_of(ref_lm), batch, max_tokens) if ref_lm is not None else None
     values = _per_action(critic, batch, max_tokens)
-    teacher_hidden = None
+    teacher_hidden = teacher_speaks = None
     if teacher_lm is not None and teacher_layout is not None:
         # same action domain: entry (b, t, k) is the same token under either layout
         tbatch = _pack(trajs, max_tokens, action_domain, layout=teacher_layout)
-        teacher_hidden = _per_action(
-            lambda mb: packed_forward(teacher_lm, mb, output="hidden", attention_backend=actor.attention_backend),
-            tbatch, max_tokens,
-        )
+        reader = getattr(teacher_lm, "read_packed", None)
+        if reader is not None:  # a teacher that reads the visible ids: [A, H + 1], the last column where it speaks
+            both = _per_action(reader, tbatch, max_tokens)
+            teacher_hidden, teacher_speaks = both[:, :-1].contiguous(), both[:, -1] > 0
+        else:
+            teacher_hidden = _per_action(
+                lambda mb: packed_forward(teacher_lm, mb, output="hidden", attention_backend=actor.attention_backend),
+                tbatch, max_tokens,
+            )
     ti = batch.traj_index.to(logp_old.device)
     final = torch.tensor([float(tr.reward) for tr in trajs], device=logp_old.device)
     rewards, pen = token_rewards(final, ti, logp_old, logp_ref, kl_coef)
@@ -185,7 +193,16 @@ def score(
     if flatten_logp:  # same action domain: entry (b, t, k) is the same token in either layout
         logp_flat = _per_action(logp_of(actor.lm), _pack(trajs, max_tokens, action_domain, layout="flatten"), max_tokens)
     return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, entry_offsets(batch, trajs),
-                  sample_dlogp, batch.is_sampled.clone(), recorded, logp_flat)
+                  sample_dlogp, batch.is_sampled.clone(), recorded, logp_flat, teacher_speaks)
+
+
+def teacher_mask_of(scored: Scored, mb, gid: torch.Tensor) -> torch.Tensor:
+    """The OPD term's mask of micro-batch `mb` (entries `gid` of `scored`): its teacher
+    mask, less the positions where a reader teacher is silent."""
+    tm = mb.teacher_mask.to(gid.device)
+    if scored.teacher_speaks is not None:
+        tm = tm & scored.teacher_speaks.to(gid.device).index_select(0, gid)
+    return tm
 
 
 @dataclass(frozen=True)
@@ -259,7 +276,8 @@ def update(
             # zero weight
             n_real = len(mbs)
             mbs = mbs + [mbs[-1]] * (actor_backend.all_reduce_max(n_real) - n_real)
-            counts = torch.tensor([float(batch.num_actions), float(batch.teacher_mask.sum())])
+            gid_all = (scored.offsets[gmap[batch.traj_index], batch.call_index] + batch.token_index).to(device)
+            counts = torch.tensor([float(batch.num_actions), float(teacher_mask_of(scored, batch, gid_all).sum())])
             counts = actor_backend.all_reduce_sum(counts)
             n_act, n_t = float(counts[0]), float(counts[1])
             agg = dict.fromkeys(LOSS_STATS, 0.0)
@@ -269,7 +287,7 @@ def update(
                 gid = scored.offsets[gmap[mb.traj_index], mb.call_index] + mb.token_index
                 gid = gid.to(device)
                 th = scored.teacher_hidden.index_select(0, gid) if has_teacher else None
-                tm = mb.teacher_mask.to(device)
+                tm = teacher_mask_of(scored, mb, gid)
                 ppo = PPOInputs(scored.logp_old[gid], adv_all[gid], tm, coefs, normalizer=max(n_act, 1.0) / world,
                                 kl_normalizer=max(n_t, 1.0) / world)
                 # one fused op: PPO surrogate + entropy bonus + teacher KL, gradients in its forward
