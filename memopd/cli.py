@@ -288,6 +288,8 @@ _OPTIONAL = {
     "tensorboard": ("tensorboard", "plot"),
     "deepspeed": ("deepspeed", "deepspeed"),
     "triton": ("triton", "triton"),
+    "uvicorn": ("uvicorn", "serve"),
+    "starlette": ("starlette", "serve"),
 }
 _TRAIN_MODULES = tuple(m for m, (_, extra) in _OPTIONAL.items() if extra == "train")
 # checked before a command starts: train and sft run parts of the job in worker processes,
@@ -295,6 +297,7 @@ _TRAIN_MODULES = tuple(m for m, (_, extra) in _OPTIONAL.items() if extra == "tra
 _COMMAND_NEEDS = {
     "train": _TRAIN_MODULES, "sft": _TRAIN_MODULES, "eval": _TRAIN_MODULES, "compare": _TRAIN_MODULES,
     "audit": ("transformers",), "plot": ("matplotlib",),
+    "serve-teacher": ("transformers", "safetensors", "uvicorn", "starlette"),
 }
 
 
@@ -493,6 +496,8 @@ _EXTERNAL: list[tuple[str, str, str, str]] = [
     ("train", "memopd.trainer.cli", "train_main", "the main job: PPO / persistent / MemOPD training run"),
     ("plot", "memopd.trainer.plot", "plot_main", "learning curves of a run directory to PNG"),
     ("compare", "memopd.trainer.compare", "compare_main", "train several arms over seeds; EM/F1 table"),
+    ("serve-teacher", "memopd.teacher_server", "serve_main",
+     "serve a teacher's hidden states on restored packed batches (for train teacher_url=)"),
 ]
 
 

@@ -12,8 +12,9 @@ Exit codes (stable, documented in the README):
     2   bad input: arguments, config values, input files, model directories
     3   run-directory conflict: in use by another process, not empty without
         --resume/--overwrite, or resumed with a different config
-    69  a peer process of a distributed run failed (another rank died or hung up): the
-        message names the peer's address; that rank's log holds the cause
+    69  a peer process failed: another rank of a distributed run died or hung up, or the
+        teacher server (`teacher_url=`) stopped answering; the message names the peer's
+        address; that process's log holds the cause
     70  internal error (a bug: the traceback is printed)
     71  out of memory (the allocator or the operating system refused memory)
     74  an output could not be written: the operating system refused or failed the
@@ -33,6 +34,7 @@ __all__ = [
     "UserError",
     "RunDirError",
     "UnsafeFileError",
+    "PeerError",
     "OutputError",
     "os_failure",
     "output_error",
@@ -83,6 +85,12 @@ class RunDirError(UserError):
 class UnsafeFileError(UserError):
     """A file memopd will not load because loading it could run code (a pickle holding
     more than tensors and plain values, or a checkpoint format that needs unpickling)."""
+
+
+class PeerError(UserError):
+    """A peer process this one depends on (the teacher server) failed or cannot be reached."""
+
+    exit_code = EXIT_PEER_FAILED
 
 
 class OutputError(UserError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -416,15 +416,17 @@ class PackedBatch:
 
     def micro_batches(self, max_tokens: int) -> list["PackedBatch"]:
         """Group consecutive rows into micro-batches of at most `max_tokens` tokens each."""
-        out = []
+        return list(self.iter_micro_batches(max_tokens))
+
+    def iter_micro_batches(self, max_tokens: int) -> Iterator["PackedBatch"]:
+        """`micro_batches`, each cut when it is asked for (a served teacher sends each as it is cut)."""
         lens = self.row_lengths
         start = 0
         total = 0
         for r, n in enumerate(lens):
             if r > start and total + n > max_tokens:
-                out.append(self.select_rows(start, r))
+                yield self.select_rows(start, r)
                 start, total = r, 0
             total += n
         if lens:
-            out.append(self.select_rows(start, len(lens)))
-        return out
+            yield self.select_rows(start, len(lens))

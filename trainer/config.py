@@ -77,6 +77,15 @@ class TrainConfig:
     # models: checkpoint dirs; empty = SFT'd defaults from cache_dir (built if missing)
     student: str = ""
     teacher: str = ""
+    # a served teacher (`memopd serve-teacher`, docs/serving.md) instead of teacher=DIR: its
+    # hidden states come over HTTP, its lm_head is read once (from the server, or from
+    # teacher_head_dir, a local copy of its files with the same fingerprint)
+    teacher_url: str = ""
+    teacher_secret_file: str = ""
+    teacher_head_dir: str = ""
+    teacher_transport: str = "fp32"  # fp32 | bf16: the hidden states on the wire
+    teacher_timeout: float = 120.0  # seconds per request
+    teacher_retries: int = 3  # retries of a failed request (backoff 0.5 s, doubling) before the run stops
     cache_dir: str = ".memopd_cache"
     # the environment and its data (memopd/env/build.py, EnvSpec): the generated world
     # (world, world_seed) or your own data (corpus, tasks, eval_tasks_file, tokenizer;
@@ -189,6 +198,17 @@ class TrainConfig:
                               "the same episode every time")
         if not self.train_k or any(k < 1 for k in self.train_k + self.eval_k):
             raise ConfigError("train_k / eval_k must be non-empty lists of positive integers")
+        if self.teacher_url and self.teacher:
+            raise ConfigError(f"teacher={self.teacher!r} and teacher_url={self.teacher_url!r}: give one (a local "
+                              "teacher directory, or the address of `memopd serve-teacher`)")
+        if self.teacher_url and not self.teacher_url.startswith(("http://", "https://")):
+            raise ConfigError(f"teacher_url={self.teacher_url!r}: give http://HOST:PORT, the address `memopd "
+                              "serve-teacher` prints")
+        if self.teacher_transport not in ("fp32", "bf16"):
+            raise ConfigError(f"teacher_transport must be fp32 or bf16, got {self.teacher_transport!r}")
+        if not self.teacher_timeout > 0 or self.teacher_retries < 0:
+            raise ConfigError(f"teacher_timeout must be > 0 and teacher_retries >= 0, got {self.teacher_timeout} "
+                              f"and {self.teacher_retries}")
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ConfigError(f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.rollout_engine!r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -413,9 +433,9 @@ def check_user_data(cfg: "TrainConfig") -> None:
     if not cfg.student:
         raise ConfigError("corpus=/tasks= need student=DIR (a local HF causal-LM checkpoint): the built-in SFT'd "
                           "models only know the generated world")
-    if cfg.arm_spec.uses_teacher and not cfg.teacher:
+    if cfg.arm_spec.uses_teacher and not (cfg.teacher or cfg.teacher_url):
         raise ConfigError(f"arm={cfg.arm} distils from a teacher: give teacher=DIR (a local HF causal-LM "
-                          "checkpoint), or use arm=ppo")
+                          "checkpoint) or teacher_url=http://HOST:PORT (memopd serve-teacher), or use arm=ppo")
     for key in ("corpus", "tasks", "eval_tasks_file"):
         path = getattr(cfg, key)
         if path and not os.path.isfile(path):

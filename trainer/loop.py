@@ -84,19 +84,32 @@ class Trainer:
         self.rank = self.info.rank
         self.world_size = self.info.world_size
         ds = cfg.deepspeed or None
-        self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm_spec.uses_teacher) else None
+        from memopd.teacher_client import ServedTeacher
+
+        # a served teacher (teacher_url=) is no module here: only its lm_head comes into memory
+        self.served_teacher = teacher_lm if isinstance(teacher_lm, ServedTeacher) and cfg.arm_spec.uses_teacher else None
+        if self.served_teacher is not None:
+            self.teacher_lm = self.served_teacher
+        else:
+            self.teacher_lm = teacher_lm.eval().requires_grad_(False) if (teacher_lm is not None and cfg.arm_spec.uses_teacher) else None
         # measured before any copy or wrapper: every copy inherits the measured scale, and
         # no probe forward ever runs inside a ZeRO-3 engine
-        if self.teacher_lm is not None:
+        if self.teacher_lm is not None and self.served_teacher is None:
             head_of(self.teacher_lm)
         head_of(student_lm)
         # cfg.device / cfg.dtype (trainer/device.py), before any copy: the reference and
         # the critic are copies of the placed student; DeepSpeed moves models itself
         self.device = resolve_device(cfg.device, local_rank=self.info.local_rank, deepspeed=bool(ds))
         dtype = resolve_dtype(cfg.dtype)
-        for m in (student_lm, self.teacher_lm):
+        for m in (student_lm, None if self.served_teacher is not None else self.teacher_lm):
             place_model(m, None if ds else self.device, dtype)
         self.scoring = Scoring(cfg.temperature, resolve_vocab_size(cfg, env, student_lm, self.teacher_lm))
+        self._served_head = None
+        if self.served_teacher is not None:  # shapes and vocabulary checked at connect, before any step
+            self.served_teacher.check(self.scoring.vocab_size)
+            h = self.served_teacher.lm_head()
+            self._served_head = type(h)(h.weight.to(self.device, dtype), None if h.bias is None else h.bias.to(self.device, dtype),
+                                        h.scale)
         self.ref_lm = copy.deepcopy(student_lm).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         actor = Actor(student_lm, scoring=self.scoring)
         critic = Critic(copy.deepcopy(student_lm)).to(next(student_lm.parameters()).device)  # value head beside the body
@@ -113,7 +126,7 @@ class Trainer:
         self.critic = make_backend(critic, lr=cfg.critic_lr, warmup_steps=cfg.warmup_steps, total_steps=total,
                                    max_grad_norm=cfg.max_grad_norm, deepspeed_config=ds)
         dev = self.actor.device
-        for m in (self.ref_lm, self.teacher_lm, *(self._views or ())):
+        for m in (self.ref_lm, None if self.served_teacher is not None else self.teacher_lm, *(self._views or ())):
             if m is not None:
                 m.to(dev)
         self.step = 0
@@ -127,6 +140,8 @@ class Trainer:
     @property
     def teacher_head(self):
         """The teacher's head (weight, bias, measured logit scale), or None without a teacher."""
+        if self._served_head is not None:
+            return self._served_head
         return head_of(self.teacher_lm) if self.teacher_lm is not None else None
 
     def inference_modules(self):
@@ -277,6 +292,8 @@ class Trainer:
             from .rundir import model_fingerprints
 
             self._fingerprints = model_fingerprints(self.model_dirs)
+        if self.served_teacher is not None:  # the server's fingerprint of its weight files
+            return {"models": {**self._fingerprints, "teacher": self.served_teacher.fingerprint}}
         return {"models": self._fingerprints}
 
     def latest_checkpoint(self) -> str | None:
@@ -310,10 +327,12 @@ class Trainer:
                 raise RunDirError(f"--resume: the newest complete checkpoint {found[1]} is past steps="
                                   f"{self.cfg.steps}; resume with steps>={found[0]}, or pass --overwrite to start over")
             if self.model_dirs is not None:
-                from .rundir import check_model_fingerprints, read_manifest
+                from .rundir import check_model_fingerprints, check_served_teacher, read_manifest
 
-                self._fingerprints = check_model_fingerprints((read_manifest(found[1]) or {}).get("models"),
-                                                              self.model_dirs, found[1])
+                stored = (read_manifest(found[1]) or {}).get("models")
+                self._fingerprints = check_model_fingerprints(stored, self.model_dirs, found[1])
+                if self.served_teacher is not None:
+                    check_served_teacher(stored, self.served_teacher.fingerprint, found[1])
             return found[0]
 
         step = rank0_decides(choose, self.rank, self.world_size)
@@ -418,6 +437,8 @@ class Trainer:
         return history
 
     def close(self) -> None:
+        if self.served_teacher is not None:
+            self.served_teacher.close()
         if self._vllm is not None:
             self._vllm.close()
             self._vllm = None
@@ -430,8 +451,8 @@ def resolve_vocab_size(cfg: TrainConfig, env, student_lm, teacher_lm=None) -> in
     """The ids sampled and scored: `cfg.vocab_size`, else the environment tokenizer's
     size, else the student head's rows; every head present must have that many rows."""
     rows = {"student": int(student_lm.get_output_embeddings().weight.shape[0])}
-    if teacher_lm is not None:
-        rows["teacher"] = int(teacher_lm.get_output_embeddings().weight.shape[0])
+    if teacher_lm is not None:  # a served teacher reports its head's rows
+        rows["teacher"] = int(getattr(teacher_lm, "head_rows", None) or teacher_lm.get_output_embeddings().weight.shape[0])
     tok = getattr(env, "tokenizer", None)
     v = cfg.vocab_size or (len(tok) if tok is not None else rows["student"])
     short = {k: r for k, r in rows.items() if r < v}
@@ -469,7 +490,8 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> "Environmen
     if cfg.env.user_data:
         check_user_data(cfg)
     info = init_distributed()
-    return build_environment(cfg.env, student=cfg.student, teacher=cfg.teacher, load_teacher=cfg.arm_spec.uses_teacher,
+    return build_environment(cfg.env, student=cfg.student, teacher=cfg.teacher,
+                             load_teacher=cfg.arm_spec.uses_teacher and not cfg.teacher_url,
                              sft_dir=sft_cache_dir(cfg), builds_sft=info.rank == 0, after_sft=barrier,
                              train_k=cfg.train_k, progress=cfg.progress, log=log)
 
@@ -553,7 +575,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     check_requirements(cfg)  # packages and files, before anything is written
     info = init_distributed()
     # the SFT cache is written only when a default model is needed (as in `prepare`)
-    sft_needed = not cfg.student or (not cfg.teacher and cfg.arm_spec.uses_teacher)
+    sft_needed = not cfg.student or (not (cfg.teacher or cfg.teacher_url) and cfg.arm_spec.uses_teacher)
     extra = ((sft_cache_dir(cfg), "SFT cache directory"),) if sft_needed else ()
     run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=info.rank, world_size=info.world_size,
                       extra_dirs=extra, defaults=TrainConfig().to_dict(), log=log)
@@ -591,11 +613,20 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     _set_seed(cfg.seed)
     bundle = prepare(cfg, log)
     tokenizer, student_dir, teacher_dir = bundle.tokenizer, bundle.student_dir, bundle.teacher_dir
-    trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=bundle.teacher, env=bundle.env, world=bundle.tasks,
+    teacher_lm = bundle.teacher
+    if cfg.teacher_url and cfg.arm_spec.uses_teacher:  # the served teacher: connected (and checked) before any step
+        from memopd.teacher_client import ServedTeacher
+
+        teacher_lm = ServedTeacher(cfg.teacher_url, secret_file=cfg.teacher_secret_file or None, timeout=cfg.teacher_timeout,
+                                   retries=cfg.teacher_retries, transport=cfg.teacher_transport,
+                                   head_dir=cfg.teacher_head_dir or None)
+        teacher_dir = cfg.teacher_url
+    trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=teacher_lm, env=bundle.env, world=bundle.tasks,
                       log=log)
-    trainer.model_dirs = {"student": student_dir, "teacher": teacher_dir if trainer.teacher_lm is not None else None,
+    served = trainer.served_teacher is not None
+    trainer.model_dirs = {"student": student_dir, "teacher": teacher_dir if trainer.teacher_lm is not None and not served else None,
                           "reference": student_dir if trainer.ref_lm is not None else None}
-    if trainer.rank == 0 and not resume and not (cfg.student and cfg.teacher):  # retraining the cache names this run
+    if trainer.rank == 0 and not resume and not (cfg.student and (cfg.teacher or served)):  # retraining the cache names this run
         from memopd.env.sft import record_run
 
         record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))

@@ -55,6 +55,7 @@ __all__ = [
     "check_resume_config",
     "model_fingerprints",
     "check_model_fingerprints",
+    "check_served_teacher",
     "check_writable_dir",
     "previous_outputs",
     "clear_outputs",
@@ -78,8 +79,11 @@ _RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "curves.png")
 # it is given changes nothing; not safe with a decaying schedule, see `_safe_keys`), when
 # it checkpoints and evaluates (evaluation draws from no training stream), and how it
 # reports or threads (`cpu_threads` may change float rounding, never the recipe).
+# Where a served teacher answers and how it is reached (teacher_url, its secret, timeout and
+# retries) may change too: the checkpoint's weight fingerprint decides whether it is the same teacher.
 # `run_dir` is the directory itself and never compared.
-SAFE_RESUME_KEYS = frozenset({"steps", "checkpoint_every", "eval_every", "progress", "tensorboard", "cpu_threads"})
+SAFE_RESUME_KEYS = frozenset({"steps", "checkpoint_every", "eval_every", "progress", "tensorboard", "cpu_threads",
+                              "teacher_url", "teacher_secret_file", "teacher_timeout", "teacher_retries"})
 _IGNORED_KEYS = frozenset({"run_dir"})
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -303,6 +307,20 @@ def check_model_fingerprints(stored: dict | None, model_dirs: dict[str, str | No
             f"{now['sha256'][:16]} now ({', '.join(changed[:3])} changed); resuming would mix two {role} models. "
             "Restore those weights, or start a new run_dir (--overwrite discards this run)")
     return current
+
+
+def check_served_teacher(stored: dict | None, served: dict, checkpoint: str) -> None:
+    """Refuse (RunDirError) to resume `checkpoint` with a served teacher (`teacher_url=`) whose
+    weight fingerprint `served` is not the teacher's the checkpoint recorded (served or local:
+    the same files give the same fingerprint)."""
+    then = stored.get("teacher") if isinstance(stored, dict) else None
+    if not isinstance(then, dict) or then.get("sha256") == served["sha256"]:
+        return
+    was = then.get("url") or then.get("path")
+    raise RunDirError(
+        f"--resume: the teacher served at {served['url']} has weights {served['sha256'][:16]} ({served.get('path')}), but "
+        f"{os.path.basename(checkpoint)} was trained with teacher weights {then['sha256'][:16]} ({was}); resuming would "
+        "mix two teachers. Serve that teacher again, or start a new run_dir (--overwrite discards this run)")
 
 
 # --------------------------------------------------------------------------- places

@@ -154,10 +154,16 @@ def score(
     sampling temperature and vocabulary), for the student and the reference alike.
     `flatten_logp`: also the student's log-probs of the same entries in the flatten layout
     (one more forward; the mismatch metric's misaligned counterpart)."""
+    # a served teacher (memopd.teacher_client.ServedTeacher) has a `submit` and reports its embedding rows
+    served = getattr(teacher_lm, "submit", None) if teacher_layout else None
     models = [m for m in (actor.lm, ref_lm, teacher_lm if teacher_layout else None) if m is not None]
     check_token_ids(trajs, scored_rows(actor.scoring, head_of(actor.lm)),
-                    min(int(m.get_input_embeddings().weight.shape[0]) for m in models))
+                    min(int(m.embedding_rows if m is teacher_lm and served else m.get_input_embeddings().weight.shape[0])
+                        for m in models))
     check_sampling(trajs, actor.scoring.temperature)
+    pending = None
+    if served is not None:  # packed, cut and sent in the background while the passes below run
+        pending = served(lambda: _pack(trajs, max_tokens, action_domain, layout=teacher_layout), max_tokens)
     batch = _pack(trajs, max_tokens, action_domain)
 
     def logp_of(lm):
@@ -170,7 +176,9 @@ def score(
     logp_ref = _per_action(logp_of(ref_lm), batch, max_tokens) if ref_lm is not None else None
     values = _per_action(critic, batch, max_tokens)
     teacher_hidden = teacher_speaks = None
-    if teacher_lm is not None and teacher_layout is not None:
+    if pending is not None:  # zero outside the teacher mask, where the OPD term is masked out
+        teacher_hidden = pending.result().to(logp_old.device)
+    elif teacher_lm is not None and teacher_layout is not None:
         # same action domain: entry (b, t, k) is the same token under either layout
         tbatch = _pack(trajs, max_tokens, action_domain, layout=teacher_layout)
         reader = getattr(teacher_lm, "read_packed", None)
