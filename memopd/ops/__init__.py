@@ -23,6 +23,7 @@ _EXPORTS = {
     "fused_linear_logprob_entropy_loss": "memopd.ops.fused_distill",
     "reference_linear_logprob_entropy": "memopd.ops.reference_distill",
     "fused_linear_actor_loss": "memopd.ops.actor_loss",
+    "fused_linear_topk_reverse_kl": "memopd.ops.topk_kl",
     "reference_actor_loss": "memopd.ops.reference_actor",
     "ActorLossOutput": "memopd.kernels.contract",
     "LogProbEntropy": "memopd.kernels.contract",
