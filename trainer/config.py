@@ -86,6 +86,9 @@ class TrainConfig:
     teacher_transport: str = "fp32"  # fp32 | bf16: the hidden states on the wire
     teacher_timeout: float = 120.0  # seconds per request
     teacher_retries: int = 3  # retries of a failed request (backoff 0.5 s, doubling) before the run stops
+    # 0: the full-vocabulary KL from the served hidden states; K > 0: the server sends its top-K
+    # log-probs and the trainer uses the top-K reverse KL (memopd.ops.topk_kl; no lm_head needed)
+    teacher_topk: int = 0
     cache_dir: str = ".memopd_cache"
     # the environment and its data (memopd/env/build.py, EnvSpec): the generated world
     # (world, world_seed) or your own data (corpus, tasks, eval_tasks_file, tokenizer;
@@ -204,6 +207,9 @@ class TrainConfig:
         if self.teacher_url and not self.teacher_url.startswith(("http://", "https://")):
             raise ConfigError(f"teacher_url={self.teacher_url!r}: give http://HOST:PORT, the address `memopd "
                               "serve-teacher` prints")
+        if self.teacher_topk < 0 or (self.teacher_topk and not self.teacher_url):
+            raise ConfigError(f"teacher_topk={self.teacher_topk}: give 0 (full vocabulary) or K > 0 with teacher_url= "
+                              "(top-k log-probs come from a served teacher)")
         if self.teacher_transport not in ("fp32", "bf16"):
             raise ConfigError(f"teacher_transport must be fp32 or bf16, got {self.teacher_transport!r}")
         if not self.teacher_timeout > 0 or self.teacher_retries < 0:

@@ -107,6 +107,7 @@ class Trainer:
         self._served_head = None
         if self.served_teacher is not None:  # shapes and vocabulary checked at connect, before any step
             self.served_teacher.check(self.scoring.vocab_size)
+        if self.served_teacher is not None and not cfg.teacher_topk:  # the full-vocabulary KL needs the head
             h = self.served_teacher.lm_head()
             self._served_head = type(h)(h.weight.to(self.device, dtype), None if h.bias is None else h.bias.to(self.device, dtype),
                                         h.scale)
@@ -140,7 +141,7 @@ class Trainer:
     @property
     def teacher_head(self):
         """The teacher's head (weight, bias, measured logit scale), or None without a teacher."""
-        if self._served_head is not None:
+        if self.served_teacher is not None:  # None in top-k mode: the head stays on the server
             return self._served_head
         return head_of(self.teacher_lm) if self.teacher_lm is not None else None
 
@@ -222,7 +223,7 @@ class Trainer:
         scored = score(actor, critic, self.ref_lm, self.teacher_lm, trajs,
                        teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, kl_coef=cfg.kl_coef,
                        gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain,
-                       flatten_logp=cfg.mismatch_flatten)
+                       flatten_logp=cfg.mismatch_flatten, teacher_topk=cfg.teacher_topk)
         self.actor.train()
         self.critic.train()
         gen = torch.Generator().manual_seed(_mix(cfg.seed, step, self.rank, 2))

@@ -7,6 +7,8 @@ gradients (old and reference); `Critic(lm)(batch)` gives a value per action toke
 at its prediction position. `Scoring` is the sampler's distribution (temperature, the
 first `vocab_size` head rows): docs/design.md §7.6. The lm_head use stays inside
 `Actor.forward` so that ZeRO-3 gathers the weight the fused op reads (docs/deepspeed.md §4).
+With a served teacher's top-k log-probs (`teacher_topk=`) instead of its hidden states, the
+KL term is the top-k reverse KL (`memopd.ops.topk_kl`) added to the teacher-less actor loss.
 """
 from __future__ import annotations
 
@@ -126,15 +128,19 @@ class Actor(nn.Module):
         return packed_forward(self.lm, batch, output="hidden", attention_backend=self.attention_backend)
 
     def forward(self, batch: PackedBatch, teacher_hidden: torch.Tensor | None = None,
-                teacher_head: LMHead | None = None, ppo: PPOInputs | None = None):
+                teacher_head: LMHead | None = None, ppo: PPOInputs | None = None,
+                teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None):
         """`DistillOutput` per entry; with `ppo`, the whole actor loss from one fused op
         (`ActorLossOutput`: PPO surrogate + entropy bonus + teacher KL, gradients computed
-        in its forward)."""
+        in its forward). `teacher_topk` ([A, k] ids, [A, k] log-probs), with `ppo`: the KL
+        term is the top-k reverse KL of a served teacher's top-k log-probs."""
         h = self.hidden(batch)
         head = head_of(self.lm)
         targets = batch.target_ids.to(h.device)
         # logits / T = (scale * z) / T: the head's scale folds into the op's temperature
         temperature = self.scoring.temperature / head.scale
+        if ppo is not None and teacher_topk is not None:
+            return self._topk_actor_loss(h, head, targets, temperature, ppo, teacher_topk)
         if ppo is not None:
             th = tw = tb = None
             if teacher_hidden is not None:
@@ -156,6 +162,25 @@ class Actor(nn.Module):
             h, head.weight, th, tw, targets, student_bias=head.bias, teacher_bias=tb, reduction="none",
             temperature=temperature, vocab_size=scored_rows(self.scoring, head, teacher_head),
         )
+
+    def _topk_actor_loss(self, h, head: LMHead, targets, temperature: float, ppo: PPOInputs, teacher_topk):
+        """The teacher-less fused actor loss plus teacher_kl_coef * sum(top-k KL over the
+        KL mask) / kl_normalizer, the same weighting the fused op gives the full KL."""
+        from memopd.ops.topk_kl import PAD_ID, fused_linear_topk_reverse_kl
+
+        V = scored_rows(self.scoring, head)
+        out = fused_linear_actor_loss(
+            h, head.weight, targets, ppo.advantages, ppo.logp_old, student_bias=head.bias, kl_mask=ppo.kl_mask,
+            clip_eps=ppo.coefs.clip_eps, entropy_coef=ppo.coefs.entropy_coef, teacher_kl_coef=0.0,
+            temperature=temperature, normalizer=ppo.normalizer, kl_normalizer=ppo.kl_normalizer, vocab_size=V)
+        ids, lps = (t.to(h.device) for t in teacher_topk)
+        keep = ppo.kl_mask.to(h.device).bool()
+        ids = torch.where(keep[:, None], ids, PAD_ID)  # rows outside the KL mask contribute nothing
+        kl = fused_linear_topk_reverse_kl(h, head.weight[:V], ids, lps, temperature=temperature, reduction="none",
+                                          student_bias=None if head.bias is None else head.bias[:V])
+        kl = kl * keep
+        loss = out.loss + kl.sum() * (ppo.coefs.teacher_kl_coef / ppo.kl_normalizer)
+        return out._replace(loss=loss, kl=kl.detach().float())
 
     @staticmethod
     def _teacher_operands(head: LMHead, teacher_hidden, teacher_head: LMHead | None, dtype):

@@ -63,6 +63,8 @@ class Scored:
     # where the teacher speaks: None (everywhere) for a model; a reader teacher
     # (memopd.env.ruleteacher.RuleTeacher) is silent where its rule is, masked out of the OPD term
     teacher_speaks: torch.Tensor | None = None
+    # a served teacher's top-k answer instead of hidden states (teacher_topk=K): ([A, K] ids, [A, K] log-probs)
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def entry_offsets(batch, trajs: Sequence[Trajectory]) -> torch.Tensor:
@@ -149,11 +151,13 @@ def score(
     lam: float,
     action_domain: str = "exact",
     flatten_logp: bool = False,
+    teacher_topk: int = 0,
 ) -> Scored:
     """No-grad passes over a rollout batch. Log-probs are under `actor.scoring` (the
     sampling temperature and vocabulary), for the student and the reference alike.
     `flatten_logp`: also the student's log-probs of the same entries in the flatten layout
-    (one more forward; the mismatch metric's misaligned counterpart)."""
+    (one more forward; the mismatch metric's misaligned counterpart). `teacher_topk` > 0 (a
+    served teacher only): its top-k log-probs at the scoring temperature instead of hidden states."""
     # a served teacher (memopd.teacher_client.ServedTeacher) has a `submit` and reports its embedding rows
     served = getattr(teacher_lm, "submit", None) if teacher_layout else None
     models = [m for m in (actor.lm, ref_lm, teacher_lm if teacher_layout else None) if m is not None]
@@ -163,7 +167,9 @@ def score(
     check_sampling(trajs, actor.scoring.temperature)
     pending = None
     if served is not None:  # packed, cut and sent in the background while the passes below run
-        pending = served(lambda: _pack(trajs, max_tokens, action_domain, layout=teacher_layout), max_tokens)
+        topk = dict(output="topk", k=teacher_topk, temperature=actor.scoring.temperature,
+                    vocab_size=scored_rows(actor.scoring, head_of(actor.lm))) if teacher_topk else {}
+        pending = served(lambda: _pack(trajs, max_tokens, action_domain, layout=teacher_layout), max_tokens, **topk)
     batch = _pack(trajs, max_tokens, action_domain)
 
     def logp_of(lm):
@@ -175,8 +181,10 @@ def score(
     logp_old = _per_action(logp_of(actor.lm), batch, max_tokens)
     logp_ref = _per_action(logp_of(ref_lm), batch, max_tokens) if ref_lm is not None else None
     values = _per_action(critic, batch, max_tokens)
-    teacher_hidden = teacher_speaks = None
-    if pending is not None:  # zero outside the teacher mask, where the OPD term is masked out
+    teacher_hidden = teacher_speaks = topk_answer = None
+    if pending is not None and teacher_topk:
+        topk_answer = tuple(t.to(logp_old.device) for t in pending.result())
+    elif pending is not None:  # zero outside the teacher mask, where the OPD term is masked out
         teacher_hidden = pending.result().to(logp_old.device)
     elif teacher_lm is not None and teacher_layout is not None:
         # same action domain: entry (b, t, k) is the same token under either layout
@@ -201,7 +209,7 @@ def score(
     if flatten_logp:  # same action domain: entry (b, t, k) is the same token in either layout
         logp_flat = _per_action(logp_of(actor.lm), _pack(trajs, max_tokens, action_domain, layout="flatten"), max_tokens)
     return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, entry_offsets(batch, trajs),
-                  sample_dlogp, batch.is_sampled.clone(), recorded, logp_flat, teacher_speaks)
+                  sample_dlogp, batch.is_sampled.clone(), recorded, logp_flat, teacher_speaks, topk_answer)
 
 
 def teacher_mask_of(scored: Scored, mb, gid: torch.Tensor) -> torch.Tensor:
@@ -248,7 +256,7 @@ def update(
     """PPO epochs over minibatches; returns averaged statistics."""
     ppo_epochs, minibatches, max_tokens = settings.ppo_epochs, settings.minibatches, settings.max_tokens
     value_clip, whiten_advantages, action_domain = settings.value_clip, settings.whiten_advantages, settings.action_domain
-    has_teacher = scored.teacher_hidden is not None
+    has_teacher = scored.teacher_hidden is not None or scored.teacher_topk is not None
     coefs = ActorLossCoefs.for_update(clip_eps=settings.clip_eps, entropy_coef=settings.entropy_coef,
                                       opd_coef=settings.opd_coef, has_teacher=has_teacher)
     # global statistics: data-parallel ranks normalise as one process with the whole batch
@@ -294,12 +302,13 @@ def update(
                 weight = 1.0 if j < n_real else 0.0
                 gid = scored.offsets[gmap[mb.traj_index], mb.call_index] + mb.token_index
                 gid = gid.to(device)
-                th = scored.teacher_hidden.index_select(0, gid) if has_teacher else None
+                th = scored.teacher_hidden.index_select(0, gid) if scored.teacher_hidden is not None else None
+                topk = tuple(t.index_select(0, gid) for t in scored.teacher_topk) if scored.teacher_topk is not None else None
                 tm = teacher_mask_of(scored, mb, gid)
                 ppo = PPOInputs(scored.logp_old[gid], adv_all[gid], tm, coefs, normalizer=max(n_act, 1.0) / world,
                                 kl_normalizer=max(n_t, 1.0) / world)
                 # one fused op: PPO surrogate + entropy bonus + teacher KL, gradients in its forward
-                out = actor_backend.module(mb, th, teacher_head, ppo=ppo)
+                out = actor_backend.module(mb, th, teacher_head, ppo=ppo, **({"teacher_topk": topk} if topk else {}))
                 actor_backend.backward(out.loss * weight, last_micro_batch=last)
                 with torch.no_grad():  # per-token statistics from the op's detached outputs
                     pg, _ = policy_loss(out.logprobs, ppo.logp_old, ppo.advantages, coefs.clip_eps)

@@ -331,3 +331,24 @@ def test_server_dies_mid_run_then_resume(sft_dirs, tmp_path, teacher_port):
 
         train_again(_cfg(sft_dirs, ref, steps=3, teacher_url=url), log=lambda *_: None)
     assert resumed == _train_lines(ref)
+
+
+def test_train_topk_mode(sft_dirs, tmp_path):
+    """teacher_topk=K: the server sends top-K log-probs, the trainer never reads the lm_head;
+    with K = the whole vocabulary the top-k KL is the full one, so the metrics match the
+    full-vocabulary run to rounding (the two ops sum in different orders)."""
+    from memopd.trainer.loop import train
+
+    quiet = dict(log=lambda *_: None)
+    with served(sft_dirs[1]) as (_, url):
+        from memopd.teacher_client import ServedTeacher
+
+        vocab = ServedTeacher(url).head_rows
+        train(_cfg(sft_dirs, tmp_path / "full", teacher_url=url, steps=1, checkpoint_every=0), **quiet)
+        train(_cfg(sft_dirs, tmp_path / "topV", teacher_url=url, steps=1, checkpoint_every=0, teacher_topk=vocab), **quiet)
+        train(_cfg(sft_dirs, tmp_path / "top4", teacher_url=url, steps=1, checkpoint_every=0, teacher_topk=4), **quiet)
+    full, top_v, top4 = (_train_lines(tmp_path / n)[0] for n in ("full", "topV", "top4"))
+    assert full["train/kl_teacher"] > 0
+    assert top_v["train/kl_teacher"] == pytest.approx(full["train/kl_teacher"], rel=1e-4)
+    assert top_v["train/pg_loss"] == pytest.approx(full["train/pg_loss"], rel=1e-4, abs=1e-6)
+    assert top4["train/kl_teacher"] != pytest.approx(full["train/kl_teacher"], rel=1e-3)  # a truncated KL
