@@ -213,7 +213,7 @@ def test_bad_requests_limits_and_secret(tiny_models, tmp_path):
     assert "--secret-file" in r.stderr
 
 
-def test_unreachable_and_mismatched_server(tiny_server):
+def test_unreachable_and_mismatched_server(tiny_models, tiny_server, tmp_path):
     from memopd.teacher_client import ServedTeacher
 
     client = ServedTeacher(tiny_server[1], retries=0)
@@ -221,6 +221,15 @@ def test_unreachable_and_mismatched_server(tiny_server):
         with pytest.raises(UserError, match="129 ids"):  # a vocabulary the teacher cannot score, at connect
             client.check(129)
         client.check(128)
+        # the lm_head from a local copy of the served files: the downloaded one, bit for bit
+        local = ServedTeacher(tiny_server[1], retries=0, head_dir=str(tiny_models[0]))
+        assert torch.equal(local.lm_head().weight, client.lm_head().weight)
+        local.close()
+        tiny_models[1].save_pretrained(tmp_path / "other")  # other weights: refused, both fingerprints named
+        other = ServedTeacher(tiny_server[1], retries=0, head_dir=str(tmp_path / "other"))
+        with pytest.raises(UserError, match=client.fingerprint["sha256"][:16]):
+            other.lm_head()
+        other.close()
     finally:
         client.close()
     import socket
