@@ -433,7 +433,7 @@ def _small_result() -> dict:
 
 
 def _transports():
-    return ["hidden_fp32", "hidden_bf16", *(f"top{k}" for k in DEFAULT_KS)]
+    return ["hidden_fp32", *(f"top{k}" for k in DEFAULT_KS)]  # the bf16 step is the fp32 one after a cast
 
 
 try:
@@ -453,7 +453,7 @@ if _pytest is not None:
         k = None if transport.startswith("hidden") else int(transport[3:])
         benchmark.extra_info.update(transport=transport, times_s=times,
                                     bytes_per_token=res["bytes_per_token"][transport],
-                                    quality=res["quality"]["per_k"][k] if k else res["quality"]["bf16_hidden"])
+                                    quality=res["quality"]["per_k"][k] if k else None)
         assert all(t > 0 for t in times)
 
 
