@@ -108,11 +108,11 @@ class TeacherService:
                  max_tokens: int = 65536, max_request_bytes: int = 64 << 20):
         from .files import weights_fingerprint
         from .hf import head_of
-        from .models import load_local_model
+        from .models import check_model_dir, load_local_model
 
         if dtype not in TRANSPORT_DTYPES:
             raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(TRANSPORT_DTYPES)}")
-        self.model_dir = os.path.abspath(model_dir)
+        self.model_dir = os.path.abspath(check_model_dir(model_dir, "teacher"))
         self.fingerprint = weights_fingerprint(self.model_dir)
         if self.fingerprint is None:
             raise UserError(f"{model_dir!r} holds no weight files (*.safetensors, *.bin): not a teacher directory")
