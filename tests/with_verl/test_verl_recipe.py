@@ -58,13 +58,13 @@ def episode():
     """(config, outputs per dataset row, number of generate calls the server answered)."""
     import hydra
     import ray
+    from _tiny_server import TinyModelServer
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
     from verl.utils.dataset.rl_dataset import RLHFDataset
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
     import memopd.integrations.verl.agent_loop  # noqa: F401 - registers memopd_compact_memory
-    from _tiny_server import TinyModelServer
     from memopd.env.tokenizer import build_tokenizer
 
     # the server actor imports this folder's _tiny_server and the checkout's memopd
@@ -184,3 +184,231 @@ def test_rce_audit_hook_logs_every_n_steps(episode):
     assert m["memopd/rce_actions"] == sum(len(o.response_ids) for o in episode[1][0] + episode[1][1])
     with pytest.raises(ValueError, match="every"):
         RCEAuditHook(every=0)
+
+
+# ----------------------------------------------------------------- the registered loss vs verl's ppo_loss
+
+T = 0.9
+KL_COEF = 0.3
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+INFOS = {"local": {}, "dp2": {"dp_size": 2, "batch_num_tokens": 61, "global_batch_size": 5, "loss_scale_factor": 8}}
+
+
+@pytest.fixture(scope="module")
+def loss_case(episode):
+    """float64 student and teacher, the sessions of the episode's rows, per-call old
+    log-probs, advantages and teacher hidden states (from the teacher hook), and the
+    independent per-call forwards verl's loss is fed with."""
+    from memopd.hf import independent_forward
+    from memopd.integrations.verl.teacher import LocalTeacherScorer
+
+    sessions, _ = sessions_from_rows(_rows(episode))
+    student, teacher = _model(MODEL).double(), _model(TEACHER).double()
+    scores = LocalTeacherScorer(teacher).score_now(sessions)
+    g = torch.Generator().manual_seed(0)
+    old, adv, th, ref = [], [], [], []
+    for s, tr in enumerate(sessions):
+        old.append([]), adv.append([]), th.append([]), ref.append([])
+        for t, inv in enumerate(tr.invocations):
+            n = len(inv.action_ids)
+            old[s].append(torch.tensor(inv.sample_logprobs, dtype=torch.float64) + 0.4 * torch.randn(n, generator=g,
+                                                                                                     dtype=torch.float64))
+            adv[s].append(2 * torch.randn(n, generator=g, dtype=torch.float64))
+            th[s].append(scores[s][t].hidden)
+            n_in = len(inv.prefix_ids) + len(inv.context_ids)
+            ids = inv.prefix_ids + inv.context_ids + inv.action_ids
+            with torch.no_grad():
+                zt = independent_forward(teacher, ids)[n_in - 1:n_in - 1 + n] / T
+            ref[s].append((n_in, ids, zt))
+    return sessions, student, teacher, old, adv, th, ref
+
+
+def _memopd_loss(case, mode, weighting, info, via_forward=False):
+    from omegaconf import OmegaConf
+
+    from memopd.hf import head_of, packed_forward
+    from memopd.integrations.verl.training import install_packed_loss_forward, memopd_actor_loss, session_inputs
+
+    sessions, student, teacher, old, adv, th, _ = case
+    inputs = session_inputs(sessions, old, adv, th)
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+                               "entropy_coeff": 0.01, "loss_agg_mode": mode, "global_batch_info": dict(info),
+                               "teacher_kl_coef": KL_COEF, "temperature": T, "memopd_weighting": weighting})
+    if via_forward:  # inside the model's own forward, as the engine runs it
+        model = install_packed_loss_forward(student)
+        return model(memopd_batch=inputs.batch, memopd_loss=lambda h, head: memopd_actor_loss(
+            config, {"hidden": h, "head": head, "inputs": inputs, "teacher_head": head_of(teacher)}))
+    h = packed_forward(student, inputs.batch, output="hidden")
+    return memopd_actor_loss(config, {"hidden": h, "head": head_of(student), "inputs": inputs,
+                                      "teacher_head": head_of(teacher)})
+
+
+def _verl_loss(case, mode, weighting, info):
+    """verl's own ppo_loss on verl's rows (one per call, or one per session with its calls'
+    responses concatenated), fed the log-probs and entropy of independent per-call
+    forwards, plus KL_COEF x verl's agg_loss of the full-vocabulary reverse KL."""
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    sessions, student, _, old, adv, _, ref = case
+    calls = []  # (session, prompt length, log_probs, entropy, kl, old, adv) per call
+    for s, tr in enumerate(sessions):
+        for t in range(len(tr.invocations)):
+            n_in, ids, zt = ref[s][t]
+            n = zt.shape[0]
+            z = student(input_ids=torch.tensor([ids]), use_cache=False).logits[0, n_in - 1:n_in - 1 + n] / T
+            ls, lt = torch.log_softmax(z, -1), torch.log_softmax(zt, -1)
+            lp = ls.gather(-1, torch.tensor(ids[n_in:])[:, None])[:, 0]
+            calls.append((s, n_in, lp, -(ls.exp() * ls).sum(-1), (ls.exp() * (ls - lt)).sum(-1), old[s][t], adv[s][t]))
+    if weighting == "per_session":  # one row per session: the calls' responses side by side
+        rows = []
+        for s in range(len(sessions)):
+            mine = [c for c in calls if c[0] == s]
+            rows.append((s, mine[0][1], *(torch.cat([c[k] for c in mine]) for k in range(2, 7))))
+    else:
+        rows = calls
+    B, P, R = len(rows), max(r[1] for r in rows), max(r[2].shape[0] for r in rows)
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    att = torch.zeros(B, P + R, dtype=torch.long)
+    pad = {k: torch.zeros(B, R, dtype=torch.float64) for k in ("old", "adv", "kl")}
+    mask = torch.zeros(B, R, dtype=torch.long)
+    flat_lp, flat_ent = [], []
+    for b, (_, p, lp, ent, kl, o, a) in enumerate(rows):
+        n = lp.shape[0]
+        att[b, P - p:P + n] = 1
+        mask[b, :n] = 1
+        pad["old"][b, :n], pad["adv"][b, :n], pad["kl"][b, :n] = o, a, kl
+        # verl's unpadded engine output: position i holds the prediction of token i + 1
+        flat_lp.append(torch.cat([lp.new_zeros(p - 1), lp, lp.new_zeros(1)]))
+        flat_ent.append(torch.cat([ent.new_zeros(p - 1), ent, ent.new_zeros(1)]))
+    data = TensorDict({"prompts": prompts, "responses": torch.zeros(B, R, dtype=torch.long), "attention_mask": att,
+                       "response_mask": mask, "old_log_probs": pad["old"], "advantages": pad["adv"]}, batch_size=[B])
+    tu.assign_non_tensor(data, dp_size=info.get("dp_size", 1), batch_num_tokens=info.get("batch_num_tokens"),
+                         global_batch_size=info.get("global_batch_size"))
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+                               "global_batch_info": {}, "loss_scale_factor": info.get("loss_scale_factor"),
+                               "loss_agg_mode": mode, "policy_loss": {"loss_mode": "vanilla"}, "entropy_coeff": 0.01,
+                               "use_kl_loss": False})
+    loss, metrics = ppo_loss(config, {"log_probs": torch.cat(flat_lp), "entropy": torch.cat(flat_ent)}, data)
+    kl = agg_loss(pad["kl"], mask.bool(), mode, **config.global_batch_info)
+    return loss + KL_COEF * kl, metrics
+
+
+@pytest.mark.parametrize("info", list(INFOS))
+@pytest.mark.parametrize("weighting", ["per_call", "per_session"])
+@pytest.mark.parametrize("mode", MODES)
+def test_registered_loss_equals_verl_ppo_loss_plus_kl(loss_case, mode, weighting, info):
+    got, metrics = _memopd_loss(loss_case, mode, weighting, INFOS[info])
+    want, verl_metrics = _verl_loss(loss_case, mode, weighting, INFOS[info])
+    assert float(verl_metrics["actor/pg_clipfrac"].aggregate()) > 0  # the clip branches are taken
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-11, atol=1e-12)
+    assert metrics["memopd/calls"] == 7 and metrics["memopd/teacher_kl"] > 0
+
+
+@pytest.mark.parametrize("weighting", ["per_call", "per_session"])
+def test_registered_loss_gradients_equal_verl_inside_the_forward(loss_case, weighting):
+    student = loss_case[1]
+    params = [p for p in student.parameters()]
+    got, _ = _memopd_loss(loss_case, "seq-mean-token-mean", weighting, {}, via_forward=True)
+    g_got = torch.autograd.grad(got, params, allow_unused=True)
+    want, _ = _verl_loss(loss_case, "seq-mean-token-mean", weighting, {})
+    g_want = torch.autograd.grad(want, params, allow_unused=True)
+    diff = {n: float((a - b).abs().max()) for (n, _), a, b in zip(student.named_parameters(), g_got, g_want)}
+    top = {n: d for n, d in diff.items() if n.startswith(("lm_head", "model.norm", "model.layers.1."))}
+    print(f"{weighting}: loss {float(got.detach()):.6f}, max |gradient difference| {max(diff.values()):.2e} "
+          f"(lm_head, final norm, last layer: {max(top.values()):.2e}; float64)")
+    assert all((a is None) == (b is None) for a, b in zip(g_got, g_want)) and float(got) != 0.0
+    # the head, the fused loss and the last layer agree to float64 rounding; what flows back
+    # through the packed attention's CPU backward into earlier layers differs by ~1e-8
+    assert max(top.values()) <= 1e-12 and max(diff.values()) <= 1e-6
+
+
+def test_session_weighting_as_documented(loss_case):
+    from memopd.integrations.verl.training import session_inputs, token_weights
+
+    sessions = loss_case[0]
+    batch = session_inputs(sessions, loss_case[3], loss_case[4]).batch
+    n_calls = torch.tensor([len(tr.invocations) for tr in sessions], dtype=torch.float64)
+    for mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        per_call = torch.zeros(len(sessions), dtype=torch.float64).index_add_(
+            0, batch.traj_index, token_weights(batch, sessions, mode, "per_call"))
+        per_session = torch.zeros(len(sessions), dtype=torch.float64).index_add_(
+            0, batch.traj_index, token_weights(batch, sessions, mode, "per_session"))
+        if mode == "seq-mean-token-mean":  # each row's tokens sum to 1/G: a session weighs its call count (per call) or 1
+            torch.testing.assert_close(per_call, n_calls / n_calls.sum())
+            torch.testing.assert_close(per_session, torch.full_like(per_session, 1 / len(sessions)))
+    # token modes do not see rows
+    torch.testing.assert_close(token_weights(batch, sessions, "token-mean", "per_call"),
+                               token_weights(batch, sessions, "token-mean", "per_session"))
+    with pytest.raises(ValueError, match="weighting"):
+        token_weights(batch, sessions, "token-mean", "per_turn")
+
+
+def test_micro_batches_keep_sessions_whole_and_add_up(loss_case):
+    from memopd.integrations.verl.rows import session_sizes
+    from memopd.integrations.verl.training import session_micro_batches
+
+    sessions, student, teacher, old, adv, th, _ = loss_case
+    sizes = session_sizes(sessions)
+    budget = max(sizes) + 1
+    groups = session_micro_batches(sessions, budget)
+    assert len(groups) > 1 and sorted(i for g in groups for i in g) == list(range(len(sessions)))
+    assert all(sum(sizes[i] for i in g) <= budget for g in groups)
+    with pytest.raises(ValueError, match="never split"):
+        session_micro_batches(sessions, max(sizes) - 1)
+    # gradient accumulation: micro-batch losses with the global counts add up to the whole batch's
+    n_tokens = sum(len(i.action_ids) for tr in sessions for i in tr.invocations)
+    for mode, info in (("token-mean", {"batch_num_tokens": n_tokens}), ("seq-mean-token-mean", {"global_batch_size": 3})):
+        whole, _ = _memopd_loss(loss_case, mode, "per_session", info)
+        parts = 0.0
+        for g in groups:
+            sub = ([sessions[i] for i in g], student, teacher, [old[i] for i in g], [adv[i] for i in g],
+                   [th[i] for i in g], None)
+            parts = parts + _memopd_loss(sub, mode, "per_session", info)[0]
+        torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-13)
+
+
+def test_example_config_loads_in_verls_hydra_config():
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import load_class_from_fqn
+    from verl.workers.config import RolloutConfig
+
+    from memopd.integrations.verl.agent_loop import CompactMemoryAgentLoop, memopd_settings
+
+    cfg = _config()
+    agent = cfg.actor_rollout_ref.rollout.agent
+    assert agent.default_agent_loop == "memopd_compact_memory" and cfg.trainer.use_v1
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # verl's own validation of the section
+    assert isinstance(rollout, RolloutConfig) and rollout.calculate_log_probs
+    manager = load_class_from_fqn(agent.agent_loop_manager_class, "AgentLoopManager")
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
+
+    assert issubclass(manager, AgentLoopManagerTQ)
+    loops = OmegaConf.load(os.path.join(ROOT, agent.agent_loop_config_path))
+    assert [x.name for x in loops] == ["memopd_compact_memory"]
+    assert load_class_from_fqn(loops[0]._target_, "AgentLoop") is CompactMemoryAgentLoop
+    s = memopd_settings(cfg)
+    assert s["policy"] == "window" and s["policy_kwargs"] == {"turns": 1} and s["loss"]["weighting"] in ("per_call", "per_session")
+
+
+def test_make_loss_fn_binds_the_memopd_settings(loss_case):
+    from memopd.hf import head_of, packed_forward
+    from memopd.integrations.verl.training import make_loss_fn, session_inputs
+
+    sessions, student, teacher, old, adv, th, _ = loss_case
+    actor = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+             "entropy_coeff": 0.01, "loss_agg_mode": "seq-mean-token-sum", "global_batch_info": {}}
+    fn = make_loss_fn(actor, {"loss": {"teacher_kl_coef": KL_COEF, "weighting": "per_session"}}, temperature=T)
+    inputs = session_inputs(sessions, old, adv, th)
+    with torch.no_grad():
+        got, _ = fn(model_output={"hidden": packed_forward(student, inputs.batch, output="hidden"),
+                                  "head": head_of(student), "inputs": inputs, "teacher_head": head_of(teacher)},
+                    data=None, dp_group=None)
+        want, _ = _verl_loss(loss_case, "seq-mean-token-sum", "per_session", {})
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+    with pytest.raises(ValueError, match="weighting"):
+        make_loss_fn(actor, {"loss": {"weighting": "per_turn"}})

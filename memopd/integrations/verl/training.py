@@ -52,7 +52,7 @@ from .hooks import LOSS_AGG_MODES
 from .teacher import session_groups
 
 __all__ = ["WEIGHTINGS", "SessionInputs", "session_micro_batches", "session_inputs", "token_weights",
-           "memopd_actor_loss", "install_packed_loss_forward", "register_engine"]
+           "memopd_actor_loss", "make_loss_fn", "install_packed_loss_forward", "register_engine"]
 
 WEIGHTINGS = ("per_call", "per_session")
 
@@ -207,6 +207,25 @@ def memopd_actor_loss(config, model_output: dict, data: Any = None, dp_group=Non
         if th is not None:
             metrics["memopd/teacher_kl"] = float((per_token["kl"] * wd).sum())
     return loss, metrics
+
+
+def make_loss_fn(actor_config, settings: dict, temperature: float = 1.0):
+    """`memopd_actor_loss` bound to verl's actor config with the `memopd.loss` settings
+    (`teacher_kl_coef`, `weighting`) and the rollout temperature: what
+    `ActorRolloutRefWorker.set_loss_fn` takes in place of verl's `ppo_loss`."""
+    from functools import partial
+
+    from omegaconf import OmegaConf
+
+    loss = dict(settings.get("loss") or {})
+    weighting = loss.get("weighting", "per_call")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"memopd.loss.weighting={weighting!r}; choose one of {WEIGHTINGS}")
+    base = OmegaConf.create(OmegaConf.to_container(actor_config, resolve=True)) if not isinstance(actor_config, dict) \
+        else OmegaConf.create(actor_config)
+    merged = OmegaConf.merge(base, {"teacher_kl_coef": float(loss.get("teacher_kl_coef", 0.0)),
+                                    "memopd_weighting": weighting, "temperature": float(temperature)})
+    return partial(memopd_actor_loss, config=merged)
 
 
 class _PackedLossForward:
