@@ -2,7 +2,8 @@
 # The verl stage of CI: tests/with_verl in a venv of its own. verl 0.9.1 pins
 # transformers >=5.5.3,<5.11 and tensordict <=0.10.0, which the test extra's newest
 # transformers conflicts with; its agent loop imports cachetools, uvicorn and fastapi
-# without declaring them, and its TransferQueue trainer (trainer/ppo/v1) needs transferqueue. torch is installed first (the CPU wheel) and must stay 2.13.0+cpu.
+# without declaring them, and its TransferQueue trainer (trainer/ppo/v1) imports
+# transferqueue. torch is installed first (the CPU wheel) and must stay 2.13.0+cpu.
 # The tests import the checkout's memopd (C++ core built in place by `pip install -e`) from
 # the repository root. Prints the install and test times. VERL_VENV=DIR reuses (or keeps) a
 # venv there instead of a temporary one.
