@@ -18,6 +18,8 @@ import torch
 
 from memopd.integrations.verl.rows import ROW_KEY, sessions_from_rows
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 V = 97
