@@ -1,35 +1,34 @@
-"""A verl-style PPO actor whose log-probs and loss come from memopd's fused ops, run on
-CPU, optionally under FSDP2 with several gloo ranks.
+"""A padded-batch PPO actor whose log-probs and loss come from memopd's tensor-level verl
+hooks (`memopd.integrations.verl.hooks`), run on CPU, optionally under FSDP2 with several
+gloo ranks.
 
-What changes in a verl actor (`DataParallelPPOActor`):
+verl 0.9 no longer ships the `DataParallelPPOActor` this example was first written
+against: it trains through engine workers (`workers/engine_workers.py`) and its FSDP
+engine, and memopd's recipe for it (agent loop, teacher scoring of every call, packed
+session training, the fused loss as verl's loss) is docs/verl.md. What this example still
+shows holds for any actor on the `[B, R]` response layout verl's `ppo_loss` uses:
 
-1. The forward returns the last hidden states, not logits. verl's
-   `_forward_micro_batch` computes `logits = model(...).logits[:, -R-1:-1] / T`, then
-   `logprobs_from_logits` and `entropy_from_logits` over `[B, R, V]`; here the backbone
-   runs without its head and `memopd.integrations.verl.compute_log_prob(h,
-   lm_head.weight, responses, response_mask, temperature=T)` returns the same `[B, R]`
-   log-probs and entropy without forming the logits.
-2. `update_policy` computes its loss from those hidden states:
+1. The forward returns the last hidden states, not logits:
+   `compute_log_prob(h, lm_head.weight, responses, response_mask, temperature=T)` gives
+   the `[B, R]` log-probs and entropy without forming `[B, R, V]` logits.
+2. The update's loss comes from those hidden states:
    `policy_loss(h, lm_head.weight, responses, response_mask, old_log_prob, advantages,
-   clip_ratio=..., entropy_coeff=..., loss_agg_mode=..., global_batch_info=...)`
-   replaces `compute_policy_loss_vanilla` + `agg_loss` of the entropy. With a teacher,
-   `teacher_hidden_states=`, `teacher_weight=` and `teacher_kl_coef=` add memopd's
-   full-vocabulary reverse KL.
+   clip_ratio=..., entropy_coeff=..., loss_agg_mode=..., global_batch_info=...)` equals
+   verl's vanilla policy loss + `agg_loss` of the entropy; `teacher_hidden_states=`,
+   `teacher_weight=` and `teacher_kl_coef=` add memopd's full-vocabulary reverse KL.
 3. Under FSDP / FSDP2 or DeepSpeed ZeRO-3 the lm_head weight is sharded; outside the
    forward of the module that owns it, it is a placeholder. The fused ops read the whole
-   weight in their forward and again in their backward (they recompute logit tiles), so
-   they must run **inside the forward of the module that owns the lm_head**:
-   `ActorModule.forward` below is that module. FSDP2's hooks then all-gather the weight
-   for the forward and again for the backward and reduce-scatter its gradient. Under
-   ZeRO-3, do the same (or declare the weight with
-   `deepspeed.zero.register_external_parameter(module, lm_head.weight)` where another
-   module's forward reads it); docs/deepspeed.md §4 has the rules.
+   weight in their forward and again in their backward, so they must run **inside the
+   forward of the module that owns the lm_head**: `ActorModule.forward` below is that
+   module (the recipe's `install_packed_loss_forward` does the same for verl's engine).
+   Under ZeRO-3, do the same (or declare the weight with
+   `deepspeed.zero.register_external_parameter(module, lm_head.weight)`); docs/deepspeed.md §4.
 
-That is ~20 changed lines in an actor, not two. `python examples/verl_style_actor.py`
-runs one update on one process; `--ranks 2` runs it under FSDP2 with 2 gloo processes,
-each with its half of the batch, and checks the averaged gradient against one process
-holding the whole batch (verl's `global_batch_info` makes the per-rank losses add up to
-the global token mean). `tests/integrations/test_examples.py` runs both.
+`python examples/verl_style_actor.py` runs one update on one process; `--ranks 2` runs it
+under FSDP2 with 2 gloo processes, each with its half of the batch, and checks the
+averaged gradient against one process holding the whole batch (verl's
+`global_batch_info` makes the per-rank losses add up to the global token mean).
+`tests/integrations/test_examples.py` runs both.
 """
 from __future__ import annotations
 
@@ -66,7 +65,7 @@ class ActorModule(nn.Module):
 
 
 class VerlStyleActor:
-    """verl's actor reduced to the two methods the fused ops change."""
+    """A padded-batch actor reduced to the two methods the fused ops change."""
 
     def __init__(self, module: nn.Module, *, temperature: float = 1.0, clip_ratio: float = 0.2,
                  entropy_coeff: float = 0.01, loss_agg_mode: str = "token-mean"):

@@ -4,9 +4,10 @@
   by the fused JSD op on last hidden states (never `[tokens x vocab]` logits).
 - `memopd.integrations.liger`: `LigerFusedLinearJSDLoss`, Liger's chunked JSD loss module
   with Liger's constructor, argument order and return type.
-- `memopd.integrations.verl`: the log-prob / entropy / policy-loss hooks of a verl or
-  OpenRLHF actor in their `[B, R]` response conventions, and a packed forward of their
-  padded (multi-turn) batches.
+- `memopd.integrations.verl`: memopd in verl 0.9 (the `memopd_compact_memory` agent
+  loop, teacher scoring of every call, packed session training with the fused loss as
+  verl's loss, the RCE audit hook; docs/verl.md), and tensor-level hooks in verl's
+  `[B, R]` response conventions.
 
 Submodules are imported on demand; only `trl` needs its framework installed
 (`pip install 'memopd[integrations]'`). Option meanings side by side: docs/integrations.md.

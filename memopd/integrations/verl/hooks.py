@@ -1,37 +1,27 @@
-"""verl / OpenRLHF actor hooks on memopd's fused ops, in their `[B, R]` response layout.
+"""Tensor-level hooks in verl's `[B, R]` response layout, on memopd's fused ops.
 
-A verl actor (`dp_actor.DataParallelPPOActor`) runs the model on the padded batch
-`input_ids [B, L]` (prompt left-padded, response right-padded, `R` response columns at
-the end), slices the logits of the positions that predict the response,
-`logits[:, -R-1:-1] / temperature`, and takes log-softmax and entropy over the full
-vocabulary: `[B, R, V]` tensors. The hooks here take the last hidden states and the
-lm_head instead and never form them:
+verl 0.9's losses (`verl.workers.utils.losses.ppo_loss`) turn the engine's unpadded
+output back into `[B, R]` response tensors (prompt left, response right, `R` response
+columns) and aggregate with `core_algos.agg_loss`. These functions follow those
+conventions, taking the last hidden states and the lm_head instead of `[B, R, V]` logits:
 
 - `compute_log_prob(hidden_states [B, L, H], weight, responses [B, R], response_mask)`
-  -> `(log_probs [B, R], entropy [B, R] | None)`: what `compute_log_prob` /
-  `_forward_micro_batch` return (0 where `response_mask` is 0, where verl leaves values
-  the loss masks out anyway).
-- `policy_loss(...)` -> `(loss, metrics)`: the actor loss of verl's `ppo_loss`: the
-  vanilla PPO surrogate (`core_algos.compute_policy_loss_vanilla`: log-ratio clamped to
-  [-20, 20], ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip
-  `clip_ratio_c` for negative advantages) minus `entropy_coeff` x entropy, aggregated by
-  `loss_agg_mode` as verl's `agg_loss` ("token-mean", "token-sum",
-  "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", with verl's
-  `global_batch_info`: `dp_size`, `batch_num_tokens`, `global_batch_size`,
-  `loss_scale_factor`); optionally plus `teacher_kl_coef` x the full-vocabulary reverse KL to a
-  frozen teacher, aggregated the same way (memopd's on-policy distillation term).
+  -> `(log_probs [B, R], entropy [B, R] | None)` at the sampling temperature (0 where
+  `response_mask` is 0).
+- `policy_loss(...)` -> `(loss, metrics)`: verl's `ppo_loss` for the vanilla surrogate
+  (`core_algos.compute_policy_loss_vanilla`: log-ratio clamped to [-20, 20], ratio
+  clipped to [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip `clip_ratio_c`) minus
+  `entropy_coeff` x entropy, aggregated by `agg_loss` (every `loss_agg_mode`, with verl's
+  `global_batch_info`); optionally plus `teacher_kl_coef` x the full-vocabulary reverse KL
+  to a frozen teacher, aggregated the same way.
 - `packed_log_prob(model, input_ids, attention_mask, position_ids, responses,
-  response_mask)`: the same `[B, R]` log-probs (and entropy) from a padded (multi-turn)
-  batch, computed by memopd's packed forward: the real tokens of every row go into one
-  stream, one segment per row with its own position ids (`memopd.hf.packed_forward`,
-  docs/design.md §9.1), so no compute is spent on padding.
+  response_mask)`: the same `[B, R]` log-probs from a padded batch through memopd's packed
+  forward (one segment per row at its own positions), no compute on padding.
 
-verl need not be installed: these functions only follow its tensor conventions. The
-tests compare them with verl 0.9.1's own functions (`core_algos.agg_loss`,
-`compute_policy_loss_vanilla`, `torch_functional.logprobs_from_logits` /
-`entropy_from_logits`) when verl is installed. Where they sit in an actor, and why under
-FSDP / ZeRO-3 they must run inside the forward that owns the lm_head:
-docs/integrations.md and `examples/verl_style_actor.py`.
+verl need not be installed: these functions only follow its tensor conventions
+(tests/integrations/test_integrations_verl.py compares them with verl 0.9.1's own
+functions). The session recipe (agent loop, teacher scoring of every call, packed
+training of a session's calls) is the rest of `memopd.integrations.verl`; docs/verl.md.
 """
 from __future__ import annotations
 
