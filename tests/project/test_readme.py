@@ -1,6 +1,7 @@
 """The README's Python examples run as written (docs that drift fail here), and
 without a warning: a user who copies one should not be warned by our own lines. Every
-relative link of the README and docs/*.md (files, images, #anchors) resolves."""
+relative link of the README, benchmarks/README.md and every .md under docs/ (files, images,
+#anchors) resolves."""
 import re
 import warnings
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-LINKED_DOCS = [README, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINKED_DOCS = [README, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def test_readme_has_examples():
