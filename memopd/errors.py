@@ -31,6 +31,7 @@ import re
 
 __all__ = [
     "UserError",
+    "ConfigError",
     "RunDirError",
     "UnsafeFileError",
     "OutputError",
@@ -72,6 +73,10 @@ class UserError(Exception):
     """Bad input the user can fix; the message names the input and the fix."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class ConfigError(UserError, ValueError):
+    """A run configuration that cannot run as given (`memopd train` key=value, config.yaml)."""
 
 
 class RunDirError(UserError):

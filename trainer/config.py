@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from memopd.env.build import ENV_SPEC_FIELDS, EnvSpec
-from memopd.errors import UserError
+from memopd.errors import ConfigError
 from memopd.packing import ACTION_DOMAINS
 
 __all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "world_config", "check_requirements", "check_user_data"]
@@ -61,10 +61,6 @@ _TEACHER_LAYOUTS = {Arm.PPO: None, Arm.PERSISTENT: "flatten", Arm.MEMOPD: "align
                     Arm.BROKEN_POSITIONS: "positions_broken", Arm.BROKEN_VISIBILITY: "visibility_broken"}
 ARMS = tuple(a.value for a in Arm)
 ROLLOUT_ENGINES = ("hf", "vllm")
-
-
-class ConfigError(UserError, ValueError):
-    pass
 
 
 @dataclass
@@ -384,9 +380,9 @@ del _name
 
 
 def world_config(preset: str, seed: int = 0):
-    """The `WorldConfig` of world preset `preset` (`memopd.env.world.world_preset`), or
+    """The `WorldConfig` of world preset `preset` (`memopd.env.qa.world.world_preset`), or
     `ConfigError` naming the known presets."""
-    from memopd.env.world import world_preset
+    from memopd.env.qa.world import world_preset
 
     try:
         return world_preset(preset, seed=seed)
@@ -409,7 +405,7 @@ def check_user_data(cfg: "TrainConfig") -> None:
     missing = [k for k in ("corpus", "tasks") if not getattr(cfg, k)]
     if missing:
         raise ConfigError(f"bring-your-own data needs both corpus=DOCS.jsonl and tasks=SETS.jsonl "
-                          f"(missing: {', '.join(missing)}); see memopd/env/data.py for the formats")
+                          f"(missing: {', '.join(missing)}); see memopd/env/qa/data.py for the formats")
     if not cfg.student:
         raise ConfigError("corpus=/tasks= need student=DIR (a local HF causal-LM checkpoint): the built-in SFT'd "
                           "models only know the generated world")

@@ -463,7 +463,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> "Environmen
     checkpoints, with memopd_env.json); rank 0 builds missing ones, the others wait.
     Bring-your-own (corpus=/tasks=): any local HF causal LMs with their tokenizer on the
     user's corpus and question sets; the bundle's `tasks` is then a
-    `memopd.env.tasks.UserTasks` (the same `sample_tasks` interface as a `World`)."""
+    `memopd.env.qa.tasks.UserTasks` (the same `sample_tasks` interface as a `World`)."""
     from memopd.env.build import build_environment
 
     if cfg.env.user_data:
@@ -486,7 +486,7 @@ def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -
 
 
 def _write_agent(trainer: "Trainer", lm, tokenizer, student_dir: str, out_dir: str) -> None:
-    from memopd.env.sft import ENV_META_FILE
+    from memopd.env.qa.sft import ENV_META_FILE
 
     lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -517,8 +517,8 @@ def _write_agent(trainer: "Trainer", lm, tokenizer, student_dir: str, out_dir: s
 def _check_saved_tokenizer(tokenizer, out_dir: str, env, log: Callable[[str], None]) -> None:
     """Warn if the tokenizer reloaded from a saved agent dir (AutoTokenizer may rebuild it
     by the model config's type) encodes differently from the one the run used."""
-    from memopd.env.protocol import SPECIAL_TOKENS, prefix_text
-    from memopd.env.tokenizer import load_tokenizer
+    from memopd.env.qa.protocol import SPECIAL_TOKENS, prefix_text
+    from memopd.env.qa.tokenizer import load_tokenizer
 
     probe = [prefix_text(["what is it ?", "who said so"]), " ".join(SPECIAL_TOKENS[4:])]
     probe += [" " + d.display for d in env.documents[:8]]
@@ -584,8 +584,8 @@ def _forget_unstarted_run(run_dir: str) -> None:
 
 def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t0: float, cpu0: float) -> dict:
     """`train` inside its opened run directory `run`."""
-    from memopd.env.evaluate import evaluate as evaluate_dir
-    from memopd.env.evaluate import format_comparison, format_table
+    from memopd.env.qa.evaluate import evaluate as evaluate_dir
+    from memopd.env.qa.evaluate import format_comparison, format_table
     from memopd.files import atomic_write_json
 
     _set_seed(cfg.seed)
@@ -596,7 +596,7 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     trainer.model_dirs = {"student": student_dir, "teacher": teacher_dir if trainer.teacher_lm is not None else None,
                           "reference": student_dir if trainer.ref_lm is not None else None}
     if trainer.rank == 0 and not resume and not (cfg.student and cfg.teacher):  # retraining the cache names this run
-        from memopd.env.sft import record_run
+        from memopd.env.qa.sft import record_run
 
         record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))
 

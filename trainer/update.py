@@ -61,7 +61,7 @@ class Scored:
     # the student's log-probs of the same entries packed in the flatten layout (mismatch_flatten)
     logp_flatten: torch.Tensor | None = None
     # where the teacher speaks: None (everywhere) for a model; a reader teacher
-    # (memopd.env.ruleteacher.RuleTeacher) is silent where its rule is, masked out of the OPD term
+    # (memopd.trainer.experiments.ruleteacher.RuleTeacher) is silent where its rule is, masked out of the OPD term
     teacher_speaks: torch.Tensor | None = None
 
 

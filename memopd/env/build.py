@@ -13,7 +13,7 @@ the `Environment` (`QAEnv`), the `TaskSource` the trainer samples question sets 
   student that is not one, before any SFT is run;
 - bring-your-own data (`spec.user_data`): any local HF causal-LM student/teacher, their
   tokenizer (tags become id sequences when it splits them), the user's corpus and
-  question sets (memopd/env/data.py).
+  question sets (memopd/env/qa/data.py).
 
 Nothing here imports the trainer: the trainer builds on this module, not the reverse.
 """
@@ -34,10 +34,10 @@ __all__ = ["EnvSpec", "EnvironmentBundle", "build_environment", "check_world_che
 class EnvSpec:
     """The environment/data section of a training config (`TrainConfig.env`).
 
-    world / world_seed: a world preset of `memopd.env.world` ("default", "replication":
+    world / world_seed: a world preset of `memopd.env.qa.world` ("default", "replication":
     the held-out replication world of docs/design.md §10) and its seed.
     corpus / tasks / eval_tasks_file: bring your own data, a corpus JSONL and training
-    question sets JSONL (memopd/env/data.py) that replace the generated world; the
+    question sets JSONL (memopd/env/qa/data.py) that replace the generated world; the
     held-out sets JSONL is evaluated at the end (grouped by their k).
     tokenizer: a tokenizer directory for user data (default: the student directory).
     policy / policy_kwargs: the memory policy (`memopd.memory.POLICIES`) and its
@@ -109,7 +109,7 @@ def check_world_checkpoint(spec: EnvSpec, student: str) -> None:
     and no tokenizer may be given. Run before any SFT, so a wrong setting fails at once."""
     import json
 
-    from .sft import ENV_META_FILE
+    from .qa.sft import ENV_META_FILE
 
     if spec.tokenizer:
         raise UserError(f"tokenizer={spec.tokenizer!r} is only used with your own data (corpus=, tasks=); the "
@@ -152,8 +152,8 @@ def build_environment(spec: EnvSpec, *, student: str = "", teacher: str = "", lo
         if sft_dir is None:
             raise ValueError(f"build_environment: no {' or '.join(need)} directory and no sft_dir to build it in")
         if builds_sft:
-            from .sft import run_sft
-            from .world import world_preset
+            from .qa.sft import run_sft
+            from .qa.world import world_preset
 
             run_sft(sft_dir, roles=need, world_config=world_preset(spec.world, seed=spec.world_seed),
                     progress=progress, log=log)
@@ -165,10 +165,10 @@ def build_environment(spec: EnvSpec, *, student: str = "", teacher: str = "", lo
 
 def _build_world(spec: EnvSpec, student_dir: str, teacher_dir: str, load_teacher: bool) -> EnvironmentBundle:
     """`build_environment` for the generated world, from the student checkpoint's metadata."""
-    from .qa import EnvConfig, QAEnv
-    from .sft import read_env_meta
-    from .tokenizer import load_tokenizer
-    from .world import World, WorldConfig
+    from .qa.env import EnvConfig, QAEnv
+    from .qa.sft import read_env_meta
+    from .qa.tokenizer import load_tokenizer
+    from .qa.world import World, WorldConfig
 
     meta = read_env_meta(student_dir)
     world = World.generate(WorldConfig.from_json(meta["world"]))
@@ -197,11 +197,11 @@ def _build_user(spec: EnvSpec, student_dir: str, teacher_dir: str, load_teacher:
     tokenizer (tags as id sequences when it splits them), the corpus, and a `UserTasks` sampler."""
     from memopd.models import check_model_dir
 
-    from .data import load_corpus_jsonl, load_tasks_jsonl
-    from .protocol import ProtocolError
-    from .qa import EnvConfig, QAEnv
-    from .tasks import UserTasks
-    from .tokenizer import load_tokenizer
+    from .qa.data import load_corpus_jsonl, load_tasks_jsonl
+    from .qa.env import EnvConfig, QAEnv
+    from .qa.protocol import ProtocolError
+    from .qa.tasks import UserTasks
+    from .qa.tokenizer import load_tokenizer
 
     student_dir = check_model_dir(student_dir, "student")
     teacher_dir = check_model_dir(teacher_dir, "teacher") if load_teacher else teacher_dir

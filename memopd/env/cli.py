@@ -32,7 +32,7 @@ def _policies() -> tuple[str, ...]:
 
 
 def _world_names() -> tuple[str, ...]:
-    from .world import WORLD_PRESETS
+    from .qa.world import WORLD_PRESETS
 
     return tuple(WORLD_PRESETS)
 
@@ -77,9 +77,9 @@ def sft_main(argv: Sequence[str] | None = None) -> int:
 
     from memopd.errors import UserError
 
-    from .qa import EnvConfig
-    from .sft import role_presets, run_sft
-    from .world import world_preset
+    from .qa.env import EnvConfig
+    from .qa.sft import role_presets, run_sft
+    from .qa.world import world_preset
 
     args = build_sft_parser().parse_args(argv)
     world = world_preset(args.world, seed=args.seed)
@@ -151,8 +151,8 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
 def eval_main(argv: Sequence[str] | None = None) -> int:
     from memopd.errors import UserError
 
-    from .evaluate import evaluate, format_table, write_json
-    from .world import world_preset
+    from .qa.evaluate import evaluate, format_table, write_json
+    from .qa.world import world_preset
 
     args = build_eval_parser().parse_args(argv)
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
@@ -169,7 +169,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     if args.world is not None:
         world = world_preset(args.world, seed=args.seed if args.expert else 0)
         if model is not None:
-            from .sft import read_env_meta
+            from .qa.sft import read_env_meta
 
             trained = read_env_meta(model).get("world", {}).get("preset", "default")
             if trained != args.world:

@@ -1,4 +1,4 @@
-"""The rule teacher (memopd/env/ruleteacher.py): on packed rows of any layout it reads the
+"""The rule teacher (trainer/experiments/ruleteacher.py): on packed rows of any layout it reads the
 visible ids and answers with the rational rule; it equals the rule on the rule's own
 episodes, is silent where the rule is, and its aligned and flattened readings differ only
 where the rule's two views of the same call differ."""
@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from memopd.env import EnvConfig, QAEnv, World, build_tokenizer, rollout
-from memopd.env.infogap import flattened_prompt, information_gap_calls, make_expert
-from memopd.env.ruleteacher import RuleTeacher, beta_for, rule_next_token
-from memopd.env.world import world_preset
+from memopd.env.qa.expert import make_expert
+from memopd.env.qa.sft import flattened_prompt
+from memopd.env.qa.world import world_preset
 from memopd.packing import pack
+from memopd.trainer.experiments.infogap import information_gap_calls
+from memopd.trainer.experiments.ruleteacher import RuleTeacher, beta_for, rule_next_token
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def test_second_builder_waits_then_reuses_and_readers_never_see_a_part(tmp_path)
 
 
 def test_a_killed_builder_frees_the_lock(tmp_path):
-    from memopd.env.sft import SFT_LOCK_FILE
+    from memopd.env.qa.sft import SFT_LOCK_FILE
     from memopd.errors import RunDirError
     from memopd.trainer.rundir import RunDirLock
 

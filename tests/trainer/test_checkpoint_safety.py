@@ -212,7 +212,7 @@ def test_planted_hf_weights_and_remote_code_run_nothing(tmp_path):
 def test_planted_tokenizer_remote_code_runs_nothing(tmp_path, sft_dirs):
     import shutil
 
-    from memopd.env.tokenizer import TokenizerError, load_tokenizer
+    from memopd.env.qa.tokenizer import TokenizerError, load_tokenizer
 
     marker = tmp_path / "ran"
     d = tmp_path / "tok"

@@ -329,7 +329,7 @@ def test_audit_json_on_a_read_only_place_is_74(tmp_path, monkeypatch, capsys):
 def test_eval_report_json_on_a_full_disk_is_74_and_keeps_the_previous_report(tmp_path, monkeypatch):
     """`memopd eval --json` (and `memopd sft --json`, the same writer) replaces its file
     whole or not at all: a write that fails half-way leaves the previous report as it was."""
-    from memopd.env.evaluate import write_json
+    from memopd.env.qa.evaluate import write_json
 
     target = tmp_path / "reports" / "eval.json"
     write_json({"results": {"Q2": {"em_mean": 0.25}}}, target)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from memopd.trainer.replicate import BUDGETS, paired_bootstrap, relative_change
+from memopd.trainer.experiments.replicate import BUDGETS, paired_bootstrap, relative_change
 
 
 def test_bootstrap_identical_arms_is_exactly_zero():
@@ -48,8 +48,8 @@ def test_bootstrap_and_relative_change_reject_bad_input():
 
 
 def test_per_set_scores_line_up_on_the_held_out_sets():
-    from memopd.env.world import World, WorldConfig
-    from memopd.trainer.replicate import per_set_scores
+    from memopd.env.qa.world import World, WorldConfig
+    from memopd.trainer.experiments.replicate import per_set_scores
 
     world = World.generate(WorldConfig())
     ids = [t.task_id for t in world.sample_tasks(2, 4, split="eval", seed=0)]

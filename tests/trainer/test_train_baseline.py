@@ -20,7 +20,7 @@ def _cfg(sft_dirs, run_dir, **kw):
 
 
 def test_train_reports_the_starting_student_next_to_the_trained_one(sft_dirs, tmp_path):
-    from memopd.env.evaluate import evaluate
+    from memopd.env.qa.evaluate import evaluate
     from memopd.trainer.loop import train
     from memopd.trainer.plot import read_metrics
 
@@ -44,7 +44,7 @@ def test_train_reports_the_starting_student_next_to_the_trained_one(sft_dirs, tm
 def test_sampled_evaluation_reads_what_memopd_eval_reads(sft_dirs, tmp_path):
     """eval_temperature / eval_samples: the run's step-0 and final evaluations are `memopd
     eval --temperature T --samples N` on the same sets (sampling seeded, so reproducible)."""
-    from memopd.env.evaluate import evaluate
+    from memopd.env.qa.evaluate import evaluate
     from memopd.trainer.loop import train
 
     said = []

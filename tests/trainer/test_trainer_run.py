@@ -147,8 +147,8 @@ def test_config_errors(tmp_path):
 
 def test_prepare_returns_a_named_environment_bundle(sft_dirs, tmp_path):
     from memopd.env.build import EnvironmentBundle
+    from memopd.env.qa.world import World
     from memopd.env.rollout import Environment, TaskSource
-    from memopd.env.world import World
     from memopd.trainer.loop import prepare
 
     cfg = _cfg(sft_dirs, tmp_path / "run", arm="ppo", policy="window", policy_kwargs={"turns": 3})

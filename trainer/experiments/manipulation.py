@@ -10,7 +10,7 @@ KL(student ‖ teacher) per token and the actor loss whose gradients are compare
 is no second KL here. It reports
 
 - `top1`: the share of action tokens whose teacher top-1 differs between the two views,
-  overall, at information-gap calls (`memopd.env.infogap.information_gap_calls`) and
+  overall, at information-gap calls (`memopd.trainer.experiments.infogap.information_gap_calls`) and
   elsewhere, and by token role (memory / search / answer); and the share of
   information-gap calls where it differs at one token or more (`gap_calls_any_token`);
 - `kl`: mean KL(s ‖ T_flat), mean KL(s ‖ T_aligned) and their difference;
@@ -21,7 +21,7 @@ is no second KL here. It reports
 - `grad_gap_calls`: the same two OPD gradients over the information-gap calls' tokens
   alone, and their cosine;
 - `ceiling`: the disagreement a perfect imitator of the rational rule would show on the
-  same action tokens (`memopd.env.infogap.view_disagreement_ceiling`, bounds of it);
+  same action tokens (`memopd.trainer.experiments.infogap.view_disagreement_ceiling`, bounds of it);
 - `controls`: for the negative-control arms' teacher states (aligned calls with row-global
   positions, or with one causal segment per row), the same figures against the aligned
   state over all action tokens: top-1 disagreement, KL(s ‖ T_broken) and the cosine of
@@ -111,21 +111,16 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     """The check on `bundle`'s student and teacher (`memopd.env.build.EnvironmentBundle`)
     with `cfg`'s sampling and loss settings (`TrainConfig`): `tasks` sets of k questions
     from the training stream, `cfg.group_size` rollouts each. See the module doc."""
-    from memopd.env.infogap import (
-        ROLES,
-        action_token_roles,
-        information_gap_calls,
-        make_expert,
-        view_disagreement_ceiling,
-    )
+    from memopd.env.qa.expert import make_expert
+    from memopd.env.qa.world import WorldConfig
     from memopd.env.rollout import HFEngine
-    from memopd.env.world import WorldConfig
     from memopd.hf import head_of
 
-    from .loop import resolve_vocab_size
-    from .modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
-    from .ppo import whiten
-    from .update import _pack, score, teacher_mask_of
+    from ..loop import resolve_vocab_size
+    from ..modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
+    from ..ppo import whiten
+    from ..update import _pack, score, teacher_mask_of
+    from .infogap import ROLES, action_token_roles, information_gap_calls, view_disagreement_ceiling
 
     student, teacher, env, world = bundle.student, bundle.teacher, bundle.env, bundle.tasks
     if teacher is None:
@@ -309,16 +304,16 @@ def format_check(c: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m memopd.trainer.manipulation [--tasks N] [--json FILE] KEY=VALUE ...`: the
+    """`python -m memopd.trainer.experiments.manipulation [--tasks N] [--json FILE] KEY=VALUE ...`: the
     check alone, on the models and world a `memopd train` config names (the same keys:
     student=, teacher=, world=, group_size=, ...)."""
     import argparse
     import json
 
-    from .config import TrainConfig
-    from .loop import prepare
+    from ..config import TrainConfig
+    from ..loop import prepare
 
-    p = argparse.ArgumentParser(prog="python -m memopd.trainer.manipulation", description=main.__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m memopd.trainer.experiments.manipulation", description=main.__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=16, help="Q2 sets of the training stream (x group_size rollouts)")
     p.add_argument("--k", type=int, default=2, help="questions per set (default 2)")
     p.add_argument("--seed", type=int, default=0)

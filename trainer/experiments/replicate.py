@@ -17,10 +17,10 @@ student, every arm with the same hyperparameters, seeds, tasks and budget
   itself on held-out Q2/Q8 sets: aligned, flatten, and the position-only break.
 
 Outputs: OUT/replication_{full,quick}.json (per-seed, per-set scores), .md (the tables)
-and .png (the curves); `--publish` copies them to benchmarks/results/.
+and .png (the curves); `--publish DIR` copies them to the results directory DIR.
 
 The info-gap protocol (`run_infogap_protocol`, docs/replication.md) runs in the
-`info-gap` world: first the manipulation check (trainer/manipulation.py) on the SFT
+`info-gap` world: first the manipulation check (trainer/experiments/manipulation.py) on the SFT
 student's Q2 rollouts, whose gate stops the protocol when the teacher is indifferent to
 the view (`--force-arms` runs the arms anyway); then the arms `INFOGAP_ARMS` (a negative
 control among them) with opd_coef matched to the PPO gradient at step 0, the same for
@@ -45,9 +45,12 @@ import numpy as np
 
 __all__ = ["Budget", "BUDGETS", "paired_bootstrap", "relative_change", "per_set_scores", "audit_student",
            "run_protocol", "InfoGapBudget", "INFOGAP_BUDGETS", "INFOGAP_ARMS", "NEGATIVE_CONTROL", "ENDPOINTS", "bootstrap_seeds_sets",
-           "minimal_detectable_effect", "t_interval", "student_t_quantile", "curve_area", "clipped_step_fraction", "run_infogap_protocol"]
+           "minimal_detectable_effect", "t_interval", "student_t_quantile", "curve_area", "clipped_step_fraction", "run_infogap_protocol",
+           "DEFAULT_RESULTS_DIR", "results_dir_of", "publish_results"]
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+# where a bare `--publish` copies results: the benchmarks/results/ folder of the source checkout run from
+# its root (an installed package has none of its own: `--publish DIR` names the folder)
+DEFAULT_RESULTS_DIR = os.path.join("benchmarks", "results")
 AUDIT_VARIANTS = ("aligned", "flatten", "positions_broken")
 # the paper's audit figures (flatten; the position-only break), shown next to ours
 PAPER_AUDIT = {"flatten": {"p99_dlogp": 1.774, "top1_changes": 651, "ratio_out_frac": 0.1329},
@@ -110,7 +113,7 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 # evaluation with per-set scores, and the audit, on a saved agent
 # ----------------------------------------------------------------------------------
 def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
-    """Per-set EM/F1 of one agent from an `memopd.env.evaluate` report's `results` (the
+    """Per-set EM/F1 of one agent from an `memopd.env.qa.evaluate` report's `results` (the
     `sets` it records), laid out on the held-out sets
     `world.sample_tasks(k, n, split="eval", seed=seed)` of every k, so that two agents
     line up set by set. A set played several times (sampled evaluation, `samples` > 1)
@@ -146,7 +149,7 @@ def _mean_by_id(ids, xs) -> dict:
 def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float = 1.0, seed: int = 0) -> dict:
     """RCE audit (memopd.rce.audit) of a trained agent on its own samples: `n` held-out
     sets per k played once at `temperature`, audited per k and pooled."""
-    from memopd.env.evaluate import agent_engine, load_agent_env
+    from memopd.env.qa.evaluate import agent_engine, load_agent_env
     from memopd.env.rollout import rollout
     from memopd.rce import audit
 
@@ -170,7 +173,7 @@ def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float 
 # ----------------------------------------------------------------------------------
 def _run_costs(run_dir: str) -> dict:
     """Per-step context and time figures of one run (metrics.jsonl)."""
-    from .plot import read_metrics
+    from ..plot import read_metrics
 
     steps = [m for m in read_metrics(run_dir) if "time/step_s" in m]
 
@@ -188,7 +191,7 @@ def _run_costs(run_dir: str) -> dict:
 def _run_curve(run_dir: str, ks, base: dict, metric: str = "em") -> dict:
     """{"Q2": [(step, EM), ...]} (or F1 with `metric="f1"`): step 0 is the SFT student
     (the same held-out sets)."""
-    from .plot import read_metrics
+    from ..plot import read_metrics
 
     rows = read_metrics(run_dir)
     curve = {}
@@ -317,19 +320,49 @@ def _costs(rows_by_arm: dict) -> dict:
     return out
 
 
+def results_dir_of(publish: str | None) -> str | None:
+    """The directory `--publish [DIR]` names (None: not publishing), checked before any run
+    starts: it must exist. A bare `--publish` names `DEFAULT_RESULTS_DIR` (a source checkout)."""
+    if not publish:
+        return None
+    from memopd.errors import UserError
+
+    if not os.path.isdir(publish):
+        raise UserError(f"--publish {publish}: not a directory; give the results directory to copy into "
+                        "(`--publish DIR`; a bare --publish means benchmarks/results/ of the source checkout you run from)")
+    return publish
+
+
+def publish_results(paths, results_dir: str, log, tag: str) -> None:
+    """Copy each result file into `results_dir`, each copy atomic (a failed copy leaves the
+    published file as it was)."""
+    from ..rundir import atomic_file
+
+    for src in paths:
+        dst = os.path.join(results_dir, os.path.basename(src))
+        with atomic_file(dst) as tmp:
+            shutil.copyfile(src, tmp)
+        log(f"[{tag}] published {dst}")
+
+
 def run_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol paper`: see the module doc. `args`: compare's parsed
     arguments (arms, seeds, jobs, out, overwrite, resume, quick, publish); `--protocol
     info-gap` goes to `run_infogap_protocol`."""
     if getattr(args, "protocol", "paper") == "info-gap":
         return run_infogap_protocol(args, user_overrides, log)
-    from memopd.env.evaluate import evaluate
+    if args.arms is None:
+        from ..compare import DEFAULT_ARMS
 
-    from .arms import arm_run_dir, refuse_earlier_runs, run_all
-    from .config import TrainConfig
-    from .loop import prepare
-    from .plot import plot_protocol_curves
-    from .rundir import atomic_file, atomic_write_text
+        args.arms = list(DEFAULT_ARMS)
+    results_dir = results_dir_of(args.publish)
+    from memopd.env.qa.evaluate import evaluate
+
+    from ..arms import arm_run_dir, refuse_earlier_runs, run_all
+    from ..config import TrainConfig
+    from ..loop import prepare
+    from ..plot import plot_protocol_curves
+    from ..rundir import atomic_write_text
 
     name = "quick" if args.quick else "full"
     budget = BUDGETS[name]
@@ -389,12 +422,8 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     table = format_report(rep)
     atomic_write_text(paths["md"], table)
     log(table)
-    if args.publish:
-        for src in paths.values():
-            dst = os.path.join(RESULTS_DIR, os.path.basename(src))
-            with atomic_file(dst) as tmp:  # a failed copy leaves the published file as it was
-                shutil.copyfile(src, tmp)
-            log(f"[replication] published {dst}")
+    if results_dir:
+        publish_results(paths.values(), results_dir, log, "replication")
     log(f"[replication] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
     return 0
 
@@ -586,8 +615,8 @@ def curve_area(points) -> float:
 def clipped_step_fraction(run_dir: str, max_grad_norm: float) -> float | None:
     """Share of a run's training steps whose actor gradient norm (before clipping, the
     mean over the step's optimiser steps) exceeded the clip `max_grad_norm`."""
-    from .plot import read_metrics
-    from .stats import ACTOR_GRAD_NORM, train_metric
+    from ..plot import read_metrics
+    from ..stats import ACTOR_GRAD_NORM, train_metric
 
     xs = [float(m[train_metric(ACTOR_GRAD_NORM)]) for m in read_metrics(run_dir) if train_metric(ACTOR_GRAD_NORM) in m]
     if not xs or not max_grad_norm:
@@ -733,14 +762,17 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol info-gap`: the manipulation check, then (if its gate
     passes, or `--force-arms`) the arms with a gradient-matched opd_coef, and the
     pre-stated endpoints. Outputs OUT/infogap_{full,quick}.{json,md,png}."""
-    from memopd.env.evaluate import evaluate
+    if args.arms is None:
+        args.arms = list(INFOGAP_ARMS)
+    results_dir = results_dir_of(args.publish)
+    from memopd.env.qa.evaluate import evaluate
 
-    from .arms import refuse_earlier_runs, run_all
-    from .config import TrainConfig
-    from .loop import prepare
+    from ..arms import refuse_earlier_runs, run_all
+    from ..config import TrainConfig
+    from ..loop import prepare
+    from ..plot import plot_protocol_curves
+    from ..rundir import atomic_write_text
     from .manipulation import format_check, manipulation_check
-    from .plot import plot_protocol_curves
-    from .rundir import atomic_file, atomic_write_text
 
     name = "quick" if args.quick else "full"
     budget = INFOGAP_BUDGETS[name]
@@ -841,13 +873,7 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     table = format_infogap_report(rep)
     atomic_write_text(paths["md"], table)
     log(table)
-    if args.publish:
-        for src in paths.values():
-            if not os.path.exists(src):
-                continue
-            dst = os.path.join(RESULTS_DIR, os.path.basename(src))
-            with atomic_file(dst) as tmp:
-                shutil.copyfile(src, tmp)
-            log(f"[info-gap] published {dst}")
+    if results_dir:
+        publish_results([p for p in paths.values() if os.path.exists(p)], results_dir, log, "info-gap")
     log(f"[info-gap] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
     return 0

@@ -1,11 +1,11 @@
 """The rule-teacher replication: does a teacher that reads the flattened history harm a
 compact-memory student, and how does the harm grow with the leak's strength?
 
-The teacher is the world's rule (`memopd.env.ruleteacher.RuleTeacher`): an exact reader
+The teacher is the world's rule (`memopd.trainer.experiments.ruleteacher.RuleTeacher`): an exact reader
 of whatever state it is shown, silent where the rule is, with a stated p(target). The
 protocol (`PROTOCOL`), its gates (`GATES`) and the plan (`PLAN`) are stated here before
 any arm runs (docs/replication.md, "The rule teacher"). Stages, each a subcommand of
-`python -m memopd.trainer.rulegap`, writing JSON under OUT as it goes:
+`python -m memopd.trainer.experiments.rulegap`, writing JSON under OUT as it goes:
 
 - `gates`: the opd_coef λ(p) matched at step 0 at linked_frac=0 (`manipulation_check`'s
   `opd_coef_matched`) for each p of G0, then G1/G2 (and the excess KL) from the
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+
+from .replicate import DEFAULT_RESULTS_DIR
 
 __all__ = ["PROTOCOL", "GATES", "PLAN", "adoption_loss", "interval_t", "g0_choice", "run_job", "main"]
 
@@ -55,7 +57,7 @@ PLAN = {
 MAIN_ORDER = (("arms", (0, 1)), ("dose", (0,)), ("arms", (2, 3, 4)), ("dose", (1,)))
 PROTOCOL = {
     "version": 1,
-    "teacher": "the world's rational rule (memopd/env/ruleteacher.py) read on the visible ids of each packed row: "
+    "teacher": "the world's rational rule (trainer/experiments/ruleteacher.py) read on the visible ids of each packed row: "
                "the rule's next token after the action prefix (rule completion), softmax(β·onehot) with p(target)=p, "
                "silent (masked out of the OPD term) where the rule is",
     "student": "the info-gap world's SFT student (1,000 SFT steps of the scripted expert), one for every run",
@@ -140,8 +142,7 @@ class _Adopter:
     a random entity for a middle step): what a student that cannot see the fact can do."""
 
     def __init__(self, tokenizer, world, view: str, rng: random.Random):
-        from memopd.env.expert import ScriptedExpert, expert_options
-        from memopd.env.infogap import make_expert
+        from memopd.env.qa.expert import ScriptedExpert, expert_options, make_expert
 
         self.tok, self.world, self.view, self.rng = tokenizer, world, view, rng
         self.scripted = ScriptedExpert(tokenizer, **expert_options(world.config))
@@ -152,15 +153,13 @@ class _Adopter:
     def _guessed(self, text: str, questions, compact_text: str, compact_infos) -> str:
         import re
 
-        from memopd.env.expert import _parse_entries
-        from memopd.env.infogap import facts_in
-        from memopd.env.protocol import answer_label
-        from memopd.env.world import is_value, parse_question
+        from memopd.env.qa.notes import facts_in, is_value, parse_entries, parse_question
+        from memopd.env.qa.protocol import answer_label
 
         m = re.search(r"<mem>(.*?)</mem>", text)
         mc = re.search(r"<mem>(.*?)</mem>", compact_text)
-        shown = set(facts_in(" | ".join(compact_infos)).values()) | {" ".join(v) for _, v in _parse_entries(mc.group(1) if mc else "")}
-        entries = _parse_entries(m.group(1) if m else "")
+        shown = set(facts_in(" | ".join(compact_infos)).values()) | {" ".join(v) for _, v in parse_entries(mc.group(1) if mc else "")}
+        entries = parse_entries(m.group(1) if m else "")
         changed = {}
         for e in entries:
             i, vals = e
@@ -178,7 +177,7 @@ class _Adopter:
             parts = []
             for part in a.group(1).split(" ; "):
                 w = part.split()
-                from memopd.env.protocol import letters_index
+                from memopd.env.qa.protocol import letters_index
 
                 i = letters_index(w[0][1:]) if w else None
                 parts.append(f"{w[0]} {changed[i]}" if i in changed else part.strip())
@@ -186,7 +185,7 @@ class _Adopter:
         return out
 
     def act(self, prompt) -> list[int]:
-        from memopd.env.infogap import rational_action_text
+        from memopd.env.qa.expert import rational_action_text
 
         ex = self.rule
         questions, mem, infos = ex.state(prompt)
@@ -215,7 +214,7 @@ def adoption_loss(env, world, tasks, *, seed: int = 0) -> dict:
     """G3: mean F1 on `tasks` (one episode each) when the information-gap calls take the
     aligned teacher's step, when they take the flattened teacher's with guessed values, and
     the scripted expert's own F1; the loss is aligned − flattened."""
-    from memopd.env.expert import expert_options
+    from memopd.env.qa.expert import expert_options
     from memopd.env.rollout import rollout
 
     out = {}
@@ -228,7 +227,7 @@ def adoption_loss(env, world, tasks, *, seed: int = 0) -> dict:
             f1.append(float(tr.rewards["f1_mean"]))
             gaps += eng.gaps
         out[view] = {"f1": statistics.mean(f1), "gap_calls": gaps}
-    from memopd.env.expert import expert_trajectories
+    from memopd.env.qa.expert import expert_trajectories
 
     scripted = expert_trajectories(env, tasks, **expert_options(world.config))
     out["scripted_f1"] = statistics.mean(float(tr.rewards["f1_mean"]) for tr in scripted)
@@ -241,7 +240,7 @@ def adoption_loss(env, world, tasks, *, seed: int = 0) -> dict:
 # one run
 # ----------------------------------------------------------------------------------
 def _cfg(arm: str, seed: int, student: str, steps: int, opd_coef: float):
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
     return TrainConfig.load(None, ["world=info-gap", "train_k=[2]", "eval_k=[2]", f"arm={arm}", f"seed={seed}",
                                    f"steps={steps}", f"opd_coef={opd_coef}", f"student={student}", "cpu_threads=1",
@@ -249,13 +248,13 @@ def _cfg(arm: str, seed: int, student: str, steps: int, opd_coef: float):
 
 
 def _bundle(student: str):
-    from .loop import prepare
+    from ..loop import prepare
 
     return prepare(_cfg("ppo", 0, student, 1, 0.0), log=lambda *_: None)
 
 
 def _world(bundle, linked_frac: float):
-    from memopd.env.world import World
+    from memopd.env.qa.world import World
 
     return World.generate(replace(bundle.tasks.config, linked_frac=linked_frac))
 
@@ -286,9 +285,9 @@ def run_job(job: dict, out: str, student: str, plan: dict = PLAN) -> dict:
     evaluating every `eval_every` steps; the JSON at `out` is rewritten after every evaluation."""
     import torch
 
-    from memopd.env.ruleteacher import RuleTeacher
+    from memopd.trainer.experiments.ruleteacher import RuleTeacher
 
-    from .loop import Trainer, _set_seed, resolve_vocab_size
+    from ..loop import Trainer, _set_seed, resolve_vocab_size
 
     torch.set_num_threads(1)
     t0, c0 = time.time(), time.process_time()
@@ -393,7 +392,7 @@ def _run_stage(args) -> int:
         while todo and len(running) < args.jobs:
             j, path = todo.pop(0)
             log = open(path.replace(".json", ".log"), "w")
-            p = subprocess.Popen([sys.executable, "-m", "memopd.trainer.rulegap", "job", "--student", args.student,
+            p = subprocess.Popen([sys.executable, "-m", "memopd.trainer.experiments.rulegap", "job", "--student", args.student,
                                   "--out", path, "--job", json.dumps(j)], stdout=log, stderr=subprocess.STDOUT, env=env)
             running.append((p, j, path, log, time.time()))
         time.sleep(2)
@@ -409,9 +408,9 @@ def _gates(args) -> int:
     """λ(p) at linked_frac=0, then G1/G2 on the SFT student's rollouts at linked_frac=1, G3."""
     import torch
 
-    from memopd.env.ruleteacher import RuleTeacher
+    from memopd.trainer.experiments.ruleteacher import RuleTeacher
 
-    from .loop import resolve_vocab_size
+    from ..loop import resolve_vocab_size
     from .manipulation import manipulation_check
 
     torch.set_num_threads(1)
@@ -494,7 +493,7 @@ def sft_baseline(out: str, student: str, linked_frac_eval: float) -> dict:
             return json.load(f)
     import torch
 
-    from .loop import resolve_vocab_size
+    from ..loop import resolve_vocab_size
 
     torch.set_num_threads(1)
     bundle = _bundle(student)
@@ -631,11 +630,11 @@ def format_report(rep: dict) -> str:
     g = rep["gates"]
     p = rep["p"]
     lines = ["# The rule-teacher replication", "",
-             f"Teacher: the world's rule read on each packed row (`memopd/env/ruleteacher.py`), p(target) = {p}, "
+             f"Teacher: the world's rule read on each packed row (`trainer/experiments/ruleteacher.py`), p(target) = {p}, "
              f"opd_coef λ = {rep['lambda']:.4g} (matched at step 0). Student: the info-gap SFT student "
              f"(held-out linked Q2 F1 {rep['sft_linked_f1']:.3f}, plain {rep['sft_plain_f1']:.3f}; {PLAN['eval_sets']} sets x "
              f"{PLAN['eval_plays']} episodes at temperature 1). {PLAN['steps']} steps, plan version {PLAN['version']}. "
-             "Protocol and gates: `trainer/rulegap.py` (`PROTOCOL`, `GATES`), "
+             "Protocol and gates: `trainer/experiments/rulegap.py` (`PROTOCOL`, `GATES`), "
              "docs/replication.md.", "", "## Gates", "",
              "| p | λ(p) | G1 gap calls | G2 top-1 differs: gap-call tokens / gap calls / other tokens | excess KL "
              "(flat − aligned, nats/token) | G1 | G2 |", "|---|---|---|---|---|---|---|"]
@@ -702,7 +701,7 @@ def format_report(rep: dict) -> str:
 
 
 def plot_report(rep: dict, path: str) -> str:
-    from .plot import _matplotlib, _save_png
+    from ..plot import _matplotlib, _save_png
 
     matplotlib = _matplotlib()
     matplotlib.use("Agg")
@@ -743,8 +742,9 @@ def plot_report(rep: dict, path: str) -> str:
 
 
 def _report(args) -> int:
-    import shutil
+    from .replicate import publish_results, results_dir_of
 
+    results_dir = results_dir_of(args.publish)
     rep = build_report(args.out)
     paths = {ext: os.path.join(args.out, f"rulegap.{ext}") for ext in ("json", "md", "png")}
     with open(paths["json"], "w") as f:
@@ -754,16 +754,13 @@ def _report(args) -> int:
         f.write(text)
     plot_report(rep, paths["png"])
     print(text)
-    if args.publish:
-        from .replicate import RESULTS_DIR
-
-        for src in paths.values():
-            shutil.copyfile(src, os.path.join(RESULTS_DIR, os.path.basename(src)))
+    if results_dir:
+        publish_results(paths.values(), results_dir, print, "rulegap")
     return 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memopd.trainer.rulegap", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m memopd.trainer.experiments.rulegap", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gates")
     g.add_argument("--out", required=True)
@@ -784,7 +781,8 @@ def main(argv=None) -> int:
     s.add_argument("--student", required=True)
     rp = sub.add_parser("report")
     rp.add_argument("--out", required=True)
-    rp.add_argument("--publish", action="store_true", help="copy rulegap.{json,md,png} to benchmarks/results/")
+    rp.add_argument("--publish", nargs="?", const=DEFAULT_RESULTS_DIR, default=None, metavar="DIR",
+                    help="copy rulegap.{json,md,png} into the results directory DIR (bare: benchmarks/results/ of the checkout)")
     args = p.parse_args(argv)
     if args.cmd == "report":
         return _report(args)
