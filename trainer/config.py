@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from memopd.env.build import ENV_SPEC_FIELDS, EnvSpec
-from memopd.errors import ConfigError
+from memopd.errors import ConfigError, UserError
 from memopd.packing import ACTION_DOMAINS
 
 __all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "world_config", "check_requirements", "check_user_data"]
@@ -197,7 +197,7 @@ class TrainConfig:
             raise ConfigError(f"rollout_is_cap must be > 1, got {self.rollout_is_cap}")
         if not self.mismatch_threshold > 0:
             raise ConfigError(f"mismatch_threshold must be > 0, got {self.mismatch_threshold}")
-        world_config(self.env.world, self.env.world_seed)  # an unknown preset fails here, before any work
+        _check_env_kind(self.env)  # an unknown kind (or world preset) fails here, before any work
         problem = self.env.policy_problem()
         if problem:
             raise ConfigError(f"policy={self.env.policy!r} with policy_kwargs={self.env.policy_kwargs}: {problem}")
@@ -216,6 +216,7 @@ class TrainConfig:
                 flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_CACHE_DIR)
             elif k == "eval_tasks":
                 flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_EVAL_TASKS)
+                flat.update((n, env[n]) for n, default in _ENV_KEYS_NOT_DEFAULT.items() if env[n] != default)
         return flat
 
     @classmethod
@@ -313,7 +314,10 @@ class _NoAliasLoader(yaml.SafeLoader):
 # Where a flat config lists the environment's keys: where they were before the section existed.
 _ENV_KEYS_AFTER_CACHE_DIR = ("corpus", "tasks", "eval_tasks_file", "tokenizer", "world", "world_seed")
 _ENV_KEYS_AFTER_EVAL_TASKS = ("policy", "policy_kwargs")
-assert sorted(_ENV_KEYS_AFTER_CACHE_DIR + _ENV_KEYS_AFTER_EVAL_TASKS) == sorted(ENV_SPEC_FIELDS)
+# `kind` came later: stored only when it is not the default "qa", after policy_kwargs, so the
+# stored format of a QA run is as it was (and a config without it is a QA run's)
+_ENV_KEYS_NOT_DEFAULT = {"kind": "qa"}
+assert sorted(_ENV_KEYS_AFTER_CACHE_DIR + _ENV_KEYS_AFTER_EVAL_TASKS + tuple(_ENV_KEYS_NOT_DEFAULT)) == sorted(ENV_SPEC_FIELDS)
 
 
 def _env_hints() -> dict[str, Any]:
@@ -377,6 +381,16 @@ TrainConfig.__init__ = _init_accepting_flat_keys(TrainConfig.__init__)
 for _name in ENV_SPEC_FIELDS:
     setattr(TrainConfig, _name, _alias(_name))
 del _name
+
+
+def _check_env_kind(spec: EnvSpec) -> None:
+    """`spec`'s kind registered and its builder's cheap check passed, or `ConfigError`."""
+    from memopd.env.build import env_kind
+
+    try:
+        env_kind(spec.kind).check(spec)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
 
 
 def world_config(preset: str, seed: int = 0):

@@ -56,7 +56,7 @@ def _trainer(parts, cfg, log=None):
     from memopd.trainer.loop import Trainer
 
     student, teacher, env, world = parts
-    return Trainer(cfg, student_lm=copy.deepcopy(student), teacher_lm=copy.deepcopy(teacher), env=env, world=world,
+    return Trainer(cfg, student_lm=copy.deepcopy(student), teacher_lm=copy.deepcopy(teacher), env=env, tasks=world,
                    log=log or (lambda *_: None))
 
 

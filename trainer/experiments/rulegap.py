@@ -298,7 +298,7 @@ def run_job(job: dict, out: str, student: str, plan: dict = PLAN) -> dict:
     V = resolve_vocab_size(cfg, bundle.env, bundle.student)
     teacher = (RuleTeacher(bundle.tokenizer, world.config, vocab_size=V, p_target=job["p"], temperature=cfg.temperature)
                if cfg.arm_spec.uses_teacher else None)
-    trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=teacher, env=bundle.env, world=world,
+    trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=teacher, env=bundle.env, tasks=world,
                       log=lambda *_: None)
     tasks = eval_tasks(bundle, job["eval_linked_frac"], plan["eval_sets"])
     rec = {"job": job, "plan": {k: plan[k] for k in ("steps", "eval_every", "eval_sets", "eval_plays")},
