@@ -107,9 +107,9 @@ def compare_main(argv: list[str] | None = None) -> int:
         return importlib.import_module(PROTOCOLS[args.protocol]).run_protocol(args, args.overrides)
     args.seeds = args.seeds or [0, 1, 2]
     from memopd.env.qa.evaluate import evaluate as evaluate_dir
+    from memopd.files import atomic_write_json, atomic_write_text
 
     from .loop import prepare
-    from .rundir import atomic_write_json, atomic_write_text
 
     refuse_earlier_runs(args, args.seeds)
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from memopd.env.build import EnvironmentBundle
     from memopd.env.rollout import Environment, TaskSource
 
-__all__ = ["Trainer", "train", "prepare", "sft_cache_dir", "evaluation_settings"]
+__all__ = ["Trainer", "train", "prepare", "sft_cache_dir", "evaluation_settings", "set_seed"]
 
 
 def _mix(*xs: int) -> int:
@@ -43,7 +43,8 @@ def _mix(*xs: int) -> int:
     return h & 0x7FFFFFFF
 
 
-def _set_seed(seed: int) -> None:
+def set_seed(seed: int) -> None:
+    """Seed Python's and torch's generators (a run's first act, before its models are built)."""
     random.seed(seed)
     torch.manual_seed(seed)
 
@@ -251,7 +252,9 @@ class Trainer:
     def save(self, step: int) -> str:
         """Collective: checkpoints/step_N/{actor,critic}; once every rank's files are down
         (barrier), rank 0 writes the manifest that makes it complete, then `latest`."""
-        from .rundir import atomic_write_text, checkpoint_write, clear_checkpoint_dir, write_manifest
+        from memopd.files import atomic_write_text, write_manifest
+
+        from .rundir import checkpoint_write, clear_checkpoint_dir
 
         # an OS write failure: one line saying which checkpoint is complete, no partial step_N
         with checkpoint_write(self.ckpt_root, step) as path:
@@ -292,8 +295,9 @@ class Trainer:
         says which and why). Without a usable checkpoint the run starts at step 0 with a
         fresh metrics.jsonl. Rank 0 chooses; every rank loads the same checkpoint."""
         from memopd.errors import RunDirError
+        from memopd.files import atomic_write_text
 
-        from .rundir import atomic_write_text, newest_complete_checkpoint, rank0_decides, truncate_metrics
+        from .rundir import newest_complete_checkpoint, rank0_decides, truncate_metrics
 
         def choose() -> int:
             found, skipped = newest_complete_checkpoint(self.ckpt_root)
@@ -309,7 +313,9 @@ class Trainer:
                 raise RunDirError(f"--resume: the newest complete checkpoint {found[1]} is past steps="
                                   f"{self.cfg.steps}; resume with steps>={found[0]}, or pass --overwrite to start over")
             if self.model_dirs is not None:
-                from .rundir import check_model_fingerprints, read_manifest
+                from memopd.files import read_manifest
+
+                from .rundir import check_model_fingerprints
 
                 self._fingerprints = check_model_fingerprints((read_manifest(found[1]) or {}).get("models"),
                                                               self.model_dirs, found[1])
@@ -333,7 +339,7 @@ class Trainer:
     def write_metrics(self, m: dict) -> None:
         if self.rank != 0:
             return
-        from .rundir import guarded_write
+        from memopd.files import guarded_write
 
         with guarded_write(f"the metrics of step {m['step']}", self.metrics_path,
                            "the earlier steps' lines are intact (--resume drops a partial last line)",
@@ -544,7 +550,7 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     """`train` inside its opened run directory `run`."""
     from memopd.files import atomic_write_json
 
-    _set_seed(cfg.seed)
+    set_seed(cfg.seed)
     bundle = prepare(cfg, log)
     student_dir, teacher_dir = bundle.student_dir, bundle.teacher_dir
     trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=bundle.teacher, env=bundle.env, tasks=bundle.tasks,

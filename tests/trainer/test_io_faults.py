@@ -270,7 +270,7 @@ def test_read_only_remount_mid_run_is_74_then_resume_continues(sft_dirs, tmp_pat
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
 def test_atomic_write_keeps_the_previous_content(tmp_path, monkeypatch, code):
-    from memopd.trainer.rundir import atomic_write_text
+    from memopd.files import atomic_write_text
 
     p = tmp_path / "report.json"
     p.write_text("old\n")

@@ -119,7 +119,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     from ..loop import resolve_vocab_size
     from ..modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
     from ..ppo import whiten
-    from ..update import _pack, score, teacher_mask_of
+    from ..update import pack_layout, score, teacher_mask_of
     from .infogap import ROLES, action_token_roles, information_gap_calls, view_disagreement_ceiling
 
     student, teacher, env, world = bundle.student, bundle.teacher, bundle.env, bundle.tasks
@@ -141,7 +141,7 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     scored = {name: score(actor, critic, ref, teacher, trajs, teacher_layout=layout, max_tokens=cfg.max_tokens,
                           kl_coef=cfg.kl_coef, gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
               for name, layout in SCORED_VIEWS}
-    batch = _pack(trajs, cfg.max_tokens, cfg.action_domain)
+    batch = pack_layout(trajs, cfg.max_tokens, cfg.action_domain)
     tb, tt, tk = batch.traj_index, batch.call_index, batch.token_index
     # per entry: information-gap call, token role
     expert = make_expert("rational", env.tokenizer, world.config)

@@ -336,7 +336,7 @@ def results_dir_of(publish: str | None) -> str | None:
 def publish_results(paths, results_dir: str, log, tag: str) -> None:
     """Copy each result file into `results_dir`, each copy atomic (a failed copy leaves the
     published file as it was)."""
-    from ..rundir import atomic_file
+    from memopd.files import atomic_file
 
     for src in paths:
         dst = os.path.join(results_dir, os.path.basename(src))
@@ -357,12 +357,12 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
         args.arms = list(DEFAULT_ARMS)
     results_dir = results_dir_of(args.publish)
     from memopd.env.qa.evaluate import evaluate
+    from memopd.files import atomic_write_text
 
     from ..arms import arm_run_dir, refuse_earlier_runs, run_all
     from ..config import TrainConfig
     from ..loop import prepare
     from ..plot import plot_protocol_curves
-    from ..rundir import atomic_write_text
 
     name = "quick" if args.quick else "full"
     budget = BUDGETS[name]
@@ -766,12 +766,12 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
         args.arms = list(INFOGAP_ARMS)
     results_dir = results_dir_of(args.publish)
     from memopd.env.qa.evaluate import evaluate
+    from memopd.files import atomic_write_text
 
     from ..arms import refuse_earlier_runs, run_all
     from ..config import TrainConfig
     from ..loop import prepare
     from ..plot import plot_protocol_curves
-    from ..rundir import atomic_write_text
     from .manipulation import format_check, manipulation_check
 
     name = "quick" if args.quick else "full"

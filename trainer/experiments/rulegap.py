@@ -287,12 +287,12 @@ def run_job(job: dict, out: str, student: str, plan: dict = PLAN) -> dict:
 
     from memopd.trainer.experiments.ruleteacher import RuleTeacher
 
-    from ..loop import Trainer, _set_seed, resolve_vocab_size
+    from ..loop import Trainer, resolve_vocab_size, set_seed
 
     torch.set_num_threads(1)
     t0, c0 = time.time(), time.process_time()
     cfg = _cfg(job["arm"], job["seed"], student, plan["steps"], job.get("opd_coef", 0.0))
-    _set_seed(cfg.seed)
+    set_seed(cfg.seed)
     bundle = _bundle(student)
     world = _world(bundle, job["linked_frac"])
     V = resolve_vocab_size(cfg, bundle.env, bundle.student)
@@ -701,9 +701,9 @@ def format_report(rep: dict) -> str:
 
 
 def plot_report(rep: dict, path: str) -> str:
-    from ..plot import _matplotlib, _save_png
+    from ..plot import matplotlib_module, save_png
 
-    matplotlib = _matplotlib()
+    matplotlib = matplotlib_module()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -736,7 +736,7 @@ def plot_report(rep: dict, path: str) -> str:
     bx.grid(alpha=0.3)
     bx.legend(fontsize=8)
     fig.tight_layout()
-    _save_png(fig, path)
+    save_png(fig, path)
     plt.close(fig)
     return path
 
