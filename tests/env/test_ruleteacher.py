@@ -126,7 +126,7 @@ def test_score_masks_the_silent_positions_out_of_the_opd_term(linked):
     and the update's OPD mask leaves the silent entries out."""
     from memopd.models import tiny_causal_lm
     from memopd.trainer.modules import Actor, Critic, Scoring
-    from memopd.trainer.update import _pack, score, teacher_mask_of
+    from memopd.trainer.update import pack_layout, score, teacher_mask_of
 
     world, tok, env = linked
     trajs = _episodes(world, env, "scripted", n=8, temperature=1.0)  # scored at the training temperature
@@ -136,9 +136,9 @@ def test_score_masks_the_silent_positions_out_of_the_opd_term(linked):
     teacher = _teacher(world, tok)
     sc = score(actor, Critic(lm), None, teacher, trajs, teacher_layout="flatten", max_tokens=4096, kl_coef=0.0,
                gamma=1.0, lam=1.0)
-    ys = teacher.targets(_pack(trajs, 4096, layout="flatten"))
+    ys = teacher.targets(pack_layout(trajs, 4096, layout="flatten"))
     assert sc.teacher_speaks.tolist() == [y is not None for y in ys]
     assert 0 < int(sc.teacher_speaks.sum()) < len(ys)  # silent somewhere, speaking mostly
-    batch = _pack(trajs, 4096)
+    batch = pack_layout(trajs, 4096)
     gid = sc.offsets[batch.traj_index, batch.call_index] + batch.token_index
     assert teacher_mask_of(sc, batch, gid).tolist() == [y is not None for y in ys]

@@ -284,14 +284,14 @@ def test_controls_verdict_needs_every_control_above_zero():
 def test_negative_control_arms_score_the_broken_states():
     from memopd.memory import random_trajectories
     from memopd.trainer.config import TrainConfig
-    from memopd.trainer.update import _pack
+    from memopd.trainer.update import pack_layout
 
     assert TrainConfig(arm="broken_positions").arm_spec.teacher_layout == "positions_broken"
     assert TrainConfig(arm="broken_visibility").arm_spec.uses_teacher
     trajs = random_trajectories("summary", 6, group_size=2, seed=3)
-    aligned = _pack(trajs, 4096)
-    pos = _pack(trajs, 4096, layout="positions_broken")
-    vis = _pack(trajs, 4096, layout="visibility_broken")
+    aligned = pack_layout(trajs, 4096)
+    pos = pack_layout(trajs, 4096, layout="positions_broken")
+    vis = pack_layout(trajs, 4096, layout="visibility_broken")
     # the same entries in the same order: the OPD term pairs them with the student's
     for b in (pos, vis):
         assert torch.equal(b.input_ids, aligned.input_ids) and torch.equal(b.target_ids, aligned.target_ids)
