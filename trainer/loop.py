@@ -548,6 +548,7 @@ def _forget_unstarted_run(run_dir: str) -> None:
 
 def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t0: float, cpu0: float) -> dict:
     """`train` inside its opened run directory `run`."""
+    from memopd.env.build import env_kind
     from memopd.files import atomic_write_json
 
     set_seed(cfg.seed)
@@ -557,10 +558,9 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
                       log=log)
     trainer.model_dirs = {"student": student_dir, "teacher": teacher_dir if trainer.teacher_lm is not None else None,
                           "reference": student_dir if trainer.ref_lm is not None else None}
-    if trainer.rank == 0 and not resume and not (cfg.student and cfg.teacher):  # retraining the cache names this run
-        from memopd.env.qa.sft import record_run
-
-        record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))
+    record_run = env_kind(cfg.env.kind).record_run
+    if trainer.rank == 0 and not resume and not (cfg.student and cfg.teacher) and record_run is not None:
+        record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))  # retraining names it
 
     can_eval = bundle.evaluate is not None
     evaluate_saved = bundle.evaluate

@@ -122,11 +122,14 @@ class EnvKind:
     builds_sft, after_sft, train_k, evaluation, progress, log)` returns the run's
     `EnvironmentBundle` (see `build_environment` for the arguments); `check(spec)` raises
     `UserError` for a spec it cannot build, cheaply (no model loaded), when the config is
-    read; `cache_name(spec)` is the SFT cache folder of its default models."""
+    read; `cache_name(spec)` is the SFT cache folder of its default models;
+    `record_run(cache_dir, run_dir, fingerprints)`, if given, notes in that cache which run
+    trains from its models (so retraining them names the run)."""
 
     build: Callable[..., EnvironmentBundle]
     check: Callable[[EnvSpec], None] = lambda spec: None
     cache_name: Callable[[EnvSpec], str] = lambda spec: f"sft-{spec.kind}"
+    record_run: Callable[[str, str, dict], None] | None = None
 
 
 # kind -> its EnvKind, or "module:NAME" naming it (imported on first use)

@@ -269,4 +269,10 @@ def _check_saved_tokenizer(tokenizer, out_dir: str, env, log: Callable[[str], No
             "tokenizer_config.json names its class explicitly")
 
 
-QA_KIND = EnvKind(build=build, check=check, cache_name=sft_cache_name)
+def _record_run(cache_dir: str, run_dir: str, fingerprints: dict) -> None:
+    from .sft import record_run
+
+    record_run(cache_dir, run_dir, fingerprints)
+
+
+QA_KIND = EnvKind(build=build, check=check, cache_name=sft_cache_name, record_run=_record_run)
