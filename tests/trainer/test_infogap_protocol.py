@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from memopd.trainer.experiments.intervals import bootstrap_seeds_sets, curve_area, minimal_detectable_effect, student_t_quantile
 from memopd.trainer.experiments.manipulation import GATE_MAX_COSINE, GATE_MIN_TOP1, gate
-from memopd.trainer.experiments.replicate import bootstrap_seeds_sets, curve_area, minimal_detectable_effect, student_t_quantile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -65,7 +65,7 @@ T_TABLE = {1: (12.7062, 1.3764), 2: (4.3027, 1.0607), 4: (2.7764, 0.9410), 7: (2
 def test_student_t_quantile_matches_the_tables(df):
     """The replication's t quantiles are computed in closed form (no scipy): they match the
     printed tables, are odd around p = 0.5, and invert the CDF."""
-    from memopd.trainer.experiments.replicate import student_t_cdf
+    from memopd.trainer.experiments.intervals import student_t_cdf
 
     for p, want in zip((0.975, 0.8), T_TABLE[df]):
         assert student_t_quantile(p, df) == pytest.approx(want, abs=6e-5)

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from memopd.trainer.experiments.replicate import BUDGETS, paired_bootstrap, relative_change
+from memopd.trainer.experiments.intervals import paired_bootstrap, relative_change
+from memopd.trainer.experiments.replicate import BUDGETS
 
 
 def test_bootstrap_identical_arms_is_exactly_zero():

@@ -4,8 +4,9 @@ They import the trainer and the environment; nothing outside this folder imports
 (`memopd compare --protocol NAME` finds its module by name: trainer/compare.py, `PROTOCOLS`).
 
 - `replicate`: the paper protocol and the info-gap protocol (`memopd compare --protocol
-  paper|info-gap`), the statistics they report (bootstrap, t-intervals, curve areas) and
-  the reading of their runs;
+  paper|info-gap`) and the reading of their runs;
+- `intervals`: the statistics they report (paired bootstrap, t intervals, the minimal
+  detectable effect, curve areas);
 - `manipulation`: the info-gap manipulation check (does the teacher's view change its
   top-1?), `python -m memopd.trainer.experiments.manipulation`;
 - `infogap`: the info-gap measures (information-gap calls, the views' disagreement ceiling,

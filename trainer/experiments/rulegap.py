@@ -114,7 +114,7 @@ GATES = {
 # ----------------------------------------------------------------------------------
 def interval_t(per_seed, level: float = 0.95) -> dict:
     """The Student t interval over per-seed differences (`replicate.t_interval`)."""
-    from .replicate import t_interval
+    from .intervals import t_interval
 
     return t_interval(per_seed, level)
 
@@ -527,14 +527,14 @@ def _student_of(out: str) -> str:
 # the report
 # ----------------------------------------------------------------------------------
 def _area(r: dict, sft: float) -> float:
-    from .replicate import curve_area
+    from .intervals import curve_area
 
     return curve_area([(0, sft)] + [tuple(x) for x in r["curve"]])
 
 
 def _paired(rows_a: list[dict], rows_b: list[dict], sft: float) -> dict | None:
     """memopd-style difference a − b paired by seed: area and final, with both intervals."""
-    from .replicate import bootstrap_seeds_sets, minimal_detectable_effect
+    from .intervals import bootstrap_seeds_sets, minimal_detectable_effect
 
     a = {r["job"]["seed"]: r for r in rows_a}
     b = {r["job"]["seed"]: r for r in rows_b}
