@@ -192,10 +192,10 @@ def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, voca
 
 def measure_env_shapes(ks=QUESTION_COUNTS, tasks: int = 50, kind: str = "word") -> None:
     """Print prefix/calls/context/action ranges of expert episodes of `memopd.env`."""
-    from memopd.env.expert import expert_trajectories
     from memopd.env.qa import QAEnv
-    from memopd.env.tokenizer import build_tokenizer
-    from memopd.env.world import World
+    from memopd.env.qa.expert import expert_trajectories
+    from memopd.env.qa.tokenizer import build_tokenizer
+    from memopd.env.qa.world import World
 
     world = World.generate()
     env = QAEnv.from_world(world, build_tokenizer(world.vocabulary_texts(), kind=kind))

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     os.makedirs(a.work, exist_ok=True)
     os.environ["MEMOPD_BACKEND"] = a.backend
     from memopd.cli import main as memopd_main
-    from memopd.env.sft import SFTConfig, run_sft
+    from memopd.env.qa.sft import SFTConfig, run_sft
 
     t0 = time.time()
     sft = os.path.join(a.work, "sft")

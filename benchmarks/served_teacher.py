@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick_sft:
-        from memopd.env.sft import SFTConfig, run_sft
+        from memopd.env.qa.sft import SFTConfig, run_sft
 
         if not os.path.isdir(os.path.join(args.quick_sft, "teacher")):
             quick = SFTConfig(steps=30, ks=(1, 2), calls_per_k=16)

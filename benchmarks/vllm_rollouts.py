@@ -61,8 +61,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from memopd.env.evaluate import agent_engine, load_agent_env
-    from memopd.env.sft import SFTConfig, run_sft
+    from memopd.env.qa.evaluate import agent_engine, load_agent_env
+    from memopd.env.qa.sft import SFTConfig, run_sft
     from memopd.env.vllm_engine import VLLMEngine
     from memopd.rce import sampler_audit
 

@@ -1,7 +1,7 @@
 """What the ops (memopd.ops), their back ends and their references agree on: divergence
 codes, the rows of the statistics tensors they exchange, the parameter objects the
-host-side launchers take, the inputs the packed-attention kernels take, and the ops'
-result types.
+host-side launchers take, and the inputs the packed-attention kernels take (the ops'
+result types, which no kernel uses, are memopd/ops/results.py's).
 
 It sits in the kernel layer so that every import points down (trainer -> memopd.ops ->
 memopd.kernels): the ops import it, the kernels import it, it imports neither. Plain
@@ -12,55 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["DistillOutput", "LogProbEntropy", "LogProbEntropyLoss", "ActorLossOutput", "Divergence", "DistillStat",
-           "Partial", "ActorStat", "PRECISE_LIMIT", "LinearHead", "head_tensors", "DistillParams", "ActorLossParams",
-           "TRITON_HEAD_DIMS", "TRITON_DTYPES"]
+__all__ = ["Divergence", "DistillStat", "Partial", "ActorStat", "PRECISE_LIMIT", "LinearHead", "head_tensors", "DistillParams",
+           "ActorLossParams", "TRITON_HEAD_DIMS", "TRITON_DTYPES"]
 
 # What the packed-attention kernels take (memopd.ops.attention refuses the rest for them).
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class DistillOutput(NamedTuple):
-    """Result of the fused op: reduced loss and per-token fp32 tensors (0 where masked)."""
-
-    loss: Tensor
-    kl: Tensor
-    logprobs: Tensor
-    entropy: Tensor
-
-
-class LogProbEntropy(NamedTuple):
-    """Result of the teacher-less op: per-token fp32 tensors [N] (0 where masked)."""
-
-    logprobs: Tensor
-    entropy: Tensor
-
-
-class LogProbEntropyLoss(NamedTuple):
-    """Result of the teacher-less op with a declared loss: the scalar loss and the
-    per-token fp32 tensors [N] (0 where masked), all three differentiable."""
-
-    loss: Tensor
-    logprobs: Tensor
-    entropy: Tensor
-
-
-class ActorLossOutput(NamedTuple):
-    """Result of the fused actor loss: the scalar loss (differentiable) and detached
-    per-token fp32 [N] statistics; masked tokens hold 0 (ratio 1, clipped False)."""
-
-    loss: Tensor
-    logprobs: Tensor
-    entropy: Tensor
-    kl: Tensor
-    ratio: Tensor
-    clipped: Tensor  # bool: the clipped branch was taken (no policy gradient)
 
 
 class Divergence(IntEnum):

@@ -27,7 +27,7 @@ backward only scales the stored gradients; the recomputing path (`distill_forwar
 per-token gradient weights known before the call, (g_div, g_lp, g_ent), each [N] fp32
 or None: L = Σ g_div·divergence + g_lp·logprob + g_ent·entropy (the distillation op's
 reduced loss is g_div = 1 / n_kept or 1). The divergence math is the tile kernels'
-(`_dlse_terms`, `_jsd_kl_terms`, `_dlogits_terms` of `memopd.kernels.fused_distill`).
+(`dlse_terms`, `jsd_kl_terms`, `dlogits_terms` of `memopd.kernels.fused_distill`).
 Scratch: two fp32 buffers of MEMOPD_DISTILL_SCRATCH_MB (default 512 MiB) each, or
 `token_chunk` rows, plus a half-size 16-bit gradient buffer; never [N, V].
 """
@@ -43,16 +43,16 @@ from .contract import DistillParams, DistillStat, LinearHead
 
 # the divergence math and the DistillStat / Divergence constexprs of the tile kernels
 from .fused_distill import (
-    _AUX,
-    _DLSE,
-    _ENTROPY,
-    _FORWARD_KL,
-    _LSE_S,
-    _LSE_T,
-    _REVERSE_KL,
-    _dlogits_terms,
-    _dlse_terms,
-    _jsd_kl_terms,
+    AUX,
+    DLSE,
+    ENTROPY,
+    FORWARD_KL,
+    LSE_S,
+    LSE_T,
+    REVERSE_KL,
+    dlogits_terms,
+    dlse_terms,
+    jsd_kl_terms,
 )
 from .lm_head_tiles import (
     ChunkGradients,
@@ -116,12 +116,12 @@ def _distill_rows_kernel(
             et = tl.where(ok, tl.exp(t - mt_new), 0.0)
             z_t = alpha_t * z_t + et
             d = tl.where(ok, s - t, 0.0)  # straight from the two logits: exact where s ≈ t
-            if DIV == _FORWARD_KL:
+            if DIV == FORWARD_KL:
                 e_d = alpha_t * e_d + et * d
-            elif DIV == _REVERSE_KL:
+            elif DIV == REVERSE_KL:
                 e_d = alpha_s * e_d + es * d
             mj_new = tl.maximum(ms_new, mt_new)
-            _eT, g = _dlse_terms(es, et, d, tl.exp(ms_new - mj_new), tl.exp(mt_new - mj_new))
+            _eT, g = dlse_terms(es, et, d, tl.exp(ms_new - mj_new), tl.exp(mt_new - mj_new))
             dz_j = tl.exp(mj - mj_new) * dz_j + g
             mt = mt_new
             mj = mj_new
@@ -145,10 +145,10 @@ def _distill_rows_kernel(
         ratio = tl.sum(dz_j, 0) / (c_t * zt)
         near = tl.abs(ratio) < 0.5
         dlse = tl.where(active, tl.where(near, log1p_small(tl.where(near, ratio, 0.0)), lse_s - lse_t), 0.0)
-        if DIV == _REVERSE_KL:
+        if DIV == REVERSE_KL:
             aux = tl.sum(e_d, 0) / zs - dlse
             div = tl.maximum(aux, 0.0)
-        elif DIV == _FORWARD_KL:
+        elif DIV == FORWARD_KL:
             aux = dlse - tl.sum(e_d, 0) / zt
             div = tl.maximum(aux, 0.0)
         else:
@@ -159,7 +159,7 @@ def _distill_rows_kernel(
                 cols = v0 + offs
                 s = tl.load(srow + cols, mask=cols < stride_s, other=0.0)
                 t = tl.load(trow + cols, mask=cols < stride_t, other=0.0)
-                pm, qm = _jsd_kl_terms(s, t, lse_s, lse_t, dlse, beta, cols < V)
+                pm, qm = jsd_kl_terms(s, t, lse_s, lse_t, dlse, beta, cols < V)
                 kl_pm += pm
                 kl_qm += qm
             aux = tl.sum(kl_pm, 0)
@@ -168,11 +168,11 @@ def _distill_rows_kernel(
         div = tl.where(active, div, 0.0)
     tl.store(div_ptr + row, div)
     tl.store(lp_ptr + row, lp)
-    tl.store(stats_ptr + _LSE_S * N + row, lse_s)
-    tl.store(stats_ptr + _LSE_T * N + row, lse_t)
-    tl.store(stats_ptr + _DLSE * N + row, dlse)
-    tl.store(stats_ptr + _AUX * N + row, aux)
-    tl.store(stats_ptr + _ENTROPY * N + row, ent)
+    tl.store(stats_ptr + LSE_S * N + row, lse_s)
+    tl.store(stats_ptr + LSE_T * N + row, lse_t)
+    tl.store(stats_ptr + DLSE * N + row, dlse)
+    tl.store(stats_ptr + AUX * N + row, aux)
+    tl.store(stats_ptr + ENTROPY * N + row, ent)
     if NEED_GRAD:
         # last sweep: dL/dlogits over the student row, into the gradient scratch (the
         # student's own row in place, or a 16-bit one: `ChunkGradients`). Every program
@@ -197,7 +197,7 @@ def _distill_rows_kernel(
             t = s
             if HAS_GDIV:
                 t = tl.load(trow + cols, mask=cols < t_lim, other=0.0)
-            acc = _dlogits_terms(s, t, cols == y, ok, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g_d, beta,
+            acc = dlogits_terms(s, t, cols == y, ok, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g_d, beta,
                                  DIV, HAS_GLP, HAS_GENT, HAS_GDIV)
             store_grad_piece(grow, cols, tl.where(ok & active, acc * inv_temp, 0.0), stride_g)
 

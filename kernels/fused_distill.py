@@ -48,7 +48,7 @@ Layout of the work (N tokens, V true vocabulary, Hs / Ht hidden sizes):
   kernel computes the statistics and dL/dlogits in place, then the same dH / dW GEMMs
   run in the forward: 4 lm-head-sized matmuls against the 6 of `distill_forward` +
   `distill_backward` here, which stay the path of `gradients="recompute"`. Both use the
-  divergence math of this module (`_dlse_terms`, `_jsd_kl_terms`, `_dlogits_terms`).
+  divergence math of this module (`dlse_terms`, `jsd_kl_terms`, `dlogits_terms`).
 * Teacher-less mode (`memopd.ops.fused_linear_logprob_entropy`: student log-prob and
   entropy only, like verl's fused linear-for-PPO): the launchers take `ht = wt = bt =
   None` and pass dummy pointers; the forward kernel's HAS_TEACHER=False constexpr
@@ -88,13 +88,13 @@ from .lm_head_tiles import (
 from .runtime import INTERPRET, NEG, USE_AUTOTUNE, autotuned, dot_precision, or_dummy, tuning_bucket, upcast
 
 # Protocol values as constexprs: compiled Triton reads only constexpr globals in kernels.
-_REVERSE_KL = tl.constexpr(int(Divergence.REVERSE_KL))
-_FORWARD_KL = tl.constexpr(int(Divergence.FORWARD_KL))
-_LSE_S = tl.constexpr(int(DistillStat.LSE_S))
-_LSE_T = tl.constexpr(int(DistillStat.LSE_T))
-_DLSE = tl.constexpr(int(DistillStat.DLSE))
-_AUX = tl.constexpr(int(DistillStat.AUX))
-_ENTROPY = tl.constexpr(int(DistillStat.ENTROPY))
+REVERSE_KL = tl.constexpr(int(Divergence.REVERSE_KL))
+FORWARD_KL = tl.constexpr(int(Divergence.FORWARD_KL))
+LSE_S = tl.constexpr(int(DistillStat.LSE_S))
+LSE_T = tl.constexpr(int(DistillStat.LSE_T))
+DLSE = tl.constexpr(int(DistillStat.DLSE))
+AUX = tl.constexpr(int(DistillStat.AUX))
+ENTROPY = tl.constexpr(int(DistillStat.ENTROPY))
 NUM_PART = len(Partial)
 _P_M_S = tl.constexpr(int(Partial.M_S))
 _P_Z_S = tl.constexpr(int(Partial.Z_S))
@@ -135,7 +135,7 @@ def _jsd_u(delta, beta):
 # values passed as scalars). s, t are logits / T.
 # ----------------------------------------------------------------------------------
 @triton.jit
-def _dlse_terms(es, et, d, c_s, c_t):
+def dlse_terms(es, et, d, c_s, c_t):
     """(e^{t - M}, e^{s - M} - e^{t - M}) at a joint max M, from es = e^{s - m_s},
     et = e^{t - m_t}, d = s - t, c_s = e^{m_s - M}, c_t = e^{m_t - M}. The difference is
     et·expm1(d) where |d| is small, so its sum gives lse_s - lse_t = log1p(ΣΔ / Σe^{t-M})
@@ -147,7 +147,7 @@ def _dlse_terms(es, et, d, c_s, c_t):
 
 
 @triton.jit
-def _jsd_kl_terms(s, t, lse_s, lse_t, dlse, beta, valid):
+def jsd_kl_terms(s, t, lse_s, lse_t, dlse, beta, valid):
     """Per entry, the terms of KL(p || M) and KL(q || M) (M = beta q + (1 - beta) p), from
     the log-sum-exps and the precise dlse = lse_s - lse_t; 0 where not `valid`."""
     p = tl.where(valid, tl.exp(s - lse_s), 0.0)
@@ -158,7 +158,7 @@ def _jsd_kl_terms(s, t, lse_s, lse_t, dlse, beta, valid):
 
 
 @triton.jit
-def _dlogits_terms(s, t, is_y, valid, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g_d, beta,
+def dlogits_terms(s, t, is_y, valid, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g_d, beta,
                    DIV: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_GDIV: tl.constexpr):
     """dL/ds for L = Σ g_lp·logprob + g_h·entropy + g_d·divergence (each term present only
     where its HAS_* is set; `t` is read only with HAS_GDIV), 0 where not `valid`."""
@@ -171,10 +171,10 @@ def _dlogits_terms(s, t, is_y, valid, lse_s, lse_t, dlse, aux, ent, g_lp, g_h, g
         acc -= g_h * p * tl.where(valid, ls + ent, 0.0)
     if HAS_GDIV:
         delta = tl.where(valid, (s - t) - dlse, 0.0)
-        if DIV == _REVERSE_KL:
+        if DIV == REVERSE_KL:
             # d KL(p||q) / ds_v = p_v * ((ls_v - lt_v) - KL)
             acc += g_d * p * (delta - aux)
-        elif DIV == _FORWARD_KL:
+        elif DIV == FORWARD_KL:
             # d KL(q||p) / ds_v = p_v - q_v = -p_v expm1(-δ_v): relative precision when
             # q ~ p; the plain difference where |δ| is large (no cancellation, no overflow)
             q = tl.where(valid, tl.exp(t - lse_t), 0.0)
@@ -284,7 +284,7 @@ def _distill_fwd_kernel(
             # d = s - t from the shifted tiles (0 on padded columns)
             d = tl.where(valid, (sc - tc) + (m_s_new - m_t_new)[:, None], 0.0)
             es = tl.exp(sc)  # recomputed rather than kept live across the teacher dot
-            if DIV == _FORWARD_KL:
+            if DIV == FORWARD_KL:
                 e_d = alpha_t * e_d + tl.sum(et * d, axis=1)
             else:
                 e_d = alpha_s * e_d + tl.sum(es * d, axis=1)
@@ -292,7 +292,7 @@ def _distill_fwd_kernel(
             # joint-max difference of the two normalisers, precise where d is small
             m_j_new = tl.maximum(m_s_new, m_t_new)
             r_j = tl.exp(m_j - m_j_new)
-            eT, g = _dlse_terms(es, et, d, tl.exp(m_s_new - m_j_new)[:, None], tl.exp(m_t_new - m_j_new)[:, None])
+            eT, g = dlse_terms(es, et, d, tl.exp(m_s_new - m_j_new)[:, None], tl.exp(m_t_new - m_j_new)[:, None])
             zt_j = r_j * zt_j + tl.sum(eT, axis=1)
             dz_j = r_j * dz_j + tl.sum(g, axis=1)
             m_t = m_t_new
@@ -333,9 +333,9 @@ def _jsd_pass_kernel(
     row_ok = pos < count
     rows = tl.load(order_ptr + pos, mask=in_range, other=0)
     rows64 = rows.to(tl.int64)
-    lse_s = tl.load(stats_ptr + _LSE_S * N + rows64, mask=row_ok, other=0.0)
-    lse_t = tl.load(stats_ptr + _LSE_T * N + rows64, mask=row_ok, other=0.0)
-    dlse = tl.load(stats_ptr + _DLSE * N + rows64, mask=row_ok, other=0.0)
+    lse_s = tl.load(stats_ptr + LSE_S * N + rows64, mask=row_ok, other=0.0)
+    lse_t = tl.load(stats_ptr + LSE_T * N + rows64, mask=row_ok, other=0.0)
+    dlse = tl.load(stats_ptr + DLSE * N + rows64, mask=row_ok, other=0.0)
     v_lo = pid_s * v_per_split
     v_hi = tl.minimum(v_lo + v_per_split, V)
     active = pid * BLOCK_N < count
@@ -350,7 +350,7 @@ def _jsd_pass_kernel(
                          stride_ws, Hs, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
         t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
                          stride_wt, Ht, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
-        pm, qm = _jsd_kl_terms(s * inv_temp, t * inv_temp, lse_s[:, None], lse_t[:, None], dlse[:, None], beta, valid)
+        pm, qm = jsd_kl_terms(s * inv_temp, t * inv_temp, lse_s[:, None], lse_t[:, None], dlse[:, None], beta, valid)
         kl_pm += tl.sum(pm, axis=1)
         kl_qm += tl.sum(qm, axis=1)
     base = part_ptr + pid_s * N + rows64
@@ -391,7 +391,7 @@ def _distill_dlogits_kernel(
     s = logits_tile(hs_ptr, ws_ptr, bs_ptr, rows64, row_ok, cols, col_ok, Hs, stride_hs,
                      stride_ws, ks_end, HAS_BS, UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K)
     s = s * inv_temp
-    lse_s = tl.load(stats_ptr + _LSE_S * N + rows64, mask=row_ok, other=0.0)
+    lse_s = tl.load(stats_ptr + LSE_S * N + rows64, mask=row_ok, other=0.0)
     # per-token values a term does not use stay these zeros (compiled out with the term)
     zero = tl.zeros([BLOCK_N], dtype=tl.float32)
     g_lp, y, g_h, ent, g_d, dlse, aux, lse_t = zero, zero.to(tl.int32) - 1, zero, zero, zero, zero, zero, zero
@@ -401,17 +401,17 @@ def _distill_dlogits_kernel(
         y = tl.load(tgt_ptr + rows64, mask=row_ok, other=-1).to(tl.int32)
     if HAS_GENT:
         g_h = tl.load(gent_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
-        ent = tl.load(stats_ptr + _ENTROPY * N + rows64, mask=row_ok, other=0.0)
+        ent = tl.load(stats_ptr + ENTROPY * N + rows64, mask=row_ok, other=0.0)
     if HAS_GDIV:
         g_d = tl.load(gdiv_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         t = logits_tile(ht_ptr, wt_ptr, bt_ptr, rows64, row_ok, cols, col_ok, Ht, stride_ht,
                          stride_wt, kt_end, HAS_BT, UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K)
         t = t * inv_temp
-        dlse = tl.load(stats_ptr + _DLSE * N + rows64, mask=row_ok, other=0.0)
-        aux = tl.load(stats_ptr + _AUX * N + rows64, mask=row_ok, other=0.0)
-        if DIV == _FORWARD_KL:
-            lse_t = tl.load(stats_ptr + _LSE_T * N + rows64, mask=row_ok, other=0.0)
-    acc = _dlogits_terms(s, t, cols[None, :] == y[:, None], valid, lse_s[:, None], lse_t[:, None], dlse[:, None],
+        dlse = tl.load(stats_ptr + DLSE * N + rows64, mask=row_ok, other=0.0)
+        aux = tl.load(stats_ptr + AUX * N + rows64, mask=row_ok, other=0.0)
+        if DIV == FORWARD_KL:
+            lse_t = tl.load(stats_ptr + LSE_T * N + rows64, mask=row_ok, other=0.0)
+    acc = dlogits_terms(s, t, cols[None, :] == y[:, None], valid, lse_s[:, None], lse_t[:, None], dlse[:, None],
                          aux[:, None], ent[:, None], g_lp[:, None], g_h[:, None], g_d[:, None], beta,
                          DIV, HAS_GLP, HAS_GENT, HAS_GDIV)
     ds = tl.where(valid & row_ok[:, None], acc * inv_temp, 0.0)

@@ -32,6 +32,7 @@ import re
 
 __all__ = [
     "UserError",
+    "ConfigError",
     "RunDirError",
     "UnsafeFileError",
     "PeerError",
@@ -74,6 +75,10 @@ class UserError(Exception):
     """Bad input the user can fix; the message names the input and the fix."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class ConfigError(UserError, ValueError):
+    """A run configuration that cannot run as given (`memopd train` key=value, config.yaml)."""
 
 
 class RunDirError(UserError):

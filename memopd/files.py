@@ -1,6 +1,6 @@
 """Files that are whole or absent: atomic writes, manifests, directory locks.
 
-Below both the environment (`memopd.env.sft` writes its SFT cache with these) and the
+Below both the environment (`memopd.env.qa.sft` writes its SFT cache with these) and the
 trainer (`trainer/rundir.py` builds run directories on them), so neither imports the other:
 
 - `atomic_file` / `atomic_write_text` / `atomic_write_json` / `atomic_directory`: a file or

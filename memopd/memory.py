@@ -25,6 +25,7 @@ __all__ = [
     "SlidingWindow",
     "RetrievalRefresh",
     "POLICIES",
+    "POLICY_CLASSES",
     "make_policy",
     "drive",
     "random_trajectories",
@@ -44,9 +45,13 @@ def _tagged(ids: Sequence[int], source: int, call: int) -> list[Prov]:
 
 
 class MemoryPolicy:
-    """Base class. Subclasses implement `update`; `name` is the CLI/registry key."""
+    """Base class. Subclasses implement `update`; `name` is the CLI/registry key
+    (`POLICY_CLASSES`); `parameters` the keyword arguments a run may set
+    (`env.policy_kwargs`); `memory_tags`: built with the ids of the memory span's tags."""
 
     name = "base"
+    parameters: tuple[str, ...] = ()
+    memory_tags = False
 
     def update(
         self,
@@ -90,6 +95,7 @@ class SuffixRetention(MemoryPolicy):
     """Keep only the last `max_tokens` tokens of context + response + observation."""
 
     name = "suffix"
+    parameters = ("max_tokens",)
 
     def __init__(self, max_tokens: int = 64):
         if max_tokens < 1:
@@ -143,6 +149,7 @@ class SummaryReplacement(MemoryPolicy):
     """
 
     name = "summary"
+    memory_tags = True
 
     def __init__(self, mem_open_id: "int | Sequence[int]", mem_close_id: "int | Sequence[int]"):
         o, c = _tag_seq(mem_open_id), _tag_seq(mem_close_id)
@@ -166,6 +173,7 @@ class SlidingWindow(MemoryPolicy):
     """Keep the initial context and the last `turns` (response, observation) turns."""
 
     name = "window"
+    parameters = ("turns",)
 
     def __init__(self, turns: int = 2):
         if turns < 1:
@@ -198,24 +206,32 @@ class RetrievalRefresh(MemoryPolicy):
         return ContextUpdate(ids, prov)
 
 
-POLICIES = ("full", "suffix", "summary", "window", "refresh")
+# The registry: name -> class. A new policy is its class plus one entry (docs/design.md §6.7).
+POLICY_CLASSES: dict[str, type[MemoryPolicy]] = {
+    "full": FullRetention,
+    "suffix": SuffixRetention,
+    "summary": SummaryReplacement,
+    "window": SlidingWindow,
+    "refresh": RetrievalRefresh,
+}
+POLICIES = tuple(POLICY_CLASSES)
 
 
 def make_policy(name: str, *, mem_open_id: int | None = None, mem_close_id: int | None = None, **kwargs) -> MemoryPolicy:
-    """Build a policy by registry name (`POLICIES`)."""
-    if name == "full":
-        return FullRetention()
-    if name == "suffix":
-        return SuffixRetention(**kwargs)
-    if name == "summary":
+    """Build a policy by registry name (`POLICY_CLASSES`) with its `parameters` as keyword
+    arguments; a keyword the policy does not take is a `TypeError` naming those it takes."""
+    cls = POLICY_CLASSES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown memory policy {name!r}; choose one of {', '.join(POLICIES)}")
+    unknown = sorted(set(kwargs) - set(cls.parameters))
+    if unknown:
+        takes = ", ".join(sorted(cls.parameters)) if cls.parameters else "no parameters"
+        raise TypeError(f"the {name!r} policy takes {takes}, not {', '.join(unknown)}")
+    if cls.memory_tags:
         if mem_open_id is None or mem_close_id is None:
-            raise ValueError("the 'summary' policy needs mem_open_id and mem_close_id")
-        return SummaryReplacement(mem_open_id, mem_close_id)
-    if name == "window":
-        return SlidingWindow(**kwargs)
-    if name == "refresh":
-        return RetrievalRefresh()
-    raise ValueError(f"unknown memory policy {name!r}; choose one of {', '.join(POLICIES)}")
+            raise ValueError(f"the {name!r} policy needs mem_open_id and mem_close_id")
+        return cls(mem_open_id, mem_close_id, **kwargs)
+    return cls(**kwargs)
 
 
 def drive(

@@ -3,7 +3,7 @@ checks and loading of local checkpoint directories.
 
 `tiny_causal_lm_config` / `tiny_causal_lm` are the one place a small shape becomes a
 Hugging Face config and a seeded model: the audit's embedded default, the SFT teacher and
-student (`memopd.env.sft.make_model`), the tests and the CPU benchmarks all build theirs
+student (`memopd.env.qa.sft.make_model`), the tests and the CPU benchmarks all build theirs
 here. Every model is a normal transformers model: `save_pretrained` makes a checkpoint dir.
 """
 from __future__ import annotations

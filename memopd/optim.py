@@ -3,7 +3,7 @@ with weight decay on matrices only (`build_optimizer`) and a warm-up + constant 
 linear multiplier for `torch.optim.lr_scheduler.LambdaLR` (`build_lr_lambda`).
 
 It sits below both users: the trainer's backends (memopd.trainer.backend) and the SFT
-stage (memopd.env.sft), which must not import each other's modules for it.
+stage (memopd.env.qa.sft), which must not import each other's modules for it.
 """
 from __future__ import annotations
 

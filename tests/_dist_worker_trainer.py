@@ -68,7 +68,7 @@ def run_scenario(name: str, out: str, action_domain: str) -> None:
     student, teacher = make_models()
     if os.environ.get("MEMOPD_TEST_DEVICE") == "cuda":  # the NCCL run of benchmarks/gpu_check.sh
         student.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    tr = FixedBatch(cfg, student_lm=student, teacher_lm=teacher, env=None, world=None, log=lambda *_: None)
+    tr = FixedBatch(cfg, student_lm=student, teacher_lm=teacher, env=None, tasks=None, log=lambda *_: None)
     metrics = [tr.train_step(0), tr.train_step(1)]
     actor, critic = tr.inference_modules()  # full weights on every rank, also under ZeRO-3
     if tr.rank == 0:

@@ -36,7 +36,7 @@ def pause(config_json: str, state_dir: str, pause_at: int) -> None:
                     time.sleep(0.05)
 
     student, teacher, env, world, *_ = prepare(cfg, log=lambda *_: None)
-    Pausing(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=lambda *_: None).fit()
+    Pausing(cfg, student_lm=student, teacher_lm=teacher, env=env, tasks=world, log=lambda *_: None).fit()
 
 
 def dist(out: str) -> None:
@@ -61,7 +61,7 @@ def dist(out: str) -> None:
                           warmup_steps=0, actor_lr=1e-2, critic_lr=1e-2, checkpoint_every=1, progress=False,
                           run_dir=os.path.join(out, name)).validate()
         student, teacher = make_models()
-        return FixedBatch(cfg, student_lm=student, teacher_lm=teacher, env=None, world=None, log=lambda *_: None)
+        return FixedBatch(cfg, student_lm=student, teacher_lm=teacher, env=None, tasks=None, log=lambda *_: None)
 
     full = make("a").fit()
     make("b").fit(stop_after=2)

@@ -39,7 +39,7 @@ def one_torch_thread():
 def sft_dirs(tmp_path_factory):
     """(student, teacher) directories of tiny SFT'd agents of the default world, built once
     per session for the end-to-end trainer tests (which only read them)."""
-    from memopd.env.sft import SFTConfig, run_sft
+    from memopd.env.qa.sft import SFTConfig, run_sft
 
     out = tmp_path_factory.mktemp("sft")
     tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)

@@ -169,7 +169,7 @@ class TrainBackend:
 
     # per-rank client state, same layout for both backends: JSON, so loading runs no code
     def _save_client_state(self, path: str, client_state: dict | None) -> None:
-        from .rundir import atomic_write_text
+        from memopd.files import atomic_write_text
 
         os.makedirs(path, exist_ok=True)
         # strict: a value JSON cannot hold is a bug here, not something to stringify
@@ -299,7 +299,7 @@ class PlainBackend(TrainBackend):
             state["model"] = self.unwrapped.state_dict()
             if self._masters:
                 state["masters"] = [m.detach() for _, m in self._masters]
-            from .rundir import atomic_file
+            from memopd.files import atomic_file
 
             with atomic_file(os.path.join(path, "backend.pt")) as tmp:  # never a half-written file
                 torch.save(state, tmp)

@@ -4,7 +4,7 @@ tabulate held-out EM/F1 per Qk (mean ± std over seeds) with CPU time.
     memopd compare                                   # ppo, persistent, memopd, memopd:naive; seeds 0 1 2
     memopd compare --arms ppo memopd --seeds 0 1 --jobs 2 steps=40 train_k=[2,8]
 
-    memopd compare --protocol paper [--quick] [--publish]   # the paper's protocol (trainer/replicate.py)
+    memopd compare --protocol paper [--quick] [--publish DIR]  # the paper's protocol (trainer/experiments/replicate.py)
     memopd compare --protocol info-gap [--quick] [--force-arms]  # check first, then arms that can differ
     memopd compare --resume ...                      # after an interruption: reuse finished runs, resume the rest
 
@@ -24,11 +24,13 @@ import time
 
 from .arms import parse_arm, refuse_earlier_runs, run_all
 from .config import ConfigError, TrainConfig
-from .replicate import INFOGAP_ARMS
 
 __all__ = ["compare_main", "format_compare"]
 
 DEFAULT_ARMS = ("ppo", "persistent", "memopd", "memopd:naive")
+# `--protocol NAME`: the experiment module whose `run_protocol(args, overrides)` runs it (the
+# experiments sit on top of the trainer, which imports none of them)
+PROTOCOLS = {"paper": "memopd.trainer.experiments.replicate", "info-gap": "memopd.trainer.experiments.replicate"}
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -57,8 +59,8 @@ def compare_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memopd compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", nargs="+", default=None,
-                   help=f"ARM or ARM:naive (default: {' '.join(DEFAULT_ARMS)}; --protocol info-gap: "
-                        f"{' '.join(INFOGAP_ARMS)})")
+                   help=f"ARM or ARM:naive (default: {' '.join(DEFAULT_ARMS)}; --protocol info-gap: its "
+                        "five arms, the two negative controls included)")
     p.add_argument("--seeds", nargs="+", type=int, help="default: 0 1 2 (the protocol: its budget's seeds)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at the same time")
     p.add_argument("--out", default="runs/compare")
@@ -68,26 +70,30 @@ def compare_main(argv: list[str] | None = None) -> int:
     mode.add_argument("--resume", action="store_true",
                       help="continue an earlier compare under --out: reuse its finished runs (same config), "
                            "resume the others from their newest checkpoint")
-    p.add_argument("--protocol", choices=["paper", "info-gap"],
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS),
                    help="paper: Q2-only RL in the replication world, held-out Q2/Q8/Q16, bootstrap intervals, "
                         "costs, curves and the trained-student audit (docs/design.md §7.1); info-gap: the "
                         "manipulation check, then the arms in the info-gap world with pre-stated endpoints "
-                        "(docs/replication.md)")
+                        "(docs/research/replication.md)")
     p.add_argument("--force-arms", action="store_true",
                    help="with --protocol info-gap: run the arms even when the manipulation check's gate fails")
     p.add_argument("--quick", action="store_true", help="with --protocol: the smoke-test budget (minutes)")
-    p.add_argument("--publish", action="store_true",
-                   help="with --protocol: copy the results to benchmarks/results/replication_{quick,full}.*")
+    p.add_argument("--publish", nargs="?", const=os.path.join("benchmarks", "results"), default=None, metavar="DIR",
+                   help="with --protocol: copy the results (replication_{quick,full}.*) into the results directory DIR "
+                        "(bare: benchmarks/results/ of the source checkout you run from)")
     p.add_argument("overrides", nargs="*", help="key=value overrides passed to every `memopd train`")
     args = p.parse_args(argv)
+    if args.publish is not None and "=" in args.publish:  # `--publish key=value ...`: a bare --publish, then overrides
+        args.overrides.insert(0, args.publish)
+        args.publish = os.path.join("benchmarks", "results")
     if (args.quick or args.publish) and not args.protocol:
         p.error("--quick and --publish belong to --protocol paper|info-gap")
     if args.force_arms and args.protocol != "info-gap":
         p.error("--force-arms belongs to --protocol info-gap")
-    if args.arms is None:
-        args.arms = list(INFOGAP_ARMS if args.protocol == "info-gap" else DEFAULT_ARMS)
+    if args.arms is None and not args.protocol:  # a protocol's own arms are its module's
+        args.arms = list(DEFAULT_ARMS)
     try:
-        for spec in args.arms:
+        for spec in args.arms or ():
             parse_arm(spec)
         bad = [o for o in args.overrides if o.split("=", 1)[0].strip() in ("arm", "seed", "run_dir", "action_domain")]
         if bad:
@@ -96,14 +102,14 @@ def compare_main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         p.error(str(e))
     if args.protocol:
-        from .replicate import run_protocol
+        import importlib
 
-        return run_protocol(args, args.overrides)
+        return importlib.import_module(PROTOCOLS[args.protocol]).run_protocol(args, args.overrides)
     args.seeds = args.seeds or [0, 1, 2]
-    from memopd.env.evaluate import evaluate as evaluate_dir
+    from memopd.env.qa.evaluate import evaluate as evaluate_dir
+    from memopd.files import atomic_write_json, atomic_write_text
 
     from .loop import prepare
-    from .rundir import atomic_write_json, atomic_write_text
 
     refuse_earlier_runs(args, args.seeds)
 

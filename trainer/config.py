@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from memopd.env.build import ENV_SPEC_FIELDS, EnvSpec
-from memopd.errors import UserError
+from memopd.errors import ConfigError, UserError
 from memopd.packing import ACTION_DOMAINS
 
 __all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "world_config", "check_requirements", "check_user_data"]
@@ -61,10 +61,6 @@ _TEACHER_LAYOUTS = {Arm.PPO: None, Arm.PERSISTENT: "flatten", Arm.MEMOPD: "align
                     Arm.BROKEN_POSITIONS: "positions_broken", Arm.BROKEN_VISIBILITY: "visibility_broken"}
 ARMS = tuple(a.value for a in Arm)
 ROLLOUT_ENGINES = ("hf", "vllm")
-
-
-class ConfigError(UserError, ValueError):
-    pass
 
 
 @dataclass
@@ -227,7 +223,7 @@ class TrainConfig:
             raise ConfigError(f"rollout_is_cap must be > 1, got {self.rollout_is_cap}")
         if not self.mismatch_threshold > 0:
             raise ConfigError(f"mismatch_threshold must be > 0, got {self.mismatch_threshold}")
-        world_config(self.env.world, self.env.world_seed)  # an unknown preset fails here, before any work
+        _check_env_kind(self.env)  # an unknown kind (or world preset) fails here, before any work
         problem = self.env.policy_problem()
         if problem:
             raise ConfigError(f"policy={self.env.policy!r} with policy_kwargs={self.env.policy_kwargs}: {problem}")
@@ -246,6 +242,7 @@ class TrainConfig:
                 flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_CACHE_DIR)
             elif k == "eval_tasks":
                 flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_EVAL_TASKS)
+                flat.update((n, env[n]) for n, default in _ENV_KEYS_NOT_DEFAULT.items() if env[n] != default)
         return flat
 
     @classmethod
@@ -343,7 +340,10 @@ class _NoAliasLoader(yaml.SafeLoader):
 # Where a flat config lists the environment's keys: where they were before the section existed.
 _ENV_KEYS_AFTER_CACHE_DIR = ("corpus", "tasks", "eval_tasks_file", "tokenizer", "world", "world_seed")
 _ENV_KEYS_AFTER_EVAL_TASKS = ("policy", "policy_kwargs")
-assert sorted(_ENV_KEYS_AFTER_CACHE_DIR + _ENV_KEYS_AFTER_EVAL_TASKS) == sorted(ENV_SPEC_FIELDS)
+# `kind` came later: stored only when it is not the default "qa", after policy_kwargs, so the
+# stored format of a QA run is as it was (and a config without it is a QA run's)
+_ENV_KEYS_NOT_DEFAULT = {"kind": "qa"}
+assert sorted(_ENV_KEYS_AFTER_CACHE_DIR + _ENV_KEYS_AFTER_EVAL_TASKS + tuple(_ENV_KEYS_NOT_DEFAULT)) == sorted(ENV_SPEC_FIELDS)
 
 
 def _env_hints() -> dict[str, Any]:
@@ -409,10 +409,20 @@ for _name in ENV_SPEC_FIELDS:
 del _name
 
 
+def _check_env_kind(spec: EnvSpec) -> None:
+    """`spec`'s kind registered and its builder's cheap check passed, or `ConfigError`."""
+    from memopd.env.build import env_kind
+
+    try:
+        env_kind(spec.kind).check(spec)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+
+
 def world_config(preset: str, seed: int = 0):
-    """The `WorldConfig` of world preset `preset` (`memopd.env.world.world_preset`), or
+    """The `WorldConfig` of world preset `preset` (`memopd.env.qa.world.world_preset`), or
     `ConfigError` naming the known presets."""
-    from memopd.env.world import world_preset
+    from memopd.env.qa.world import world_preset
 
     try:
         return world_preset(preset, seed=seed)
@@ -435,7 +445,7 @@ def check_user_data(cfg: "TrainConfig") -> None:
     missing = [k for k in ("corpus", "tasks") if not getattr(cfg, k)]
     if missing:
         raise ConfigError(f"bring-your-own data needs both corpus=DOCS.jsonl and tasks=SETS.jsonl "
-                          f"(missing: {', '.join(missing)}); see memopd/env/data.py for the formats")
+                          f"(missing: {', '.join(missing)}); see memopd/env/qa/data.py for the formats")
     if not cfg.student:
         raise ConfigError("corpus=/tasks= need student=DIR (a local HF causal-LM checkpoint): the built-in SFT'd "
                           "models only know the generated world")

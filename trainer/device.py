@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ConfigError
+from memopd.errors import ConfigError
 
 __all__ = ["DEVICES", "DTYPES", "resolve_device", "resolve_dtype", "place_model"]
 

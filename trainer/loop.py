@@ -10,7 +10,6 @@ rundir.py and the README ("Run directories").
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import random
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from memopd.env.build import EnvironmentBundle
     from memopd.env.rollout import Environment, TaskSource
 
-__all__ = ["Trainer", "train", "prepare", "sft_cache_dir"]
+__all__ = ["Trainer", "train", "prepare", "sft_cache_dir", "evaluation_settings", "set_seed"]
 
 
 def _mix(*xs: int) -> int:
@@ -44,7 +43,8 @@ def _mix(*xs: int) -> int:
     return h & 0x7FFFFFFF
 
 
-def _set_seed(seed: int) -> None:
+def set_seed(seed: int) -> None:
+    """Seed Python's and torch's generators (a run's first act, before its models are built)."""
     random.seed(seed)
     torch.manual_seed(seed)
 
@@ -67,14 +67,14 @@ def _teacher_context_peak(trajs, layout: str | None) -> int:
 class Trainer:
     """Holds the models, backends and environment of one run.
 
-    `env` is the `memopd.env.rollout.Environment` the episodes run in; `world` is the
-    `TaskSource` each step's question sets are drawn from (a `World` or `UserTasks`)."""
+    `env` is the `memopd.env.rollout.Environment` the episodes run in; `tasks` is the
+    `TaskSource` each step's task sets are drawn from (a `World` or `UserTasks` for QA)."""
 
-    def __init__(self, cfg: TrainConfig, *, student_lm, teacher_lm, env: "Environment", world: "TaskSource",
+    def __init__(self, cfg: TrainConfig, *, student_lm, teacher_lm, env: "Environment", tasks: "TaskSource",
                  log: Callable[[str], None] = print):
         self.cfg = cfg
         self.env = env
-        self.world = world
+        self.tasks = tasks
         self.log = log
         if cfg.cpu_threads > 0 and not torch.cuda.is_available():
             # per-op threading overhead dominates for tiny models, and oversubscribed
@@ -170,7 +170,7 @@ class Trainer:
 
         cfg = self.cfg
         k = cfg.train_k[step % len(cfg.train_k)]
-        tasks = self.world.sample_tasks(k, cfg.tasks_per_step, split="train", seed=_mix(cfg.seed, step, self.rank))
+        tasks = self.tasks.sample_tasks(k, cfg.tasks_per_step, split="train", seed=_mix(cfg.seed, step, self.rank))
         lm = actor.lm
         lm.eval()
         if cfg.rollout_engine == "vllm":
@@ -268,7 +268,9 @@ class Trainer:
     def save(self, step: int) -> str:
         """Collective: checkpoints/step_N/{actor,critic}; once every rank's files are down
         (barrier), rank 0 writes the manifest that makes it complete, then `latest`."""
-        from .rundir import atomic_write_text, checkpoint_write, clear_checkpoint_dir, write_manifest
+        from memopd.files import atomic_write_text, write_manifest
+
+        from .rundir import checkpoint_write, clear_checkpoint_dir
 
         # an OS write failure: one line saying which checkpoint is complete, no partial step_N
         with checkpoint_write(self.ckpt_root, step) as path:
@@ -311,8 +313,9 @@ class Trainer:
         says which and why). Without a usable checkpoint the run starts at step 0 with a
         fresh metrics.jsonl. Rank 0 chooses; every rank loads the same checkpoint."""
         from memopd.errors import RunDirError
+        from memopd.files import atomic_write_text
 
-        from .rundir import atomic_write_text, newest_complete_checkpoint, rank0_decides, truncate_metrics
+        from .rundir import newest_complete_checkpoint, rank0_decides, truncate_metrics
 
         def choose() -> int:
             found, skipped = newest_complete_checkpoint(self.ckpt_root)
@@ -328,7 +331,9 @@ class Trainer:
                 raise RunDirError(f"--resume: the newest complete checkpoint {found[1]} is past steps="
                                   f"{self.cfg.steps}; resume with steps>={found[0]}, or pass --overwrite to start over")
             if self.model_dirs is not None:
-                from .rundir import check_model_fingerprints, check_served_teacher, read_manifest
+                from memopd.files import read_manifest
+
+                from .rundir import check_model_fingerprints, check_served_teacher
 
                 stored = (read_manifest(found[1]) or {}).get("models")
                 self._fingerprints = check_model_fingerprints(stored, self.model_dirs, found[1])
@@ -354,7 +359,7 @@ class Trainer:
     def write_metrics(self, m: dict) -> None:
         if self.rank != 0:
             return
-        from .rundir import guarded_write
+        from memopd.files import guarded_write
 
         with guarded_write(f"the metrics of step {m['step']}", self.metrics_path,
                            "the earlier steps' lines are intact (--resume drops a partial last line)",
@@ -472,10 +477,16 @@ def _zero_stage(ds) -> int:
 
 
 def sft_cache_dir(cfg: TrainConfig) -> str:
-    """Where the SFT'd defaults of `cfg.env.world` are cached: `cache_dir/sft` for the default
-    world (unchanged, so existing caches stay valid), `cache_dir/sft-<preset>` otherwise."""
-    world = cfg.env.world
-    return os.path.join(cfg.cache_dir, "sft" if world == "default" else f"sft-{world}")
+    """Where the default models of the run's environment are cached, under `cache_dir`
+    (the QA world: `sft` for the default world, `sft-<preset>` otherwise)."""
+    from memopd.env.build import env_kind
+
+    return os.path.join(cfg.cache_dir, env_kind(cfg.env.kind).cache_name(cfg.env))
+
+
+def evaluation_settings(cfg: TrainConfig) -> dict:
+    """The held-out evaluation settings the environment's `evaluate` reads."""
+    return {"ks": list(cfg.eval_k), "n": cfg.eval_tasks, "temperature": cfg.eval_temperature, "samples": cfg.eval_samples}
 
 
 def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> "EnvironmentBundle":
@@ -485,7 +496,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> "Environmen
     checkpoints, with memopd_env.json); rank 0 builds missing ones, the others wait.
     Bring-your-own (corpus=/tasks=): any local HF causal LMs with their tokenizer on the
     user's corpus and question sets; the bundle's `tasks` is then a
-    `memopd.env.tasks.UserTasks` (the same `sample_tasks` interface as a `World`)."""
+    `memopd.env.qa.tasks.UserTasks` (the same `sample_tasks` interface as a `World`)."""
     from memopd.env.build import build_environment
 
     if cfg.env.user_data:
@@ -494,69 +505,22 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> "Environmen
     return build_environment(cfg.env, student=cfg.student, teacher=cfg.teacher,
                              load_teacher=cfg.arm_spec.uses_teacher and not cfg.teacher_url,
                              sft_dir=sft_cache_dir(cfg), builds_sft=info.rank == 0, after_sft=barrier,
-                             train_k=cfg.train_k, progress=cfg.progress, log=log)
+                             train_k=cfg.train_k, evaluation=evaluation_settings(cfg), progress=cfg.progress, log=log)
 
 
-def _save_agent(trainer: "Trainer", tokenizer, student_dir: str, out_dir: str) -> None:
-    """The current actor as a normal HF checkpoint dir that `memopd eval` can load."""
+def _save_agent(trainer: "Trainer", bundle: "EnvironmentBundle", out_dir: str) -> None:
+    """The current actor as a normal HF checkpoint dir with its tokenizer, and the
+    environment's metadata (`bundle.save_meta`: for the QA world what `memopd eval` reads)."""
     from memopd.files import atomic_directory
 
     actor, _ = trainer.inference_modules()  # collective under ZeRO-3
     if trainer.rank != 0:
         return
     with atomic_directory(out_dir) as tmp:  # a kill mid-save never leaves a partial model behind
-        _write_agent(trainer, actor.lm, tokenizer, student_dir, tmp)
-
-
-def _write_agent(trainer: "Trainer", lm, tokenizer, student_dir: str, out_dir: str) -> None:
-    from memopd.env.sft import ENV_META_FILE
-
-    lm.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    cfg = trainer.cfg
-    spec = cfg.env
-    if spec.user_data:
-        # no world to regenerate: the data files and the environment settings instead
-        # (`memopd eval --model DIR --corpus C --questions Q` evaluates it)
-        _check_saved_tokenizer(tokenizer, out_dir, trainer.env, trainer.log)
-        meta = {
-            "data": {"corpus": os.path.abspath(spec.corpus), "tasks": os.path.abspath(spec.tasks),
-                     "eval_tasks": os.path.abspath(spec.eval_tasks_file) if spec.eval_tasks_file else None,
-                     "tokenizer": os.path.abspath(spec.tokenizer or student_dir)},
-            "env": dataclasses.asdict(trainer.env.config),
-            "student": os.path.abspath(student_dir),
-        }
-    else:
-        with open(os.path.join(student_dir, ENV_META_FILE)) as f:
-            meta = json.load(f)
-    meta["env"]["policy"] = spec.policy
-    if spec.policy_kwargs:
-        meta["env"]["policy_kwargs"] = dict(spec.policy_kwargs)
-    meta["role"] = f"student+{cfg.arm}"
-    with open(os.path.join(out_dir, ENV_META_FILE), "w") as f:
-        json.dump(meta, f, indent=2)
-
-
-def _check_saved_tokenizer(tokenizer, out_dir: str, env, log: Callable[[str], None]) -> None:
-    """Warn if the tokenizer reloaded from a saved agent dir (AutoTokenizer may rebuild it
-    by the model config's type) encodes differently from the one the run used."""
-    from memopd.env.protocol import SPECIAL_TOKENS, prefix_text
-    from memopd.env.tokenizer import load_tokenizer
-
-    probe = [prefix_text(["what is it ?", "who said so"]), " ".join(SPECIAL_TOKENS[4:])]
-    probe += [" " + d.display for d in env.documents[:8]]
-    try:
-        again = load_tokenizer(out_dir)
-        same = all(again.encode(t, add_special_tokens=False) == tokenizer.encode(t, add_special_tokens=False)
-                   for t in probe)
-    except Exception as e:  # noqa: BLE001 a warning, not a failure at the end of a run
-        same, why = False, f" ({type(e).__name__}: {e})"
-    else:
-        why = ""
-    if not same:
-        log(f"warning: the tokenizer saved in {out_dir} does not reload to the same encoding{why}: "
-            "`memopd eval` of that dir will not see what training saw; pass tokenizer= a dir whose "
-            "tokenizer_config.json names its class explicitly")
+        actor.lm.save_pretrained(tmp)
+        bundle.tokenizer.save_pretrained(tmp)
+        if bundle.save_meta is not None:
+            bundle.save_meta(tmp, f"student+{trainer.cfg.arm}")
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
@@ -607,13 +571,12 @@ def _forget_unstarted_run(run_dir: str) -> None:
 
 def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t0: float, cpu0: float) -> dict:
     """`train` inside its opened run directory `run`."""
-    from memopd.env.evaluate import evaluate as evaluate_dir
-    from memopd.env.evaluate import format_comparison, format_table
+    from memopd.env.build import env_kind
     from memopd.files import atomic_write_json
 
-    _set_seed(cfg.seed)
+    set_seed(cfg.seed)
     bundle = prepare(cfg, log)
-    tokenizer, student_dir, teacher_dir = bundle.tokenizer, bundle.student_dir, bundle.teacher_dir
+    student_dir, teacher_dir = bundle.student_dir, bundle.teacher_dir
     teacher_lm = bundle.teacher
     if cfg.teacher_url and cfg.arm_spec.uses_teacher:  # the served teacher: connected (and checked) before any step
         from memopd.teacher_client import ServedTeacher
@@ -622,35 +585,26 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
                                    retries=cfg.teacher_retries, transport=cfg.teacher_transport,
                                    head_dir=cfg.teacher_head_dir or None)
         teacher_dir = cfg.teacher_url
-    trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=teacher_lm, env=bundle.env, world=bundle.tasks,
+    trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=teacher_lm, env=bundle.env, tasks=bundle.tasks,
                       log=log)
     served = trainer.served_teacher is not None
     trainer.model_dirs = {"student": student_dir, "teacher": teacher_dir if trainer.teacher_lm is not None and not served else None,
                           "reference": student_dir if trainer.ref_lm is not None else None}
-    if trainer.rank == 0 and not resume and not (cfg.student and (cfg.teacher or served)):  # retraining the cache names this run
-        from memopd.env.sft import record_run
+    record_run = env_kind(cfg.env.kind).record_run
+    if trainer.rank == 0 and not resume and not (cfg.student and (cfg.teacher or served)) and record_run is not None:
+        record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))  # retraining names it
 
-        record_run(sft_cache_dir(cfg), cfg.run_dir, trainer._models_record().get("models", {}))
-
-    spec = cfg.env
-    user = spec.user_data
-    can_eval = not user or bool(spec.eval_tasks_file)
-
-    def evaluate_saved(d: str) -> dict:
-        if user:  # the held-out file's sets as they are, grouped by k (as `memopd eval --questions`)
-            return evaluate_dir(d, corpus=spec.corpus, questions=spec.eval_tasks_file, temperature=cfg.eval_temperature,
-                                samples=cfg.eval_samples)
-        return evaluate_dir(d, ks=cfg.eval_k, n=cfg.eval_tasks, temperature=cfg.eval_temperature,
-                            samples=cfg.eval_samples)
-
-    baseline_cache = _BaselineCache(cfg, student_dir) if not user and not cfg.student else None
+    can_eval = bundle.evaluate is not None
+    evaluate_saved = bundle.evaluate
+    cached = bundle.baseline_key is not None and not cfg.student
+    baseline_cache = _BaselineCache(bundle.baseline_key, student_dir) if cached else None
     baseline: dict = {}
 
     def evaluate(step: int) -> dict:
         res = baseline_cache.get() if (step == 0 and baseline_cache is not None and trainer.rank == 0) else None
         if res is None:
             d = os.path.join(cfg.run_dir, "eval_model")
-            _save_agent(trainer, tokenizer, student_dir, d)  # collective under ZeRO-3: every rank
+            _save_agent(trainer, bundle, d)  # collective under ZeRO-3: every rank
             res = evaluate_saved(d)["results"] if trainer.rank == 0 else {}
             if step == 0 and baseline_cache is not None and trainer.rank == 0:
                 baseline_cache.put(res)
@@ -664,11 +618,11 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     report: dict = {"arm": cfg.arm, "run_dir": cfg.run_dir, "steps": cfg.steps, "student": student_dir,
                     "teacher": teacher_dir if cfg.arm_spec.uses_teacher else None}
     final_dir = os.path.join(cfg.run_dir, "final")
-    _save_agent(trainer, tokenizer, student_dir, final_dir)
+    _save_agent(trainer, bundle, final_dir)
     report["final_model"] = final_dir
     if trainer.rank == 0 and not can_eval:
         report["eval"] = None
-        log("no eval_tasks_file: the final model is not evaluated (give eval_tasks_file=HELD_OUT.jsonl)")
+        log(bundle.no_evaluation)
     elif trainer.rank == 0:
         final = evaluate_saved(final_dir)
         trainer.write_metrics({"step": cfg.steps,
@@ -678,11 +632,11 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
         decoding = ("greedy" if not cfg.eval_temperature else
                     f"temperature {cfg.eval_temperature:g}, {cfg.eval_samples} episode(s) per set")
         log(f"\nfinal evaluation of the {cfg.arm} student after {cfg.steps} steps (held-out sets, {decoding}):")
-        log(format_table(final))
-        if baseline:
+        log(final["table"])
+        if baseline and bundle.compare is not None:
             log("\nthe starting student (step 0) against the trained one, on the same held-out sets:")
             start = "student (step 0)" if cfg.student else "SFT student (step 0)"
-            log(format_comparison([(start, baseline), (f"{cfg.arm}, step {cfg.steps}", final["results"])]))
+            log(bundle.compare([(start, baseline), (f"{cfg.arm}, step {cfg.steps}", final["results"])]))
     trainer.close()
     report["wall_s"] = round(time.time() - t0, 1)
     report["cpu_s"] = round(time.process_time() - cpu0, 1)
@@ -701,12 +655,13 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
 class _BaselineCache:
     """The held-out scores of an SFT'd default student, kept beside it in the SFT cache:
     every run from that student starts from the same weights on the same held-out episodes,
-    so its step-0 evaluation is measured once per cached student and evaluation setting."""
+    so its step-0 evaluation is measured once per cached student and evaluation setting
+    (`env_key`: the environment's part of the key, `EnvironmentBundle.baseline_key`)."""
 
     FILE = "baseline_eval.json"
     LOCK = ".baseline_eval.lock"  # not the SFT lock: a builder holds that for minutes
 
-    def __init__(self, cfg: TrainConfig, student_dir: str):
+    def __init__(self, env_key: dict, student_dir: str):
         import hashlib
 
         from memopd.files import MANIFEST
@@ -717,12 +672,7 @@ class _BaselineCache:
                 weights = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             weights = None  # no manifest: nothing identifies the weights, so nothing is cached
-        key = {"student": weights, "policy": cfg.env.policy, "eval_k": list(cfg.eval_k), "eval_tasks": cfg.eval_tasks}
-        if cfg.eval_temperature or cfg.eval_samples != 1:  # absent for greedy: existing keys stay valid
-            key["eval_temperature"] = cfg.eval_temperature
-            key["eval_samples"] = cfg.eval_samples
-        if cfg.env.policy_kwargs:  # absent when empty: the keys of existing caches stay valid
-            key["policy_kwargs"] = cfg.env.policy_kwargs
+        key = {"student": weights, **env_key}
         self.key = None if weights is None else json.dumps(key, sort_keys=True)
 
     def _entries(self) -> dict:

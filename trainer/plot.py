@@ -13,7 +13,7 @@ from memopd.errors import UserError
 
 from .stats import CLIP_FRAC, ENTROPY, KL_TEACHER, train_metric
 
-__all__ = ["read_metrics", "plot_run", "plot_protocol_curves", "plot_main"]
+__all__ = ["read_metrics", "plot_run", "plot_protocol_curves", "plot_main", "matplotlib_module", "save_png"]
 
 PANELS = [
     ("reward", ["rollout/reward_mean"], "reward"),
@@ -62,7 +62,8 @@ def _series(rows, pattern):
             yield k, pts
 
 
-def _matplotlib():
+def matplotlib_module():
+    """matplotlib, or a `UserError` naming the extra that installs it."""
     try:
         import matplotlib
     except ModuleNotFoundError as e:
@@ -73,17 +74,17 @@ def _matplotlib():
     return matplotlib
 
 
-def _save_png(fig, out: str) -> None:
+def save_png(fig, out: str) -> None:
     """The figure to `out` all at once: a failed write (full disk, read-only) leaves no
     partial PNG and is one `OutputError` (exit 74)."""
-    from .rundir import atomic_file
+    from memopd.files import atomic_file
 
     with atomic_file(out, what=f"plot {out}") as tmp:
         fig.savefig(tmp, dpi=110, format="png")
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
-    matplotlib = _matplotlib()
+    matplotlib = matplotlib_module()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -110,7 +111,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         ax.axis("off")
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
     fig.tight_layout()
-    _save_png(fig, out)
+    save_png(fig, out)
     plt.close(fig)
     return out
 
@@ -119,7 +120,7 @@ def plot_protocol_curves(bands: dict, ks, out: str, title: str = "", ylabel: str
     """One panel per Qk: each arm's held-out score (EM unless `ylabel` says otherwise) over
     steps, its mean as a line and ± std over seeds as a band. `bands`: {arm: {"Q2":
     {"steps", "mean", "std"}, ...}}."""
-    matplotlib = _matplotlib()
+    matplotlib = matplotlib_module()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -139,7 +140,7 @@ def plot_protocol_curves(bands: dict, ks, out: str, title: str = "", ylabel: str
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    _save_png(fig, out)
+    save_png(fig, out)
     plt.close(fig)
     return out
 

@@ -134,14 +134,14 @@ def policy_loss(
     clip_eps: float = 0.2,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate per token: max(-A r, -A clip(r, 1-eps, 1+eps)). Returns the
-    per-token loss [A] (the caller reduces) and statistics."""
+    per-token loss [A] (the caller reduces) and statistics. The surrogate is the fused
+    actor loss's own (`memopd.ops.actor_loss_torch.policy_terms`), with a symmetric range
+    and no dual clip."""
+    from memopd.ops.actor_loss_torch import policy_terms
+
     _check_same(("logp", logp), ("logp_old", logp_old), ("advantages", advantages))
-    log_ratio = logp - logp_old
-    ratio = torch.exp(log_ratio)
-    l1 = -advantages * ratio
-    l2 = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
-    loss = torch.maximum(l1, l2)
-    return loss, ratio_stats(ratio, log_ratio, l2 > l1)
+    loss, ratio, clipped, _ = policy_terms(logp, logp_old, advantages, clip_eps, clip_eps, None)
+    return loss, ratio_stats(ratio, logp - logp_old, clipped)
 
 
 def value_loss(

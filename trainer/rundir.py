@@ -5,8 +5,8 @@ An exclusive lock per run directory (`RunDirLock`), the choice of the checkpoint
 metrics cut back to a resumed step, writability checks before anything is loaded or
 trained, and `rank0_decides` so all ranks act on rank 0's decision. The generic pieces
 underneath (atomic writes, manifests that mark a checkpoint or SFT cache entry complete,
-directory locks) are `memopd.files`, shared with the SFT stage; they are re-exported
-here. The rules, as a user sees them, are in the README ("Run directories").
+directory locks) are `memopd.files`, shared with the SFT stage: import them from there.
+The rules, as a user sees them, are in the README ("Run directories").
 """
 from __future__ import annotations
 
@@ -22,32 +22,17 @@ from memopd.files import (
     LOCK_FILE,
     MANIFEST,
     DirectoryLock,
-    atomic_directory,
-    atomic_file,
-    atomic_write_json,
     atomic_write_text,
     check_writable_dir,
-    guarded_write,
     read_manifest,
     verify_manifest,
     weights_fingerprint,
-    write_manifest,
 )
 
 __all__ = [
-    "MANIFEST",
-    "LOCK_FILE",
     "RUN_OUTPUTS",
     "SAFE_RESUME_KEYS",
-    "guarded_write",
     "checkpoint_write",
-    "atomic_file",
-    "atomic_write_text",
-    "atomic_write_json",
-    "atomic_directory",
-    "write_manifest",
-    "read_manifest",
-    "verify_manifest",
     "checkpoint_dirs",
     "clear_checkpoint_dir",
     "newest_complete_checkpoint",
@@ -56,7 +41,6 @@ __all__ = [
     "model_fingerprints",
     "check_model_fingerprints",
     "check_served_teacher",
-    "check_writable_dir",
     "previous_outputs",
     "clear_outputs",
     "sweep_temp_files",

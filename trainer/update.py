@@ -38,7 +38,8 @@ from .stats import (
     VF_LOSS,
 )
 
-__all__ = ["Scored", "UpdateSettings", "score", "update", "teacher_mask_of", "entry_offsets", "check_token_ids", "check_sampling"]
+__all__ = ["Scored", "UpdateSettings", "score", "update", "teacher_mask_of", "entry_offsets", "check_token_ids", "check_sampling",
+           "pack_layout"]
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Scored:
     # the student's log-probs of the same entries packed in the flatten layout (mismatch_flatten)
     logp_flatten: torch.Tensor | None = None
     # where the teacher speaks: None (everywhere) for a model; a reader teacher
-    # (memopd.env.ruleteacher.RuleTeacher) is silent where its rule is, masked out of the OPD term
+    # (memopd.trainer.experiments.ruleteacher.RuleTeacher) is silent where its rule is, masked out of the OPD term
     teacher_speaks: torch.Tensor | None = None
     # a served teacher's top-k answer instead of hidden states (teacher_topk=K): ([A, K] ids, [A, K] log-probs)
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -113,13 +114,13 @@ def check_sampling(trajs: Sequence[Trajectory], temperature: float) -> None:
                             "are of a truncated distribution that PPO cannot train on; sample with top_p=1")
 
 
-def _pack(trajs, max_tokens, action_domain="exact", layout="aligned"):
+def pack_layout(trajs, max_tokens, action_domain="exact", layout="aligned"):
     """The packed batch of a layout; a `memopd.rce.BROKEN_VARIANTS` name is the aligned
     batch with that half of its state broken (the negative-control arms' teacher states)."""
     from memopd.rce import BROKEN_VARIANTS, broken_batch
 
     if layout in BROKEN_VARIANTS:
-        return broken_batch(_pack(trajs, max_tokens, action_domain), layout)
+        return broken_batch(pack_layout(trajs, max_tokens, action_domain), layout)
     return pack(trajs, layout=layout, max_tokens=max_tokens, share_prefix="group", action_domain=action_domain)
 
 
@@ -169,8 +170,8 @@ def score(
     if served is not None:  # packed, cut and sent in the background while the passes below run
         topk = dict(output="topk", k=teacher_topk, temperature=actor.scoring.temperature,
                     vocab_size=scored_rows(actor.scoring, head_of(actor.lm))) if teacher_topk else {}
-        pending = served(lambda: _pack(trajs, max_tokens, action_domain, layout=teacher_layout), max_tokens, **topk)
-    batch = _pack(trajs, max_tokens, action_domain)
+        pending = served(lambda: pack_layout(trajs, max_tokens, action_domain, layout=teacher_layout), max_tokens, **topk)
+    batch = pack_layout(trajs, max_tokens, action_domain)
 
     def logp_of(lm):
         def fn(mb):
@@ -188,7 +189,7 @@ def score(
         teacher_hidden = pending.result().to(logp_old.device)
     elif teacher_lm is not None and teacher_layout is not None:
         # same action domain: entry (b, t, k) is the same token under either layout
-        tbatch = _pack(trajs, max_tokens, action_domain, layout=teacher_layout)
+        tbatch = pack_layout(trajs, max_tokens, action_domain, layout=teacher_layout)
         reader = getattr(teacher_lm, "read_packed", None)
         if reader is not None:  # a teacher that reads the visible ids: [A, H + 1], the last column where it speaks
             both = _per_action(reader, tbatch, max_tokens)
@@ -207,7 +208,7 @@ def score(
     sample_dlogp = float((logp_old[known] - recorded[known]).abs().max()) if bool(known.any()) else math.nan
     logp_flat = None
     if flatten_logp:  # same action domain: entry (b, t, k) is the same token in either layout
-        logp_flat = _per_action(logp_of(actor.lm), _pack(trajs, max_tokens, action_domain, layout="flatten"), max_tokens)
+        logp_flat = _per_action(logp_of(actor.lm), pack_layout(trajs, max_tokens, action_domain, layout="flatten"), max_tokens)
     return Scored(logp_old, logp_ref, values, rewards, pen, adv, ret, teacher_hidden, entry_offsets(batch, trajs),
                   sample_dlogp, batch.is_sampled.clone(), recorded, logp_flat, teacher_speaks, topk_answer)
 
@@ -284,7 +285,7 @@ def update(
                 continue
             chunk = sorted(chunk)
             sub = [trajs[i] for i in chunk]
-            batch = _pack(sub, max_tokens, action_domain)
+            batch = pack_layout(sub, max_tokens, action_domain)
             gmap = torch.tensor(chunk, dtype=torch.long)
             mbs = batch.micro_batches(max_tokens)
             # ZeRO runs collectives inside every backward: all ranks make the same number

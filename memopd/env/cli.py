@@ -32,7 +32,7 @@ def _policies() -> tuple[str, ...]:
 
 
 def _world_names() -> tuple[str, ...]:
-    from .world import WORLD_PRESETS
+    from .qa.world import WORLD_PRESETS
 
     return tuple(WORLD_PRESETS)
 
@@ -49,7 +49,7 @@ def build_sft_parser(prog: str = "memopd sft") -> argparse.ArgumentParser:
     p.add_argument("--world", default="default", choices=_world_names(),
                    help="world preset: 'default', 'replication' (held-out facts, multi-word answers, "
                         "a teacher trained on compact and full-history episodes) or 'info-gap' (replication plus "
-                        "information-gap sets and per-set turn budgets; docs/replication.md)")
+                        "information-gap sets and per-set turn budgets; docs/research/replication.md)")
     p.add_argument("--roles", default="teacher,student", help="comma list of roles to train (default: both)")
     p.add_argument("--force", action="store_true", help="retrain even if a checkpoint exists")
     p.add_argument("--seed", type=int, default=0, help="world seed (the world, corpus and tasks derive from it)")
@@ -77,9 +77,9 @@ def sft_main(argv: Sequence[str] | None = None) -> int:
 
     from memopd.errors import UserError
 
-    from .qa import EnvConfig
-    from .sft import role_presets, run_sft
-    from .world import world_preset
+    from .qa.env import EnvConfig
+    from .qa.sft import role_presets, run_sft
+    from .qa.world import world_preset
 
     args = build_sft_parser().parse_args(argv)
     world = world_preset(args.world, seed=args.seed)
@@ -151,8 +151,8 @@ def build_eval_parser(prog: str = "memopd eval") -> argparse.ArgumentParser:
 def eval_main(argv: Sequence[str] | None = None) -> int:
     from memopd.errors import UserError
 
-    from .evaluate import evaluate, format_table, write_json
-    from .world import world_preset
+    from .qa.evaluate import evaluate, format_table, write_json
+    from .qa.world import world_preset
 
     args = build_eval_parser().parse_args(argv)
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
@@ -169,7 +169,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     if args.world is not None:
         world = world_preset(args.world, seed=args.seed if args.expert else 0)
         if model is not None:
-            from .sft import read_env_meta
+            from .qa.sft import read_env_meta
 
             trained = read_env_meta(model).get("world", {}).get("preset", "default")
             if trained != args.world:

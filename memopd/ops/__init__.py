@@ -18,16 +18,16 @@ _EXPORTS = {
     "fused_linear_distill": "memopd.ops.fused_distill",
     "reference_linear_reverse_kl": "memopd.ops.reference_distill",
     "reference_linear_distill": "memopd.ops.reference_distill",
-    "DistillOutput": "memopd.kernels.contract",
+    "DistillOutput": "memopd.ops.results",
     "fused_linear_logprob_entropy": "memopd.ops.fused_distill",
     "fused_linear_logprob_entropy_loss": "memopd.ops.fused_distill",
     "reference_linear_logprob_entropy": "memopd.ops.reference_distill",
     "fused_linear_actor_loss": "memopd.ops.actor_loss",
     "fused_linear_topk_reverse_kl": "memopd.ops.topk_kl",
     "reference_actor_loss": "memopd.ops.reference_actor",
-    "ActorLossOutput": "memopd.kernels.contract",
-    "LogProbEntropy": "memopd.kernels.contract",
-    "LogProbEntropyLoss": "memopd.kernels.contract",
+    "ActorLossOutput": "memopd.ops.results",
+    "LogProbEntropy": "memopd.ops.results",
+    "LogProbEntropyLoss": "memopd.ops.results",
 }
 
 __all__ = sorted(_EXPORTS)

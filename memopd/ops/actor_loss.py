@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.contract import ActorLossOutput, ActorLossParams, ActorStat, LinearHead
+from ..kernels.contract import ActorLossParams, ActorStat, LinearHead
 from . import _held_grads as held_grads
 from ._validate import (
     check_actor_inputs,
@@ -69,6 +69,7 @@ from ._validate import (
 )
 from .actor_loss_torch import torch_actor_loss
 from .reference_actor import reference_actor_loss
+from .results import ActorLossOutput
 
 __all__ = ["ActorLossOutput", "fused_linear_actor_loss", "reference_actor_loss"]
 

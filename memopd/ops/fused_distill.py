@@ -21,13 +21,10 @@ import torch
 from torch import Tensor
 
 from ..kernels.contract import (
-    DistillOutput,
     DistillParams,
     DistillStat,
     Divergence,
     LinearHead,
-    LogProbEntropy,
-    LogProbEntropyLoss,
     Partial,
 )
 from . import _held_grads as held_grads
@@ -55,6 +52,7 @@ from .distill_torch import (
     torch_forward_with_grads,
 )
 from .reference_distill import reference_linear_distill, reference_linear_logprob_entropy, reference_linear_reverse_kl
+from .results import DistillOutput, LogProbEntropy, LogProbEntropyLoss
 
 __all__ = [
     "DistillOutput",

@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.contract import ActorLossOutput
 from ._validate import resolve_actor_loss, teacher_kl_weight
+from .results import ActorLossOutput
 
 __all__ = ["reference_actor_loss"]
 

@@ -9,8 +9,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.contract import DistillOutput, Divergence, LogProbEntropy
+from ..kernels.contract import Divergence
 from ._validate import keep_mask, reduce_loss, validate_distill, validate_student_only
+from .results import DistillOutput, LogProbEntropy
 
 __all__ = ["reference_linear_distill", "reference_linear_logprob_entropy",
            "reference_linear_reverse_kl"]

@@ -79,3 +79,16 @@ def test_drive_records_contexts():
 def test_random_trajectories_valid(policy, seed):
     for tr in random_trajectories(policy, 5, seed=seed, group_size=2):
         tr.validate(vocab_size=128)
+
+
+def test_make_policy_refuses_keywords_a_policy_does_not_take():
+    """The registry passes each policy its declared parameters and refuses the rest: no
+    keyword is dropped silently (full, summary and refresh take none)."""
+    from memopd.memory import POLICIES, POLICY_CLASSES, SlidingWindow
+
+    assert POLICIES == tuple(POLICY_CLASSES) == ("full", "suffix", "summary", "window", "refresh")
+    for name, extra in (("full", "turns"), ("refresh", "turns"), ("summary", "turns"), ("window", "max_tokens")):
+        with pytest.raises(TypeError, match=rf"the '{name}' policy takes .*, not {extra}"):
+            make_policy(name, mem_open_id=MO, mem_close_id=MC, **{extra: 3})
+    assert isinstance(make_policy("window", turns=3), SlidingWindow) and make_policy("window", turns=3).turns == 3
+    assert make_policy("suffix", max_tokens=5).max_tokens == 5

@@ -25,7 +25,7 @@ def umask():
 
 @pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
 def test_files_and_directories_written_atomically_follow_the_umask(tmp_path, umask, mask):
-    from memopd.trainer.rundir import atomic_directory, atomic_write_json, atomic_write_text
+    from memopd.files import atomic_directory, atomic_write_json, atomic_write_text
 
     umask(mask)
     atomic_write_text(tmp_path / "config.yaml", "a: 1\n")

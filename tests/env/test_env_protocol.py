@@ -2,7 +2,7 @@
 import pytest
 
 from memopd.env import EnvConfig, QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
-from memopd.env.protocol import ERRORS, parse_action, split_answers
+from memopd.env.qa.protocol import ERRORS, parse_action, split_answers
 from memopd.records import Source, load_trajectories, save_trajectories
 
 

@@ -14,7 +14,7 @@ from memopd.env import (
     rollout,
     sample_next,
 )
-from memopd.env.sft import ModelSpec, make_model
+from memopd.env.qa.sft import ModelSpec, make_model
 from memopd.records import load_trajectories, save_trajectories
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

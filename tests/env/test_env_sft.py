@@ -7,7 +7,7 @@ import pytest
 from memopd.cli import main as cli_main
 from memopd.env import QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
 from memopd.env.cli import eval_main, sft_main
-from memopd.env.sft import (
+from memopd.env.qa.sft import (
     MODEL_PRESETS,
     ModelSpec,
     SFTConfig,
@@ -107,7 +107,7 @@ def test_policy_groups_take_turns_one_batch_each():
     examples (many to a batch) get far fewer steps than long ones (one or two a batch)."""
     import random
 
-    from memopd.env.sft import _batches
+    from memopd.env.qa.sft import _batches
 
     short = [([7] * 10, 5)] * 64  # exactly one batch of 640 tokens
     long_ = [([7] * 300, 150)] * 30
@@ -133,7 +133,7 @@ def test_policy_groups_take_turns_one_batch_each():
 def test_balanced_sft_groups_examples_by_their_policy(tmp_path, monkeypatch):
     """`balance_policies` hands `_batches` the memory policy of every example: a full-view
     context keeps the searches, a summary one never does."""
-    import memopd.env.sft as sft
+    import memopd.env.qa.sft as sft
 
     seen = {}
     real = sft._batches
@@ -238,7 +238,7 @@ def test_eval_expert_and_errors(tmp_path, capsys):
     assert "--samples 4 needs --temperature > 0" in capsys.readouterr().err
     assert cli_main(["eval", "--expert", "--samples", "0"]) == 2
     assert "--samples must be >= 1" in capsys.readouterr().err
-    from memopd.env.evaluate import evaluate
+    from memopd.env.qa.evaluate import evaluate
 
     with pytest.raises(ValueError, match="greedy decoding plays the same episode"):
         evaluate(expert=True, ks=(2,), n=1, samples=2)

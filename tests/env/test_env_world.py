@@ -15,8 +15,8 @@ from memopd.env import (
     load_tokenizer,
     score_answers,
 )
-from memopd.env.protocol import SPECIAL_TOKENS, ProtocolTokens
-from memopd.env.world import parse_question
+from memopd.env.qa.protocol import SPECIAL_TOKENS, ProtocolTokens
+from memopd.env.qa.world import parse_question
 
 
 def test_world_deterministic_from_seed():

@@ -1,4 +1,4 @@
-"""The "info-gap" world preset and the rational expert rule (memopd/env/infogap.py): linked
+"""The "info-gap" world preset and the rational expert rule (trainer/experiments/infogap.py): linked
 question pairs and their per-set turn budgets, the share of information-gap calls the
 plain expert's episodes hold, labels that differ between the compact and the flattened
 view on information-gap and perturbed states, and the SFT recipe the preset picks."""
@@ -9,28 +9,26 @@ from dataclasses import replace
 import pytest
 
 from memopd.env import EnvConfig, QAEnv, World, build_tokenizer, rollout
-from memopd.env.expert import _parse_entries, expert_options
-from memopd.env.infogap import (
-    action_token_roles,
-    efficient_calls,
-    flattened_prompt,
-    gap_share,
-    information_gap_calls,
-    make_expert,
-    perturbed_state,
-    rational_action_text,
-    view_disagreement_ceiling,
-)
-from memopd.env.sft import (
+from memopd.env.qa.expert import efficient_calls, expert_options, make_expert, rational_action_text
+from memopd.env.qa.notes import parse_entries
+from memopd.env.qa.sft import (
     FLATTEN_VIEW,
     INFOGAP_MODEL_PRESETS,
     INFOGAP_SFT_PRESETS,
     SFTConfig,
     expert_examples,
+    flattened_prompt,
     gap_continuation,
+    perturbed_state,
     role_presets,
 )
-from memopd.env.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
+from memopd.env.qa.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
+from memopd.trainer.experiments.infogap import (
+    action_token_roles,
+    gap_share,
+    information_gap_calls,
+    view_disagreement_ceiling,
+)
 
 # The share of the plain (scripted) expert's calls on held-out Q2 sets that are
 # information-gap calls: 10.9% measured on 100 sets of seed 0; the range leaves room for
@@ -185,7 +183,7 @@ def test_perturbed_states_are_recovered_from_the_history_only(infogap):
                     continue
                 states[policy] += 1
                 text = rational.action_text(list(inv.prefix_ids) + new)
-                for i, vals in _parse_entries(re.search(r"<mem>(.*?)</mem>", text).group(1)):
+                for i, vals in parse_entries(re.search(r"<mem>(.*?)</mem>", text).group(1)):
                     v = " ".join(vals)
                     if v in VALUE_SETS["multiword"][parse_question(task.questions[i - 1])[0]] and v != truth[i]:
                         kept_wrong[policy] += 1
@@ -295,10 +293,10 @@ def test_ceiling_counts_the_parting_token_and_the_tokens_after_it():
 
 
 def test_ceiling_of_the_plain_experts_episodes_is_below_the_gate_overall_and_above_it_at_gap_calls(infogap):
-    """The figures the manipulation check's gate statement rests on (trainer/manipulation.py):
+    """The figures the manipulation check's gate statement rests on (trainer/experiments/manipulation.py):
     over all action tokens of the plain expert's held-out Q2 episodes even the upper bound
     stays below the gate's 10%, at the information-gap calls it is far above it."""
-    from memopd.trainer.manipulation import GATE_MIN_TOP1
+    from memopd.trainer.experiments.manipulation import GATE_MIN_TOP1
 
     world, tok = infogap
     rational = make_expert("rational", tok, world.config)

@@ -10,11 +10,10 @@ import pytest
 
 from memopd.cli import main as cli_main
 from memopd.env import EnvConfig, QAEnv, World, WorldConfig, build_tokenizer, expert_trajectories
-from memopd.env.expert import expert_options
-from memopd.env.metrics import score_answers
-from memopd.env.protocol import letters_index, split_answers
-from memopd.env.rollout import default_max_new_tokens
-from memopd.env.sft import (
+from memopd.env.qa.expert import expert_options
+from memopd.env.qa.metrics import score_answers
+from memopd.env.qa.protocol import letters_index, split_answers
+from memopd.env.qa.sft import (
     ENV_META_FILE,
     MODEL_PRESETS,
     REPLICATION_MODEL_PRESETS,
@@ -24,7 +23,8 @@ from memopd.env.sft import (
     expert_examples,
     role_presets,
 )
-from memopd.env.world import MULTIWORD_VALUES, WORLD_PRESETS, fact_text, max_answer_words, parse_question, world_preset
+from memopd.env.qa.world import MULTIWORD_VALUES, WORLD_PRESETS, fact_text, max_answer_words, parse_question, world_preset
+from memopd.env.rollout import default_max_new_tokens
 
 # sha256 of the default world's corpus, facts, task streams and vocabulary texts (seeds 0
 # and 1), taken before the presets existed: the default world must stay bit for bit.
@@ -201,7 +201,7 @@ def test_teacher_recipe_gives_compact_memory_half_the_steps(replication):
     teacher then never learned to answer; docs/design.md §10). Balanced by policy: half."""
     import random
 
-    from memopd.env.sft import _batches
+    from memopd.env.qa.sft import _batches
 
     world, tok = replication
     recipe = role_presets(world.config)[1]["teacher"]

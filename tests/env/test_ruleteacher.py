@@ -1,4 +1,4 @@
-"""The rule teacher (memopd/env/ruleteacher.py): on packed rows of any layout it reads the
+"""The rule teacher (trainer/experiments/ruleteacher.py): on packed rows of any layout it reads the
 visible ids and answers with the rational rule; it equals the rule on the rule's own
 episodes, is silent where the rule is, and its aligned and flattened readings differ only
 where the rule's two views of the same call differ."""
@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from memopd.env import EnvConfig, QAEnv, World, build_tokenizer, rollout
-from memopd.env.infogap import flattened_prompt, information_gap_calls, make_expert
-from memopd.env.ruleteacher import RuleTeacher, beta_for, rule_next_token
-from memopd.env.world import world_preset
+from memopd.env.qa.expert import make_expert
+from memopd.env.qa.sft import flattened_prompt
+from memopd.env.qa.world import world_preset
 from memopd.packing import pack
+from memopd.trainer.experiments.infogap import information_gap_calls
+from memopd.trainer.experiments.ruleteacher import RuleTeacher, beta_for, rule_next_token
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +126,7 @@ def test_score_masks_the_silent_positions_out_of_the_opd_term(linked):
     and the update's OPD mask leaves the silent entries out."""
     from memopd.models import tiny_causal_lm
     from memopd.trainer.modules import Actor, Critic, Scoring
-    from memopd.trainer.update import _pack, score, teacher_mask_of
+    from memopd.trainer.update import pack_layout, score, teacher_mask_of
 
     world, tok, env = linked
     trajs = _episodes(world, env, "scripted", n=8, temperature=1.0)  # scored at the training temperature
@@ -134,9 +136,9 @@ def test_score_masks_the_silent_positions_out_of_the_opd_term(linked):
     teacher = _teacher(world, tok)
     sc = score(actor, Critic(lm), None, teacher, trajs, teacher_layout="flatten", max_tokens=4096, kl_coef=0.0,
                gamma=1.0, lam=1.0)
-    ys = teacher.targets(_pack(trajs, 4096, layout="flatten"))
+    ys = teacher.targets(pack_layout(trajs, 4096, layout="flatten"))
     assert sc.teacher_speaks.tolist() == [y is not None for y in ys]
     assert 0 < int(sc.teacher_speaks.sum()) < len(ys)  # silent somewhere, speaking mostly
-    batch = _pack(trajs, 4096)
+    batch = pack_layout(trajs, 4096)
     gid = sc.offsets[batch.traj_index, batch.call_index] + batch.token_index
     assert teacher_mask_of(sc, batch, gid).tolist() == [y is not None for y in ys]

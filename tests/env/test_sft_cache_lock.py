@@ -23,7 +23,7 @@ def _builder(out: Path, log: Path) -> subprocess.Popen:
 
 
 def test_second_builder_waits_then_reuses_and_readers_never_see_a_part(tmp_path):
-    from memopd.trainer.rundir import verify_manifest
+    from memopd.files import verify_manifest
 
     out = tmp_path / "cache"
     a = _builder(out, tmp_path / "a.log")
@@ -53,7 +53,7 @@ def test_second_builder_waits_then_reuses_and_readers_never_see_a_part(tmp_path)
 
 
 def test_a_killed_builder_frees_the_lock(tmp_path):
-    from memopd.env.sft import SFT_LOCK_FILE
+    from memopd.env.qa.sft import SFT_LOCK_FILE
     from memopd.errors import RunDirError
     from memopd.trainer.rundir import RunDirLock
 

@@ -1,20 +1,20 @@
-"""benchmarks/sft_curve.py: an SFT resume state becomes a checkpoint directory that
+"""benchmarks/analysis/sft_curve.py: an SFT resume state becomes a checkpoint directory that
 `memopd eval` loads, holding exactly the state's weights, in the world the run trains in."""
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "analysis"))
 
 
 def test_snapshot_checkpoint_holds_the_states_weights(tmp_path):
     import sft_curve
 
-    from memopd.env.evaluate import load_agent_env
-    from memopd.env.sft import make_model, role_presets
-    from memopd.env.tokenizer import build_tokenizer
-    from memopd.env.world import World, world_preset
+    from memopd.env.qa.evaluate import load_agent_env
+    from memopd.env.qa.sft import make_model, role_presets
+    from memopd.env.qa.tokenizer import build_tokenizer
+    from memopd.env.qa.world import World, world_preset
 
     wc = world_preset("replication", seed=0)
     specs, _ = role_presets(wc)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memopd.env import Document, HFEngine, QAEnv, Task, UserTasks, rollout
-from memopd.env.protocol import TAG_NAMES, ProtocolError, ProtocolTokens, find_tags, parse_action
+from memopd.env.qa.protocol import TAG_NAMES, ProtocolError, ProtocolTokens, find_tags, parse_action
 from memopd.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -102,7 +102,7 @@ def quick_sft(model, env, tasks, steps=120):
 
 @pytest.fixture(scope="module")
 def byo(tmp_path_factory):
-    from memopd.env.protocol import ERRORS, INSTRUCTION
+    from memopd.env.qa.protocol import ERRORS, INSTRUCTION
     from memopd.models import tiny_causal_lm
 
     root = tmp_path_factory.mktemp("byo")
@@ -279,7 +279,7 @@ def test_train_end_to_end(byo, tmp_path, monkeypatch):
     import importlib
 
     rollout_mod = importlib.import_module("memopd.env.rollout")  # `memopd.env.rollout` is also a function
-    from memopd.env.evaluate import evaluate
+    from memopd.env.qa.evaluate import evaluate
     from memopd.trainer.cli import train_main
 
     captured = []

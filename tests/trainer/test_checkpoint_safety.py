@@ -110,7 +110,8 @@ def test_resume_of_a_planted_run_directory_is_one_line_exit_2(sft_dirs, tmp_path
     """End to end, as the attack was done: payload in checkpoints/step_N/actor's client
     state, the manifest's sha256 recomputed; `memopd train --resume` runs nothing."""
     from memopd.cli import main
-    from memopd.trainer.rundir import newest_complete_checkpoint, write_manifest
+    from memopd.files import write_manifest
+    from memopd.trainer.rundir import newest_complete_checkpoint
 
     run = tmp_path / "run"
     args = [f"student={sft_dirs[0]}", f"teacher={sft_dirs[1]}", f"run_dir={run}", "steps=1", "checkpoint_every=1",
@@ -212,7 +213,7 @@ def test_planted_hf_weights_and_remote_code_run_nothing(tmp_path):
 def test_planted_tokenizer_remote_code_runs_nothing(tmp_path, sft_dirs):
     import shutil
 
-    from memopd.env.tokenizer import TokenizerError, load_tokenizer
+    from memopd.env.qa.tokenizer import TokenizerError, load_tokenizer
 
     marker = tmp_path / "ran"
     d = tmp_path / "tok"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from memopd.trainer.manipulation import GATE_MAX_COSINE, GATE_MIN_TOP1, gate
-from memopd.trainer.replicate import bootstrap_seeds_sets, curve_area, minimal_detectable_effect, student_t_quantile
+from memopd.trainer.experiments.intervals import bootstrap_seeds_sets, curve_area, minimal_detectable_effect, student_t_quantile
+from memopd.trainer.experiments.manipulation import GATE_MAX_COSINE, GATE_MIN_TOP1, gate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -65,7 +65,7 @@ T_TABLE = {1: (12.7062, 1.3764), 2: (4.3027, 1.0607), 4: (2.7764, 0.9410), 7: (2
 def test_student_t_quantile_matches_the_tables(df):
     """The replication's t quantiles are computed in closed form (no scipy): they match the
     printed tables, are odd around p = 0.5, and invert the CDF."""
-    from memopd.trainer.replicate import student_t_cdf
+    from memopd.trainer.experiments.intervals import student_t_cdf
 
     for p, want in zip((0.975, 0.8), T_TABLE[df]):
         assert student_t_quantile(p, df) == pytest.approx(want, abs=6e-5)
@@ -143,9 +143,9 @@ def _blind_teacher(teacher_dir: str, out: str) -> str:
 
 
 def test_check_disagreement_matches_plain_forwards(sft_dirs):
-    from memopd.env.infogap import flattened_prompt
+    from memopd.env.qa.sft import flattened_prompt
     from memopd.hf import independent_forward
-    from memopd.trainer.manipulation import manipulation_check
+    from memopd.trainer.experiments.manipulation import manipulation_check
 
     cfg, bundle = _bundle(*sft_dirs)
     c = manipulation_check(cfg, bundle, tasks=3)
@@ -195,7 +195,7 @@ def test_check_disagreement_matches_plain_forwards(sft_dirs):
 
 
 def test_check_on_a_teacher_blind_to_the_context_fails_the_gate(sft_dirs, tmp_path):
-    from memopd.trainer.manipulation import manipulation_check
+    from memopd.trainer.experiments.manipulation import manipulation_check
 
     blind = _blind_teacher(sft_dirs[1], str(tmp_path / "blind"))
     cfg, bundle = _bundle(sft_dirs[0], blind)
@@ -268,7 +268,7 @@ def test_protocol_stops_at_the_gate_and_the_flag_forces_the_arms(sft_dirs, tmp_p
 
 
 def test_controls_verdict_needs_every_control_above_zero():
-    from memopd.trainer.replicate import INFOGAP_ARMS, NEGATIVE_CONTROL, controls_verdict
+    from memopd.trainer.experiments.replicate import INFOGAP_ARMS, NEGATIVE_CONTROL, controls_verdict
 
     assert NEGATIVE_CONTROL == "broken_visibility" and NEGATIVE_CONTROL in INFOGAP_ARMS
     up, straddle = {"lo": 0.01, "diff": 0.02, "hi": 0.03}, {"lo": -0.01, "diff": 0.01, "hi": 0.03}
@@ -284,14 +284,14 @@ def test_controls_verdict_needs_every_control_above_zero():
 def test_negative_control_arms_score_the_broken_states():
     from memopd.memory import random_trajectories
     from memopd.trainer.config import TrainConfig
-    from memopd.trainer.update import _pack
+    from memopd.trainer.update import pack_layout
 
     assert TrainConfig(arm="broken_positions").arm_spec.teacher_layout == "positions_broken"
     assert TrainConfig(arm="broken_visibility").arm_spec.uses_teacher
     trajs = random_trajectories("summary", 6, group_size=2, seed=3)
-    aligned = _pack(trajs, 4096)
-    pos = _pack(trajs, 4096, layout="positions_broken")
-    vis = _pack(trajs, 4096, layout="visibility_broken")
+    aligned = pack_layout(trajs, 4096)
+    pos = pack_layout(trajs, 4096, layout="positions_broken")
+    vis = pack_layout(trajs, 4096, layout="visibility_broken")
     # the same entries in the same order: the OPD term pairs them with the student's
     for b in (pos, vis):
         assert torch.equal(b.input_ids, aligned.input_ids) and torch.equal(b.target_ids, aligned.target_ids)
@@ -318,8 +318,8 @@ def test_force_arms_belongs_to_the_info_gap_protocol(capsys):
 def infogap_dirs(tmp_path_factory):
     """(student, teacher) of the info-gap world, 3 SFT steps each: barely trained, but
     their rollouts hold information-gap calls, which the default world's do not."""
-    from memopd.env.sft import SFTConfig, run_sft
-    from memopd.env.world import world_preset
+    from memopd.env.qa.sft import SFTConfig, run_sft
+    from memopd.env.qa.world import world_preset
 
     out = tmp_path_factory.mktemp("sft-info-gap")
     tiny = SFTConfig(steps=3, ks=(1, 2), calls_per_k=8)
@@ -329,16 +329,16 @@ def infogap_dirs(tmp_path_factory):
 
 
 def test_gap_token_script_agrees_with_the_check(infogap_dirs, capsys):
-    """benchmarks/infogap_gap_tokens.py draws the check's rollouts and counts, by plain
+    """benchmarks/analysis/infogap_gap_tokens.py draws the check's rollouts and counts, by plain
     forwards, the same differing tokens at the information-gap calls as the check does
     through the trainer's scoring, and the ceiling's one token per call."""
     import importlib.util
     import pathlib
     import re
 
-    from memopd.trainer.manipulation import manipulation_check
+    from memopd.trainer.experiments.manipulation import manipulation_check
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "infogap_gap_tokens.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "analysis" / "infogap_gap_tokens.py"
     spec = importlib.util.spec_from_file_location("infogap_gap_tokens", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

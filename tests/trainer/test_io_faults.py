@@ -270,7 +270,7 @@ def test_read_only_remount_mid_run_is_74_then_resume_continues(sft_dirs, tmp_pat
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
 def test_atomic_write_keeps_the_previous_content(tmp_path, monkeypatch, code):
-    from memopd.trainer.rundir import atomic_write_text
+    from memopd.files import atomic_write_text
 
     p = tmp_path / "report.json"
     p.write_text("old\n")
@@ -329,7 +329,7 @@ def test_audit_json_on_a_read_only_place_is_74(tmp_path, monkeypatch, capsys):
 def test_eval_report_json_on_a_full_disk_is_74_and_keeps_the_previous_report(tmp_path, monkeypatch):
     """`memopd eval --json` (and `memopd sft --json`, the same writer) replaces its file
     whole or not at all: a write that fails half-way leaves the previous report as it was."""
-    from memopd.env.evaluate import write_json
+    from memopd.env.qa.evaluate import write_json
 
     target = tmp_path / "reports" / "eval.json"
     write_json({"results": {"Q2": {"em_mean": 0.25}}}, target)

@@ -134,7 +134,7 @@ def test_mismatched_heads_temperature_bias_and_scale(tmp_path, extra):
             seen["trajs"], k = super().rollout(step, actor)
             return seen["trajs"], k
 
-    tr = Recording(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=lambda *_: None)
+    tr = Recording(cfg, student_lm=student, teacher_lm=teacher, env=env, tasks=world, log=lambda *_: None)
     assert tr.scoring.vocab_size == vocab and head_of(teacher).bias is not None
     m = tr.train_step(0)
     trajs = seen["trajs"]

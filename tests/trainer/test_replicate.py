@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from memopd.trainer.replicate import BUDGETS, paired_bootstrap, relative_change
+from memopd.trainer.experiments.intervals import paired_bootstrap, relative_change
+from memopd.trainer.experiments.replicate import BUDGETS
 
 
 def test_bootstrap_identical_arms_is_exactly_zero():
@@ -48,8 +49,8 @@ def test_bootstrap_and_relative_change_reject_bad_input():
 
 
 def test_per_set_scores_line_up_on_the_held_out_sets():
-    from memopd.env.world import World, WorldConfig
-    from memopd.trainer.replicate import per_set_scores
+    from memopd.env.qa.world import World, WorldConfig
+    from memopd.trainer.experiments.replicate import per_set_scores
 
     world = World.generate(WorldConfig())
     ids = [t.task_id for t in world.sample_tasks(2, 4, split="eval", seed=0)]
@@ -128,3 +129,32 @@ def test_world_preset_is_checked_and_selects_its_sft_cache(tmp_path):
     assert sft_cache_dir(TrainConfig(world="replication", **base).validate()) == str(tmp_path / "sft-replication")
     with pytest.raises(ConfigError, match="world"):
         TrainConfig.load(None, ["world=atlantis"])
+
+
+def test_publish_takes_an_existing_results_directory(tmp_path, monkeypatch):
+    """`--publish DIR` copies into DIR (atomically, file by file); a directory that does not
+    exist is refused before any run, and a bare `--publish` means ./benchmarks/results."""
+    from memopd.errors import UserError
+    from memopd.trainer.compare import compare_main
+    from memopd.trainer.experiments.replicate import DEFAULT_RESULTS_DIR, publish_results, results_dir_of
+
+    assert results_dir_of(None) is None
+    with pytest.raises(UserError, match=r"--publish .*nope: not a directory"):
+        results_dir_of(str(tmp_path / "nope"))
+    src = tmp_path / "out" / "replication_quick.json"
+    src.parent.mkdir()
+    src.write_text('{"a": 1}')
+    said = []
+    publish_results([str(src)], results_dir_of(str(tmp_path)), said.append, "replication")
+    assert (tmp_path / "replication_quick.json").read_text() == '{"a": 1}'
+    assert said == [f"[replication] published {tmp_path / 'replication_quick.json'}"]
+    # refused before any run: no SFT, no run directory
+    with pytest.raises(UserError, match=r"not a directory"):
+        compare_main(["--protocol", "paper", "--quick", "--out", str(tmp_path / "runs"), "--publish",
+                      str(tmp_path / "nope")])
+    assert not (tmp_path / "runs").exists()
+    # a bare --publish before the overrides: the overrides stay overrides
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"--publish benchmarks/results: not a directory"):
+        compare_main(["--protocol", "paper", "--quick", "--out", str(tmp_path / "runs"), "--publish", "steps=1"])
+    assert DEFAULT_RESULTS_DIR == "benchmarks/results"

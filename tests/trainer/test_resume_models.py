@@ -63,7 +63,7 @@ def test_resume_refuses_changed_weights_and_accepts_unchanged(sft_dirs, tmp_path
 
 
 def test_retraining_a_cached_model_names_the_runs_that_used_it(tmp_path):
-    from memopd.env.sft import SFTConfig, record_run, run_sft
+    from memopd.env.qa.sft import SFTConfig, record_run, run_sft
 
     cache = tmp_path / "sft"
     tiny = SFTConfig(steps=2, ks=(1,), calls_per_k=4)

@@ -1,4 +1,4 @@
-"""The rule-teacher replication's statistics and gates (trainer/rulegap.py): the t-interval,
+"""The rule-teacher replication's statistics and gates (trainer/experiments/rulegap.py): the t-interval,
 G0's choice of p, the paired differences with both intervals, the decision rule, and G3's
 adoption loss on real expert episodes."""
 from dataclasses import replace
@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from memopd.env import EnvConfig, QAEnv, World, build_tokenizer
-from memopd.env.world import world_preset
-from memopd.trainer.rulegap import GATES, _paired, _verdict, adoption_loss, g0_choice, interval_t
+from memopd.env.qa.world import world_preset
+from memopd.trainer.experiments.rulegap import GATES, _paired, _verdict, adoption_loss, g0_choice, interval_t
 
 
 def test_t_interval_matches_the_tabled_quantile():

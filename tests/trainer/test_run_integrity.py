@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from memopd.errors import RunDirError, UserError
+from memopd.files import MANIFEST, verify_manifest
 from memopd.trainer.config import TrainConfig
-from memopd.trainer.rundir import MANIFEST, verify_manifest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,7 +56,7 @@ def _trainer(parts, cfg, log=None):
     from memopd.trainer.loop import Trainer
 
     student, teacher, env, world = parts
-    return Trainer(cfg, student_lm=copy.deepcopy(student), teacher_lm=copy.deepcopy(teacher), env=env, world=world,
+    return Trainer(cfg, student_lm=copy.deepcopy(student), teacher_lm=copy.deepcopy(teacher), env=env, tasks=world,
                    log=log or (lambda *_: None))
 
 
@@ -438,7 +438,7 @@ def test_atomic_directory_swaps_whole_directories(tmp_path):
     """final/ and eval_model/ are written through `atomic_directory`: a finished write
     replaces the old content as a whole, a failed one leaves the old content untouched
     and no partial directory behind."""
-    from memopd.trainer.rundir import atomic_directory
+    from memopd.files import atomic_directory
 
     target = tmp_path / "final"
     target.mkdir()

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from memopd.errors import RunDirError, UserError
-from memopd.files import DirectoryLock, write_manifest
-from memopd.trainer.rundir import MANIFEST, RunDir, newest_complete_checkpoint
+from memopd.files import MANIFEST, DirectoryLock, write_manifest
+from memopd.trainer.rundir import RunDir, newest_complete_checkpoint
 
 
 def _checkpoint(root, step, config, payload=b"weights"):

@@ -6,9 +6,18 @@ import json
 
 import pytest
 
+from memopd.env.qa.build import baseline_key
 from memopd.trainer.config import TrainConfig
+from memopd.trainer.loop import evaluation_settings
 
 pytest.importorskip("transformers")
+
+
+def _cache_of(cfg, student):
+    """The step-0 cache of a run's student, keyed as the QA world keys the run's evaluation settings."""
+    from memopd.trainer.loop import _BaselineCache
+
+    return _BaselineCache(baseline_key(cfg.env, evaluation_settings(cfg)), student)
 
 
 def _cfg(sft_dirs, run_dir, **kw):
@@ -20,7 +29,7 @@ def _cfg(sft_dirs, run_dir, **kw):
 
 
 def test_train_reports_the_starting_student_next_to_the_trained_one(sft_dirs, tmp_path):
-    from memopd.env.evaluate import evaluate
+    from memopd.env.qa.evaluate import evaluate
     from memopd.trainer.loop import train
     from memopd.trainer.plot import read_metrics
 
@@ -44,7 +53,7 @@ def test_train_reports_the_starting_student_next_to_the_trained_one(sft_dirs, tm
 def test_sampled_evaluation_reads_what_memopd_eval_reads(sft_dirs, tmp_path):
     """eval_temperature / eval_samples: the run's step-0 and final evaluations are `memopd
     eval --temperature T --samples N` on the same sets (sampling seeded, so reproducible)."""
-    from memopd.env.evaluate import evaluate
+    from memopd.env.qa.evaluate import evaluate
     from memopd.trainer.loop import train
 
     said = []
@@ -59,33 +68,31 @@ def test_sampled_evaluation_reads_what_memopd_eval_reads(sft_dirs, tmp_path):
 def test_baseline_cache_is_keyed_by_the_weights_and_the_eval_settings(sft_dirs, tmp_path):
     import shutil
 
-    from memopd.trainer.loop import _BaselineCache
 
     student = tmp_path / "sft" / "student"
     shutil.copytree(sft_dirs[0], student)
     cfg = _cfg(sft_dirs, tmp_path / "run")
-    cache = _BaselineCache(cfg, str(student))
+    cache = _cache_of(cfg, str(student))
     assert cache.get() is None
     cache.put({"Q1": {"em_mean": 0.5}})
-    assert _BaselineCache(cfg, str(student)).get() == {"Q1": {"em_mean": 0.5}}
-    assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", eval_tasks=3), str(student)).get() is None
-    assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", policy="full"), str(student)).get() is None
+    assert _cache_of(cfg, str(student)).get() == {"Q1": {"em_mean": 0.5}}
+    assert _cache_of(_cfg(sft_dirs, tmp_path / "run", eval_tasks=3), str(student)).get() is None
+    assert _cache_of(_cfg(sft_dirs, tmp_path / "run", policy="full"), str(student)).get() is None
     sampled = _cfg(sft_dirs, tmp_path / "run", eval_temperature=1.0, eval_samples=2)
-    assert _BaselineCache(sampled, str(student)).get() is None
-    assert _BaselineCache(_cfg(sft_dirs, tmp_path / "run", eval_temperature=1.0), str(student)).key != \
-        _BaselineCache(sampled, str(student)).key
+    assert _cache_of(sampled, str(student)).get() is None
+    assert _cache_of(_cfg(sft_dirs, tmp_path / "run", eval_temperature=1.0), str(student)).key != \
+        _cache_of(sampled, str(student)).key
     manifest = student / "memopd_manifest.json"
     manifest.write_text(manifest.read_text() + " ")  # other weights, another manifest
-    assert _BaselineCache(cfg, str(student)).get() is None
+    assert _cache_of(cfg, str(student)).get() is None
 
 
 def _put_baseline(cfg_args, student: str, eval_tasks: int, start: float) -> None:
     import time
 
-    from memopd.trainer.loop import _BaselineCache
 
     cfg = _cfg(*cfg_args, eval_tasks=eval_tasks)
-    cache = _BaselineCache(cfg, student)
+    cache = _cache_of(cfg, student)
     time.sleep(max(0.0, start - time.time()))  # every writer reads at about the same moment
     cache.put({"Q1": {"em_mean": eval_tasks / 100}})
 
@@ -95,7 +102,6 @@ def test_baseline_cache_keeps_every_entry_of_concurrent_writers(sft_dirs, tmp_pa
     import shutil
     import time
 
-    from memopd.trainer.loop import _BaselineCache
 
     student = tmp_path / "sft" / "student"
     shutil.copytree(sft_dirs[0], student)
@@ -109,5 +115,5 @@ def test_baseline_cache_keeps_every_entry_of_concurrent_writers(sft_dirs, tmp_pa
         p.join(60)
         assert p.exitcode == 0
     for n in range(3, 9):
-        got = _BaselineCache(_cfg(sft_dirs, tmp_path / "run", eval_tasks=n), str(student)).get()
+        got = _cache_of(_cfg(sft_dirs, tmp_path / "run", eval_tasks=n), str(student)).get()
         assert got == {"Q1": {"em_mean": n / 100}}, f"the entry of the writer with eval_tasks={n} was lost"

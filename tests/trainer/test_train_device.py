@@ -35,7 +35,7 @@ def _trainer(monkeypatch, device: str, dtype: str, **kw):
     cfg = TrainConfig(steps=1, dtype=dtype, device="cpu", arm="memopd", kl_coef=0.05, progress=False, **kw).validate()
     student = tiny_causal_lm(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=1)
     teacher = tiny_causal_lm(vocab_size=64, hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=1, seed=2)
-    return loop.Trainer(cfg, student_lm=student, teacher_lm=teacher, env=None, world=None, log=lambda *_: None)
+    return loop.Trainer(cfg, student_lm=student, teacher_lm=teacher, env=None, tasks=None, log=lambda *_: None)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -150,7 +150,7 @@ def test_trainer_refuses_device_cuda_without_cuda(monkeypatch):
 
         cfg = TrainConfig(steps=1, device="cuda", arm="ppo", progress=False).validate()
         lm = tiny_causal_lm(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
-        loop.Trainer(cfg, student_lm=lm, teacher_lm=None, env=None, world=None, log=lambda *_: None)
+        loop.Trainer(cfg, student_lm=lm, teacher_lm=None, env=None, tasks=None, log=lambda *_: None)
 
 
 def test_memopd_train_bf16_on_cpu_runs_two_steps(sft_dirs, tmp_path, capsys):

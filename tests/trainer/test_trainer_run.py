@@ -53,7 +53,7 @@ def test_naive_action_domain_ablation_runs(sft_dirs, tmp_path):
     def run(domain):
         cfg = _cfg(sft_dirs, tmp_path / domain, steps=1, arm="memopd", action_domain=domain, policy="full")
         student, teacher, env, world, *_ = prepare(cfg)
-        tr = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=lambda *_: None)
+        tr = Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, tasks=world, log=lambda *_: None)
         return tr.fit()[0]
 
     exact, naive = run("exact"), run("naive")
@@ -71,7 +71,7 @@ def test_kill_and_resume_equals_uninterrupted(sft_dirs, tmp_path):
     def make(run_dir):
         cfg = _cfg(sft_dirs, run_dir, steps=4, checkpoint_every=2, arm="memopd")
         student, teacher, env, world, *_ = prepare(cfg)
-        return Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, world=world, log=lambda *_: None)
+        return Trainer(cfg, student_lm=student, teacher_lm=teacher, env=env, tasks=world, log=lambda *_: None)
 
     full = make(tmp_path / "a")
     h_full = full.fit()
@@ -147,8 +147,8 @@ def test_config_errors(tmp_path):
 
 def test_prepare_returns_a_named_environment_bundle(sft_dirs, tmp_path):
     from memopd.env.build import EnvironmentBundle
+    from memopd.env.qa.world import World
     from memopd.env.rollout import Environment, TaskSource
-    from memopd.env.world import World
     from memopd.trainer.loop import prepare
 
     cfg = _cfg(sft_dirs, tmp_path / "run", arm="ppo", policy="window", policy_kwargs={"turns": 3})

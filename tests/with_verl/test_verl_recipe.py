@@ -67,7 +67,7 @@ def episode():
     from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
     import memopd.integrations.verl.agent_loop  # noqa: F401 - registers memopd_compact_memory
-    from memopd.env.tokenizer import build_tokenizer
+    from memopd.env.qa.tokenizer import build_tokenizer
 
     # the server actor imports this folder's _tiny_server and the checkout's memopd
     path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])

@@ -27,9 +27,9 @@ import time
 from collections import defaultdict
 from typing import Any, Sequence
 
+from ..rollout import HFEngine, rollout
 from .data import DataError, load_corpus_jsonl, load_tasks_jsonl
-from .qa import EnvConfig, QAEnv
-from .rollout import HFEngine, rollout
+from .env import EnvConfig, QAEnv
 from .world import World, WorldConfig
 
 __all__ = ["evaluate", "summarize", "format_table", "format_comparison", "load_agent", "load_agent_env",
@@ -141,7 +141,7 @@ def evaluate(
     if model_dir is not None:
         model, tok, meta = load_agent(model_dir, require_env=corpus is None)
         if engine == "vllm":
-            from .vllm_engine import VLLMEngine
+            from ..vllm_engine import VLLMEngine
 
             rows = int(model.get_output_embeddings().weight.shape[0])
             dtype = str(next(model.parameters()).dtype).replace("torch.", "")

@@ -1,18 +1,18 @@
 """A learning curve of one `memopd sft` run, from the run itself: its resume states.
 
 While `memopd sft` trains a role it rewrites `OUT/<role>.resume-sft.pt` about once a
-minute (memopd/env/sft.py). This script watches that file, keeps a copy the first time
+minute (memopd/env/qa/sft.py). This script watches that file, keeps a copy the first time
 the run passes each of `--steps`, turns every copy into a checkpoint directory like the
 final one (same world, tokenizer, model spec and metadata as `memopd sft` writes) and
 evaluates it as `memopd eval --model DIR --policy P --ks 2 --n 100` would, one JSON line
 per snapshot and view in `--out`. It stops when the final checkpoint appears and every
 snapshot is evaluated. Without `--watch`, it evaluates resume-state files given by path.
 
-    python benchmarks/sft_curve.py --watch .memopd_cache/sft-info-gap --world info-gap \\
+    python benchmarks/analysis/sft_curve.py --watch .memopd_cache/sft-info-gap --world info-gap \\
         --role teacher --steps 4000,8000,12000 --out runs/teacher_curve.jsonl
-    python benchmarks/sft_curve.py --world info-gap --role teacher SNAPSHOT.pt ...
+    python benchmarks/analysis/sft_curve.py --world info-gap --role teacher SNAPSHOT.pt ...
 
-docs/replication.md ("The second teacher") reports such a curve.
+docs/research/replication.md ("The second teacher") reports such a curve.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def snapshot_checkpoint(state_file: str, out_dir: str, world: str, role: str, se
     import torch
 
     from memopd.env.qa import EnvConfig
-    from memopd.env.sft import CHECKPOINT_VERSION, make_model, role_presets, save_checkpoint
-    from memopd.env.tokenizer import build_tokenizer
-    from memopd.env.world import World, world_preset
+    from memopd.env.qa.sft import CHECKPOINT_VERSION, make_model, role_presets, save_checkpoint
+    from memopd.env.qa.tokenizer import build_tokenizer
+    from memopd.env.qa.world import World, world_preset
 
     wc = world_preset(world, seed=seed)
     specs, cfgs = role_presets(wc)
@@ -51,7 +51,7 @@ def snapshot_checkpoint(state_file: str, out_dir: str, world: str, role: str, se
 
 
 def evaluate_snapshot(state_file: str, world: str, role: str, policies, ks, n: int, work_dir: str) -> list[dict]:
-    from memopd.env.evaluate import evaluate
+    from memopd.env.qa.evaluate import evaluate
 
     ckpt = os.path.join(work_dir, os.path.splitext(os.path.basename(state_file))[0])
     step = snapshot_checkpoint(state_file, ckpt, world, role)

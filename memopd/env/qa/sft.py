@@ -24,10 +24,12 @@ import torch
 
 from memopd.errors import UserError
 
+from ..rollout import rollout
 from .data import DataError
-from .protocol import SPECIAL_TOKENS, ProtocolTokens
-from .qa import EnvConfig, QAEnv
-from .rollout import rollout
+from .env import EnvConfig, QAEnv
+from .expert import make_expert
+from .notes import is_value, parse_entries
+from .protocol import SPECIAL_TOKENS, ProtocolTokens, answer_label
 from .world import World, WorldConfig
 
 __all__ = [
@@ -47,6 +49,8 @@ __all__ = [
     "sft_examples",
     "copy_warmup_examples",
     "expert_examples",
+    "flattened_prompt",
+    "perturbed_state",
     "train_sft",
     "save_checkpoint",
     "checkpoint_exists",
@@ -118,9 +122,9 @@ class SFTConfig:
     # False: batches drawn from all examples at once, where long full-view batches
     # crowd out compact-memory ones (docs/design.md §10)
     balance_policies: bool = False
-    # the expert whose calls are the data (`infogap.EXPERTS`): "scripted" (reads its notes
+    # the expert whose calls are the data (`expert.EXPERTS`): "scripted" (reads its notes
     # and the last observation) or "rational" (every fact the visible context shows, so
-    # it acts differently under compact memory and the full history: memopd/env/infogap.py)
+    # it acts differently under compact memory and the full history: memopd/env/qa/expert.py)
     expert: str = "scripted"
     # share of each (policy, k)'s calls replaced by a perturbed state (an entry of the
     # notes dropped or corrupted) labelled by the expert under that view
@@ -128,7 +132,7 @@ class SFTConfig:
     # each round of expert episodes (at most REDRAW_ROUND_SETS sets) played in a copy of the
     # world with its attribute values drawn afresh (`World.with_redrawn_values`): a value can
     # then only be read from the context, never recalled. Trained on the one world, a
-    # teacher recalls the training facts and so fails on held-out ones (docs/replication.md)
+    # teacher recalls the training facts and so fails on held-out ones (docs/research/replication.md)
     redraw_values: bool = False
     # experts that, beside `expert`, play episodes in every view whose states `expert` then
     # labels (e.g. ("scripted",): the plain expert's kind of state, the one the student
@@ -140,7 +144,7 @@ class SFTConfig:
     # compact call's memory span as the prompt, the rule's own search or answer on the
     # flattened state as the label. OPD scores the teacher on the student's tokens, so at
     # such a call the teacher reads on after a memory span that is not its own; the rule's
-    # next step there still follows from what the history shows (docs/replication.md)
+    # next step there still follows from what the history shows (docs/research/replication.md)
     gap_copies: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -179,7 +183,7 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 }
 
 
-# The info-gap world (docs/replication.md, "A replication that can tell the arms apart"):
+# The info-gap world (docs/research/replication.md, "A replication that can tell the arms apart"):
 # a teacher trained on the rational rule under compact memory, the full history and the
 # persistent history the flatten layout scores (the `persistent` arm's teacher state; its
 # longest Q16 examples, 2,700 tokens measured, set the positions), with a fifth of its calls
@@ -189,7 +193,7 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 # state, which OPD scores), 8,000 steps (about 0.8 passes over its data, the exposure at
 # which the third teacher peaked), and each information-gap call of the flatten view three
 # more times as it is and three times as its continuation after the compact call's memory
-# span (`SFTConfig.gap_copies`: such calls were ~1% of its data): docs/replication.md, "The
+# span (`SFTConfig.gap_copies`: such calls were ~1% of its data): docs/research/replication.md, "The
 # third teacher" to "The sixth teacher"; and a student
 # with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
 INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
@@ -247,6 +251,57 @@ def sft_examples(trajectories) -> list[tuple[list[int], int]]:
     return out
 
 
+def flattened_prompt(traj, t: int) -> list[int]:
+    """What the `flatten` layout shows before call t's action: the persistent history
+    `[q, x_0, a_0, ..., x_{t-1}, a_{t-1}, x_t]` (memopd.records, `flattened_tokens`);
+    under compact memory every x_s holds the observation before it, so every earlier
+    observation is in it."""
+    ids = list(traj.invocations[0].prefix_ids)
+    for inv in traj.invocations[:t]:
+        ids += list(inv.context_ids) + list(inv.action_ids)
+    return ids + list(traj.invocations[t].context_ids)
+
+
+def _last_mem_span(ids: Sequence[int], tk: ProtocolTokens) -> tuple[int, int] | None:
+    close = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] == tk.mem_close), None)
+    if close is None:
+        return None
+    open_ = next((i for i in range(close - 1, -1, -1) if ids[i] == tk.mem_open), None)
+    return None if open_ is None else (open_, close + 1)
+
+
+def perturbed_state(context_ids: Sequence[int], tokenizer, world, rng: random.Random) -> list[int] | None:
+    """`context_ids` with one entry of its last notes dropped or corrupted (a wrong value of
+    its attribute, or another middle entity), or None when the notes hold no filled entry."""
+    tk = ProtocolTokens.from_tokenizer(tokenizer)
+    ids = [int(i) for i in context_ids]
+    span = _last_mem_span(ids, tk)
+    if span is None:
+        return None
+    text = tokenizer.decode(ids[span[0] + 1:span[1] - 1], skip_special_tokens=True)
+    entries = parse_entries(text)
+    filled = [j for j, (_, vals) in enumerate(entries) if vals]
+    if not filled:
+        return None
+    j = rng.choice(filled)
+    vals = entries[j][1]
+    if rng.random() < 0.5:
+        del entries[j]
+    else:
+        joined = " ".join(vals)
+        pool = [v for a in world.config.attributes for v in world.values[a] if joined in world.values[a]]
+        if len(vals) == 1 and not is_value(vals[0]):
+            pool = world.entities
+        choices = [v for v in pool if v != joined]
+        if not choices:
+            del entries[j]
+        else:
+            entries[j][1] = rng.choice(choices).split()
+    mem = " ".join(" ".join([answer_label(i)] + v) for i, v in entries)
+    new = tokenizer.encode(f"<mem> {mem}</mem>" if mem else "<mem></mem>", add_special_tokens=False)
+    return ids[:span[0]] + [int(i) for i in new] + ids[span[1]:]
+
+
 # Sets per round of expert episodes when each round has its own redrawn world: small
 # enough that a value is shared by few episodes.
 REDRAW_ROUND_SETS = 64
@@ -264,10 +319,10 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     misses any answer (it must be perfect, or the data would teach mistakes). The
     examples come policy by policy, in the order of `policies`; `stats["calls_by_policy"]`
     says how many each has; the view `FLATTEN_VIEW` holds the calls of compact-memory
-    episodes as the flatten layout shows them (`infogap.flattened_prompt`), labelled by
-    the expert on that state. `expert`: "scripted" or "rational" (`infogap.make_expert`);
+    episodes as the flatten layout shows them (`flattened_prompt`), labelled by
+    the expert on that state. `expert`: "scripted" or "rational" (`expert.make_expert`);
     `perturb_frac`: the share of sampled calls whose context gets one entry of its notes
-    dropped or corrupted (`infogap.perturbed_state`), the action then being the expert's
+    dropped or corrupted (`perturbed_state`), the action then being the expert's
     on that state under the same view (`stats["perturbed"]` counts them). `redraw_values`:
     each round of at most `REDRAW_ROUND_SETS` sets is played in its own
     `world.with_redrawn_values` copy (`stats["worlds"]` counts them). `state_players`:
@@ -278,8 +333,6 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     compact call's memory span (`gap_continuation`; `stats["gap_calls"]` and
     `stats["gap_examples"]` count them).
     """
-    from .infogap import flattened_prompt, make_expert, perturbed_state
-
     if not 0.0 <= perturb_frac < 1.0:
         raise DataError(f"perturb_frac must be in [0, 1), got {perturb_frac}")
     if isinstance(gap_copies, bool) or not isinstance(gap_copies, int) or gap_copies < 0:
@@ -377,7 +430,7 @@ def gap_continuation(expert, compact_state: Sequence[int], flat_state: Sequence[
     (flattened state + the compact action's memory span + the flattened action's search or
     answer, the prompt length that leaves only that last part as the label), or None where
     the two views' actions write the same memory span (the plain example already parts
-    them). `expert`: the `infogap.RationalExpert`, whose next step does not depend on the
+    them). `expert`: the `expert.RationalExpert`, whose next step does not depend on the
     memory span its action writes, only on what the state shows."""
     return _continuation(expert, flat_state, expert.action_text(compact_state), expert.action_text(flat_state))
 

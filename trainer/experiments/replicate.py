@@ -17,10 +17,10 @@ student, every arm with the same hyperparameters, seeds, tasks and budget
   itself on held-out Q2/Q8 sets: aligned, flatten, and the position-only break.
 
 Outputs: OUT/replication_{full,quick}.json (per-seed, per-set scores), .md (the tables)
-and .png (the curves); `--publish` copies them to benchmarks/results/.
+and .png (the curves); `--publish DIR` copies them to the results directory DIR.
 
-The info-gap protocol (`run_infogap_protocol`, docs/replication.md) runs in the
-`info-gap` world: first the manipulation check (trainer/manipulation.py) on the SFT
+The info-gap protocol (`run_infogap_protocol`, docs/research/replication.md) runs in the
+`info-gap` world: first the manipulation check (trainer/experiments/manipulation.py) on the SFT
 student's Q2 rollouts, whose gate stops the protocol when the teacher is indifferent to
 the view (`--force-arms` runs the arms anyway); then the arms `INFOGAP_ARMS` (a negative
 control among them) with opd_coef matched to the PPO gradient at step 0, the same for
@@ -29,34 +29,44 @@ and set (`bootstrap_seeds_sets`; an area is one number per seed, so its bootstra
 resamples seeds only) with the Student t interval beside the areas' (`t_interval`), the
 minimal detectable effect for the seed count (`minimal_detectable_effect`), the
 clipped-step fraction of every run.
-Outputs: OUT/infogap_{full,quick}.{json,md,png}.
+Outputs: OUT/infogap_{full,quick}.{json,md,png}. The statistics are intervals.py's.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import statistics
 import time
 from dataclasses import dataclass
 
-import numpy as np
+from .intervals import (
+    BOOTSTRAP_DRAWS,
+    BOOTSTRAP_LEVEL,
+    BOOTSTRAP_SEED,
+    MDE_ALPHA,
+    MDE_POWER,
+    bootstrap_seeds_sets,
+    curve_area,
+    minimal_detectable_effect,
+    paired_bootstrap,
+    relative_change,
+    t_interval,
+)
 
-__all__ = ["Budget", "BUDGETS", "paired_bootstrap", "relative_change", "per_set_scores", "audit_student",
-           "run_protocol", "InfoGapBudget", "INFOGAP_BUDGETS", "INFOGAP_ARMS", "NEGATIVE_CONTROL", "ENDPOINTS", "bootstrap_seeds_sets",
-           "minimal_detectable_effect", "t_interval", "student_t_quantile", "curve_area", "clipped_step_fraction", "run_infogap_protocol"]
+__all__ = ["Budget", "BUDGETS", "per_set_scores", "audit_student", "run_protocol", "InfoGapBudget", "INFOGAP_BUDGETS",
+           "INFOGAP_ARMS", "NEGATIVE_CONTROL", "ENDPOINTS", "clipped_step_fraction", "run_infogap_protocol",
+           "DEFAULT_RESULTS_DIR", "results_dir_of", "publish_results"]
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+# where a bare `--publish` copies results: the benchmarks/results/ folder of the source checkout run from
+# its root (an installed package has none of its own: `--publish DIR` names the folder)
+DEFAULT_RESULTS_DIR = os.path.join("benchmarks", "results")
 AUDIT_VARIANTS = ("aligned", "flatten", "positions_broken")
 # the paper's audit figures (flatten; the position-only break), shown next to ours
 PAPER_AUDIT = {"flatten": {"p99_dlogp": 1.774, "top1_changes": 651, "ratio_out_frac": 0.1329},
                "positions_broken": {"top1_changes": 260, "ratio_out_frac": 0.0497}}
 # an SFT stage shorter than this only checked and reused cached models
 SFT_REUSED_S = 60.0
-BOOTSTRAP_SEED = 0
-BOOTSTRAP_DRAWS = 10000
-BOOTSTRAP_LEVEL = 0.95
 
 
 @dataclass(frozen=True)
@@ -86,22 +96,6 @@ BUDGETS = {
 # ----------------------------------------------------------------------------------
 # statistics
 # ----------------------------------------------------------------------------------
-def paired_bootstrap(a, b, *, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict:
-    """Mean difference a − b and its percentile bootstrap interval, resampling the sets only
-    (the paper protocol's intervals): `bootstrap_seeds_sets` with the seeds held fixed.
-
-    `a`, `b`: [seeds, sets] per-set scores of two arms on the same held-out sets and
-    seeds. Each draw resamples the sets with replacement and applies the same draw to
-    both arms and to every seed (the pairing); the statistic is the mean over seeds and
-    drawn sets. Seeds are not resampled: their spread is reported as the std."""
-    return bootstrap_seeds_sets(a, b, draws=draws, seed=seed, level=level, resample_seeds=False)
-
-
-def relative_change(new: float, base: float) -> float | None:
-    """100 · (new − base) / base, the paper's "+x% over" form; None when base is 0."""
-    return None if base == 0 else 100.0 * (new - base) / base
-
-
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
@@ -110,7 +104,7 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 # evaluation with per-set scores, and the audit, on a saved agent
 # ----------------------------------------------------------------------------------
 def per_set_scores(results: dict, world, n: int, seed: int = 0) -> dict:
-    """Per-set EM/F1 of one agent from an `memopd.env.evaluate` report's `results` (the
+    """Per-set EM/F1 of one agent from an `memopd.env.qa.evaluate` report's `results` (the
     `sets` it records), laid out on the held-out sets
     `world.sample_tasks(k, n, split="eval", seed=seed)` of every k, so that two agents
     line up set by set. A set played several times (sampled evaluation, `samples` > 1)
@@ -146,7 +140,7 @@ def _mean_by_id(ids, xs) -> dict:
 def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float = 1.0, seed: int = 0) -> dict:
     """RCE audit (memopd.rce.audit) of a trained agent on its own samples: `n` held-out
     sets per k played once at `temperature`, audited per k and pooled."""
-    from memopd.env.evaluate import agent_engine, load_agent_env
+    from memopd.env.qa.evaluate import agent_engine, load_agent_env
     from memopd.env.rollout import rollout
     from memopd.rce import audit
 
@@ -170,7 +164,7 @@ def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float 
 # ----------------------------------------------------------------------------------
 def _run_costs(run_dir: str) -> dict:
     """Per-step context and time figures of one run (metrics.jsonl)."""
-    from .plot import read_metrics
+    from ..plot import read_metrics
 
     steps = [m for m in read_metrics(run_dir) if "time/step_s" in m]
 
@@ -188,7 +182,7 @@ def _run_costs(run_dir: str) -> dict:
 def _run_curve(run_dir: str, ks, base: dict, metric: str = "em") -> dict:
     """{"Q2": [(step, EM), ...]} (or F1 with `metric="f1"`): step 0 is the SFT student
     (the same held-out sets)."""
-    from .plot import read_metrics
+    from ..plot import read_metrics
 
     rows = read_metrics(run_dir)
     curve = {}
@@ -317,19 +311,49 @@ def _costs(rows_by_arm: dict) -> dict:
     return out
 
 
+def results_dir_of(publish: str | None) -> str | None:
+    """The directory `--publish [DIR]` names (None: not publishing), checked before any run
+    starts: it must exist. A bare `--publish` names `DEFAULT_RESULTS_DIR` (a source checkout)."""
+    if not publish:
+        return None
+    from memopd.errors import UserError
+
+    if not os.path.isdir(publish):
+        raise UserError(f"--publish {publish}: not a directory; give the results directory to copy into "
+                        "(`--publish DIR`; a bare --publish means benchmarks/results/ of the source checkout you run from)")
+    return publish
+
+
+def publish_results(paths, results_dir: str, log, tag: str) -> None:
+    """Copy each result file into `results_dir`, each copy atomic (a failed copy leaves the
+    published file as it was)."""
+    from memopd.files import atomic_file
+
+    for src in paths:
+        dst = os.path.join(results_dir, os.path.basename(src))
+        with atomic_file(dst) as tmp:
+            shutil.copyfile(src, tmp)
+        log(f"[{tag}] published {dst}")
+
+
 def run_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol paper`: see the module doc. `args`: compare's parsed
     arguments (arms, seeds, jobs, out, overwrite, resume, quick, publish); `--protocol
     info-gap` goes to `run_infogap_protocol`."""
     if getattr(args, "protocol", "paper") == "info-gap":
         return run_infogap_protocol(args, user_overrides, log)
-    from memopd.env.evaluate import evaluate
+    if args.arms is None:
+        from ..compare import DEFAULT_ARMS
 
-    from .arms import arm_run_dir, refuse_earlier_runs, run_all
-    from .config import TrainConfig
-    from .loop import prepare
-    from .plot import plot_protocol_curves
-    from .rundir import atomic_file, atomic_write_text
+        args.arms = list(DEFAULT_ARMS)
+    results_dir = results_dir_of(args.publish)
+    from memopd.env.qa.evaluate import evaluate
+    from memopd.files import atomic_write_text
+
+    from ..arms import arm_run_dir, refuse_earlier_runs, run_all
+    from ..config import TrainConfig
+    from ..loop import prepare
+    from ..plot import plot_protocol_curves
 
     name = "quick" if args.quick else "full"
     budget = BUDGETS[name]
@@ -389,12 +413,8 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     table = format_report(rep)
     atomic_write_text(paths["md"], table)
     log(table)
-    if args.publish:
-        for src in paths.values():
-            dst = os.path.join(RESULTS_DIR, os.path.basename(src))
-            with atomic_file(dst) as tmp:  # a failed copy leaves the published file as it was
-                shutil.copyfile(src, tmp)
-            log(f"[replication] published {dst}")
+    if results_dir:
+        publish_results(paths.values(), results_dir, log, "replication")
     log(f"[replication] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
     return 0
 
@@ -407,7 +427,7 @@ INFOGAP_ARMS = ("ppo", "persistent", "memopd", "broken_positions", "broken_visib
 # (check.controls) showed that row-global positions barely move a teacher trained on the
 # flattened view too (its signal stays closer to memopd's than persistent's is)
 NEGATIVE_CONTROL = "broken_visibility"
-# stated before any run; written into every result (docs/replication.md). Second statement
+# stated before any run; written into every result (docs/research/replication.md). Second statement
 # (2026-12-05): the first read greedy F1, which no arm moved, the controls included, in
 # 40 steps; this one reads the sampled policy that training changes, over 80 steps.
 ENDPOINTS = {
@@ -435,8 +455,6 @@ ENDPOINTS = {
                  "seeds and sets together. Beside each area interval: the Student t 95% interval over the per-seed "
                  "differences (`t_interval`), added after the run, which is the one to read with 5 seeds",
 }
-MDE_ALPHA = 0.05
-MDE_POWER = 0.8
 
 
 @dataclass(frozen=True)
@@ -466,128 +484,11 @@ INFOGAP_BUDGETS = {
 }
 
 
-def bootstrap_seeds_sets(a, b, *, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED,
-                         level: float = BOOTSTRAP_LEVEL, resample_seeds: bool = True) -> dict:
-    """Mean difference a − b and its percentile bootstrap interval, resampling seeds and
-    sets. `a`, `b`: [seeds, sets] scores of two arms, row s of both from seed s, column j
-    from set j (a [seeds] vector is one score per seed). Each draw resamples the seeds and
-    the sets with replacement and applies both draws to both arms: the pairing by seed
-    and by set. The statistic is the mean over the drawn seeds and sets, computed from the
-    draw counts (w_seeds · (a − b) · w_sets / (S · N)). `resample_seeds=False` keeps every
-    seed in every draw (`paired_bootstrap`)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if a.ndim == 1 and resample_seeds:  # one score per seed (without seeds to resample: no sets either)
-        a, b = a[:, None], b[:, None] if b.ndim == 1 else b
-    if a.ndim != 2 or a.shape != b.shape or a.size == 0:
-        name = "bootstrap_seeds_sets" if resample_seeds else "paired_bootstrap"
-        raise ValueError(f"{name} needs two [seeds, sets] arrays of one shape, got {a.shape} and {b.shape}")
-    if not 0 < level < 1 or draws < 1:
-        raise ValueError(f"level must be in (0, 1) and draws >= 1, got {level}, {draws}")
-    d = a - b
-    S, N = d.shape
-    rng = np.random.default_rng(seed)
-    if resample_seeds:
-        ws = np.stack([np.bincount(r, minlength=S) for r in rng.integers(0, S, size=(draws, S))]).astype(np.float64)
-    else:
-        ws = np.ones((draws, S))
-    wn = np.stack([np.bincount(r, minlength=N) for r in rng.integers(0, N, size=(draws, N))]).astype(np.float64)
-    stats = np.einsum("ds,sn,dn->d", ws, d, wn) / (S * N)
-    lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
-    per_seed = d.mean(axis=1)
-    return {"diff": float(d.mean()), "lo": float(lo), "hi": float(hi), "level": level, "draws": draws, "seed": seed,
-            "seeds": S, "sets": N, "per_seed": [float(x) for x in per_seed],
-            "positive_seeds": int((per_seed > 0).sum())}
-
-
-def minimal_detectable_effect(per_seed_diffs, *, alpha: float = MDE_ALPHA, power: float = MDE_POWER,
-                              seeds: int | None = None) -> float | None:
-    """The smallest true mean difference a two-sided paired t-test at `alpha` detects with
-    probability `power` over `seeds` seeds (default: as many as given), taking the spread
-    of the per-seed differences given as the truth: (t_{1-α/2} + t_{power}) · sd / √n with
-    n − 1 degrees of freedom. None with fewer than two seeds."""
-    d = np.asarray(per_seed_diffs, dtype=np.float64)
-    n = int(seeds if seeds is not None else d.size)
-    if d.size < 2 or n < 2:
-        return None
-    sd = float(d.std(ddof=1))
-    return float((student_t_quantile(1 - alpha / 2, n - 1) + student_t_quantile(power, n - 1)) * sd / np.sqrt(n))
-
-
-def t_interval(per_seed, level: float = BOOTSTRAP_LEVEL) -> dict:
-    """Mean of per-seed values (differences) and its Student t interval over them:
-    mean ± t_{(1+level)/2, n-1} · sd / √n. Needs two seeds or more."""
-    xs = [float(x) for x in per_seed]
-    n = len(xs)
-    if n < 2:
-        raise ValueError(f"a t-interval needs at least two seeds, got {n}")
-    m, sd = statistics.mean(xs), statistics.stdev(xs)
-    h = student_t_quantile(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n)
-    return {"mean": m, "lo": m - h, "hi": m + h, "sd": sd, "n": n, "level": level}
-
-
-def student_t_cdf(x: float, df: int) -> float:
-    """P(T <= x) for Student's t with an integer `df` >= 1, in closed form (the finite
-    series in θ = atan(x/√df) of Abramowitz & Stegun 26.7.3-4), so that the replication's
-    statistics need no scipy."""
-    if int(df) != df or df < 1:
-        raise ValueError(f"student_t_cdf: df must be a positive integer, got {df!r}")
-    df = int(df)
-    theta = math.atan(x / math.sqrt(df))
-    s, c2 = math.sin(theta), math.cos(theta) ** 2
-    if df % 2 == 0:  # A = sinθ (1 + ½cos²θ + (1·3)/(2·4) cos⁴θ + ... up to cos^(df-2)θ)
-        term, total = 1.0, 1.0
-        for k in range(2, df - 1, 2):
-            term *= c2 * (k - 1) / k
-            total += term
-        a = s * total
-    else:  # A = (2/π)(θ + sinθ cosθ (1 + (2/3)cos²θ + ... up to cos^(df-3)θ)); df = 1: 2θ/π
-        total = 0.0
-        if df > 1:
-            term, total = 1.0, 1.0
-            for k in range(3, df - 1, 2):
-                term *= c2 * (k - 1) / k
-                total += term
-        a = 2 / math.pi * (theta + s * math.cos(theta) * total)
-    return 0.5 + 0.5 * a
-
-
-def student_t_quantile(p: float, df: int) -> float:
-    """The x with P(T <= x) = p for Student's t with an integer `df` >= 1 (bisection on
-    `student_t_cdf` to float precision)."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"student_t_quantile: p must lie in (0, 1), got {p!r}")
-    if p < 0.5:
-        return -student_t_quantile(1.0 - p, df)
-    lo, hi = 0.0, 1.0
-    while student_t_cdf(hi, df) < p:
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def curve_area(points) -> float:
-    """The area under a curve [(step, score), ...] (trapezoid) divided by its span of
-    steps: the mean score over training. One point: that score."""
-    pts = sorted(dict(points).items())
-    if not pts:
-        raise ValueError("an empty curve has no area")
-    if len(pts) == 1:
-        return float(pts[0][1])
-    xs = np.array([p[0] for p in pts], dtype=np.float64)
-    ys = np.array([p[1] for p in pts], dtype=np.float64)
-    return float(np.sum((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2) / (xs[-1] - xs[0]))
-
-
 def clipped_step_fraction(run_dir: str, max_grad_norm: float) -> float | None:
     """Share of a run's training steps whose actor gradient norm (before clipping, the
     mean over the step's optimiser steps) exceeded the clip `max_grad_norm`."""
-    from .plot import read_metrics
-    from .stats import ACTOR_GRAD_NORM, train_metric
+    from ..plot import read_metrics
+    from ..stats import ACTOR_GRAD_NORM, train_metric
 
     xs = [float(m[train_metric(ACTOR_GRAD_NORM)]) for m in read_metrics(run_dir) if train_metric(ACTOR_GRAD_NORM) in m]
     if not xs or not max_grad_norm:
@@ -733,14 +634,17 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol info-gap`: the manipulation check, then (if its gate
     passes, or `--force-arms`) the arms with a gradient-matched opd_coef, and the
     pre-stated endpoints. Outputs OUT/infogap_{full,quick}.{json,md,png}."""
-    from memopd.env.evaluate import evaluate
+    if args.arms is None:
+        args.arms = list(INFOGAP_ARMS)
+    results_dir = results_dir_of(args.publish)
+    from memopd.env.qa.evaluate import evaluate
+    from memopd.files import atomic_write_text
 
-    from .arms import refuse_earlier_runs, run_all
-    from .config import TrainConfig
-    from .loop import prepare
+    from ..arms import refuse_earlier_runs, run_all
+    from ..config import TrainConfig
+    from ..loop import prepare
+    from ..plot import plot_protocol_curves
     from .manipulation import format_check, manipulation_check
-    from .plot import plot_protocol_curves
-    from .rundir import atomic_file, atomic_write_text
 
     name = "quick" if args.quick else "full"
     budget = INFOGAP_BUDGETS[name]
@@ -841,13 +745,7 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     table = format_infogap_report(rep)
     atomic_write_text(paths["md"], table)
     log(table)
-    if args.publish:
-        for src in paths.values():
-            if not os.path.exists(src):
-                continue
-            dst = os.path.join(RESULTS_DIR, os.path.basename(src))
-            with atomic_file(dst) as tmp:
-                shutil.copyfile(src, tmp)
-            log(f"[info-gap] published {dst}")
+    if results_dir:
+        publish_results([p for p in paths.values() if os.path.exists(p)], results_dir, log, "info-gap")
     log(f"[info-gap] {rep['wall_s'] / 60:.1f} min wall; results in {os.path.abspath(args.out)}")
     return 0

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import UserError
+from ...errors import UserError
 
 __all__ = [
     "SPECIAL_TOKENS",

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..errors import UserError
+from ...errors import UserError
 
 __all__ = [
     "DataError",

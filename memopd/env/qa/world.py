@@ -28,26 +28,21 @@ replication world plus information-gap sets (`linked_frac`: a share of the sets 
 pair of questions on one entity, the second's fact shown by the first's search, so that
 a flattened history holds a needed fact a compact memory dropped) and a per-set turn
 budget (`turn_budget="efficient"`: the efficient expert's calls + 1, in
-`Task.meta["max_turns"]`); memopd/env/infogap.py holds the expert rule of both views.
+`Task.meta["max_turns"]`); memopd/env/qa/expert.py holds the expert rule of both views, notes.py
+the text grammar (values, questions, facts, notes) this module writes.
 """
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .data import DataError, Document, Task
+from .notes import DEFAULT_VALUES, MULTIWORD_VALUES, VALUE_SETS, VALUE_WORDS, fact_text, facts_in, is_value, parse_question, question_text
 from .protocol import MAX_QUESTIONS, marker
 
 __all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "MULTIWORD_VALUES", "VALUE_SETS", "HELDOUT_SPLITS", "WORLD_PRESETS",
            "world_preset", "ANSWER_ORDERS", "TURN_BUDGETS", "max_answer_words", "question_text", "parse_question", "fact_text", "is_value"]
-
-DEFAULT_VALUES: dict[str, tuple[str, ...]] = {
-    "city": ("paris", "rome", "oslo", "lima", "cairo", "delhi", "tokyo", "berlin", "madrid", "dublin", "quito", "seoul"),
-    "color": ("red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown"),
-    "job": ("baker", "pilot", "nurse", "farmer", "doctor", "painter", "singer", "lawyer", "tailor", "miner"),
-}
 
 # Distractors mention an entity (and sometimes a value) without the attribute keyword,
 # so BM25 still ranks the true fact first but the observation holds near misses.
@@ -60,21 +55,6 @@ _DISTRACTORS = (
     ("job", "{y} thinks {x} is a good {job} ."),
 )
 
-# Values of 1-4 words that share words ("dark blue" / "navy blue", "bus driver" / "truck
-# driver"), so a near miss earns partial F1. No value word is an attribute, relation,
-# fact-template word ("of", "is") or a marker-like word (x/q/k/r + 1-2 letters).
-MULTIWORD_VALUES: dict[str, tuple[str, ...]] = {
-    "city": ("paris", "oslo", "new york", "new delhi", "san jose", "san diego", "los angeles", "buenos aires",
-             "port au prince", "hong kong", "cape town", "tel aviv", "kuala lumpur", "santa cruz de tenerife"),
-    "color": ("blue", "dark blue", "light blue", "navy blue", "dark green", "light green", "olive green",
-              "deep purple", "bright orange", "soft pink", "golden yellow", "dark red", "bright red"),
-    "job": ("baker", "pilot", "bus driver", "truck driver", "deep sea diver", "sea captain", "night nurse",
-            "school teacher", "piano teacher", "tax lawyer", "forest ranger", "street painter", "opera singer",
-            "rocket scientist"),
-}
-
-VALUE_SETS: dict[str, dict[str, tuple[str, ...]]] = {"default": DEFAULT_VALUES, "multiword": MULTIWORD_VALUES}
-
 # Splits whose questions have held-out facts as answers; every other split ("train", an
 # RL stream, SFT data) has the other facts only.
 HELDOUT_SPLITS = frozenset({"eval"})
@@ -85,60 +65,10 @@ TURN_BUDGETS = ("default", "efficient")
 LINK_TOP_K = 3
 
 _ALL_VALUES = frozenset(v for vals in DEFAULT_VALUES.values() for v in vals)
-_VALUE_WORDS = frozenset(w for table in VALUE_SETS.values() for vals in table.values() for v in vals for w in v.split())
-
-
-def is_value(word: str) -> bool:
-    """True for a word of an attribute value (of any value set), False for anything else
-    (entity names): a note holding an entity is a two-hop question's middle step."""
-    return word in _VALUE_WORDS
 
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
-
-
-def question_text(attr: str, x: str, rel: str | None = None, i: int = 1) -> str:
-    """Question i (1-based) of a set, as a keyword chain with per-question markers:
-
-        "gite ka job ?"              (gite's job; question 1)
-        "loro kb friend rb color ?"  (the color of loro's friend; question 2)
-
-    The task prefix writes the question marker ("qa", "qb", ...) in front. Why markers:
-    a small transformer learns "copy the word that follows marker m" (an induction head
-    keyed on a unique token) far sooner than it learns to find a word by its place in a
-    sentence, so every word a search needs follows a marker: the first hop sends
-    "qa gite ka job", the second "rb color <middle entity>". Marker words match no
-    document; BM25 ignores them.
-    """
-    if rel is None:
-        return f"{x} {marker('k', i)} {attr} ?"
-    return f"{x} {marker('k', i)} {rel} {marker('r', i)} {attr} ?"
-
-
-_MARKER = re.compile(r"^([qkrx])([a-z]{1,2})$")
-
-
-def parse_question(text: str) -> tuple[str, str | None, str] | None:
-    """Inverse of `question_text`: (attr, rel or None, entity), or None if not ours."""
-    w = [t for t in text.split() if t != "?"]
-    if w and _MARKER.match(w[0]) and w[0][0] == "q":
-        w = w[1:]
-
-    def is_marker(t: str, kind: str) -> bool:
-        m = _MARKER.match(t)
-        return bool(m) and m.group(1) == kind
-
-    if len(w) == 3 and is_marker(w[1], "k"):
-        return w[2], None, w[0]
-    if len(w) == 5 and is_marker(w[1], "k") and is_marker(w[3], "r"):
-        return w[4], w[2], w[0]
-    return None
-
-
-def fact_text(x: str, key: str, value: str) -> str:
-    """The document stating one fact: "friend of kalo is mipu ." (titled "kalo")."""
-    return f"{key} of {x} is {value} ."
 
 
 @dataclass(frozen=True)
@@ -200,7 +130,7 @@ class WorldConfig:
             raise DataError(f"two_hop_frac must be in [0, 1], got {self.two_hop_frac}")
         if self.two_hop_frac > 0 and not self.relations:
             raise DataError("two-hop questions need at least one relation")
-        bad = set(self.relations) & (set(DEFAULT_VALUES) | _VALUE_WORDS | {"of", "the", "is", "s"})
+        bad = set(self.relations) & (set(DEFAULT_VALUES) | VALUE_WORDS | {"of", "the", "is", "s"})
         if bad:
             raise DataError(f"relation names {sorted(bad)} collide with other words")
         if self.distractors_per_entity < 0:
@@ -395,7 +325,7 @@ class World:
             if self.config.linked_frac > 0:
                 meta["linked"] = linked
             if self.config.turn_budget == "efficient":
-                from .infogap import efficient_calls
+                from .expert import efficient_calls
 
                 meta["max_turns"] = max(efficient_calls(self, texts) + 1, sum(meta["hops"]) + 1)
             tasks.append(
@@ -421,8 +351,6 @@ class World:
 
     def shown_facts(self, query: str) -> dict[tuple[str, str], str]:
         """The facts {(entity, key): value} that the documents a search for `query` shows state."""
-        from .infogap import facts_in
-
         return facts_in(" | ".join(d.display for d in self.retriever.search(query)))
 
     def _linked_pair(self, rng: random.Random, split: str, k: int):
@@ -455,7 +383,7 @@ WORLD_PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "replication": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25, "answer_order": "descending"},
     # the replication world with information-gap sets (half of them) and per-set turn
-    # budgets: the world where the view a teacher is shown can matter (docs/replication.md)
+    # budgets: the world where the view a teacher is shown can matter (docs/research/replication.md)
     "info-gap": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25, "answer_order": "descending",
                  "linked_frac": 0.5, "turn_budget": "efficient"},
 }

@@ -1,9 +1,9 @@
 """Where a teacher's top-1 differs between the views at the information-gap calls.
 
-The manipulation check (`memopd.trainer.manipulation`) reports shares; this script shows
+The manipulation check (`memopd.trainer.experiments.manipulation`) reports shares; this script shows
 the tokens behind them. On the SFT student's rollouts of the check (the first `--tasks`
 Q2 sets of the training stream, `--group` samples each at temperature 1, seed 0, as the
-check draws them), for every information-gap call (`memopd.env.infogap.information_gap_calls`)
+check draws them), for every information-gap call (`memopd.trainer.experiments.infogap.information_gap_calls`)
 it forwards the teacher once on the compact call and once on the flattened history, each
 followed by the student's recorded action, and compares the two top-1 tokens at every
 action position. It prints a few calls in full (the student's action, the rule's action
@@ -11,7 +11,7 @@ under each view, the differing positions), then the totals: action tokens, diffe
 tokens, the recorded tokens at which they differ, and the rule's step after the memory
 span under each view (same search, or search against answer).
 
-    python benchmarks/infogap_gap_tokens.py STUDENT_DIR TEACHER_DIR [--tasks 32] [--show 6]
+    python benchmarks/analysis/infogap_gap_tokens.py STUDENT_DIR TEACHER_DIR [--tasks 32] [--show 6]
 """
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def _step_after_memory(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memopd.env.evaluate import agent_engine, load_agent, load_agent_env
-    from memopd.env.infogap import flattened_prompt, information_gap_calls, make_expert
-    from memopd.trainer.manipulation import check_rollouts
+    from memopd.env.qa.evaluate import agent_engine, load_agent, load_agent_env
+    from memopd.env.qa.expert import make_expert
+    from memopd.env.qa.sft import flattened_prompt
+    from memopd.trainer.experiments.infogap import information_gap_calls
+    from memopd.trainer.experiments.manipulation import check_rollouts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("student")

@@ -1,6 +1,6 @@
 """Where a trained agent first departs from its expert, call by call.
 
-`python benchmarks/expert_departures.py MODEL_DIR [--k 8] [--n 30] [--expert rational]
+`python benchmarks/analysis/expert_departures.py MODEL_DIR [--k 8] [--n 30] [--expert rational]
 [--policy full] [--examples 5]` plays `n` held-out sets of k questions greedily with the
 agent, asks the expert (the scripted one by default, or the info-gap world's rational
 rule, in the world's answer order) what it would write at each of the agent's calls, and
@@ -8,7 +8,7 @@ classifies each episode by its first departure: at a label or tag (the decision 
 the next question's entry or to stop and answer), elsewhere (a value or a query word), or
 none; and by the role of the expert's token there (memory notes, search, answer).
 docs/design.md §10 uses it to show why the replication world's expert works from the last
-question down; docs/replication.md, where the info-gap teacher leaves its rule.
+question down; docs/research/replication.md, where the info-gap teacher leaves its rule.
 """
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ def first_departures(model_dir: str, k: int, n: int, seed: int = 0, *, expert_na
 
     import torch
 
-    from memopd.env.evaluate import agent_engine, load_agent_env
-    from memopd.env.infogap import _common_prefix, action_token_roles, make_expert
-    from memopd.env.protocol import ProtocolTokens
     from memopd.env.qa import QAEnv
+    from memopd.env.qa.evaluate import agent_engine, load_agent_env
+    from memopd.env.qa.expert import make_expert
+    from memopd.env.qa.protocol import ProtocolTokens
     from memopd.env.rollout import rollout
+    from memopd.trainer.experiments.infogap import action_token_roles, common_prefix
 
     torch.set_num_threads(1)
     model, tok, env, world = load_agent_env(model_dir)
@@ -51,12 +52,12 @@ def first_departures(model_dir: str, k: int, n: int, seed: int = 0, *, expert_na
             want_ids = expert.act(list(tr.prefix_ids) + list(inv.context_ids))
             want, got = words(want_ids), words(inv.action_ids)
             if want != got:
-                j = _common_prefix(want, got)
+                j = common_prefix(want, got)
                 w = want[j] if j < len(want) else "<end>"
                 g = got[j] if j < len(got) else "<end>"
                 kinds["label or tag" if is_decision(w) or is_decision(g) else "value or query"] += 1
                 got_ids = [int(x) for x in inv.action_ids]
-                i = _common_prefix(want_ids, got_ids)
+                i = common_prefix(want_ids, got_ids)
                 role_of = action_token_roles(want_ids, tokens)
                 roles[role_of[i] if i < len(role_of) else "end"] += 1
                 if len(shown) < examples:

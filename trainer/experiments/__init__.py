@@ -1,0 +1,16 @@
+"""The paper's experiments, run on top of the trainer (installed as `memopd.trainer.experiments`).
+
+They import the trainer and the environment; nothing outside this folder imports them
+(`memopd compare --protocol NAME` finds its module by name: trainer/compare.py, `PROTOCOLS`).
+
+- `replicate`: the paper protocol and the info-gap protocol (`memopd compare --protocol
+  paper|info-gap`) and the reading of their runs;
+- `intervals`: the statistics they report (paired bootstrap, t intervals, the minimal
+  detectable effect, curve areas);
+- `manipulation`: the info-gap manipulation check (does the teacher's view change its
+  top-1?), `python -m memopd.trainer.experiments.manipulation`;
+- `infogap`: the info-gap measures (information-gap calls, the views' disagreement ceiling,
+  the role of each action token);
+- `rulegap`, `ruleteacher`: the rule-teacher replication (an exact-reader teacher),
+  `python -m memopd.trainer.experiments.rulegap`.
+"""
