@@ -70,7 +70,10 @@ def test_every_kernel_compiles_for_sm90a_with_every_triton():
         # step; the SAFE relaunch (only for blocks that met a NaN/inf) may spill
         if r["variant"] != "safe":
             assert r["spills"] == 0, f"{what}: {r['spills']} bytes of spills ({r['regs']} registers)"
-        if r["family"] == "attention" and r["kernel"] != "dkdv-reduce":  # (the partials' sum has no matmul)
+        if r["shape"].startswith("fp32 "):
+            # exact fp32 dots run on the FMA units: a tensor-core MMA here would be a silent TF32
+            assert not r["wgmma"], f"{what}: fp32 inputs on a warp-group MMA (TF32)"
+        elif r["family"] == "attention" and r["kernel"] != "dkdv-reduce":  # (the partials' sum has no matmul)
             assert r["wgmma"], f"{what}: no Hopper warp-group MMA"
 
 
