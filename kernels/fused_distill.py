@@ -447,9 +447,17 @@ _JSD16_CONFIGS = [
     _cfg(32, 128, 64, 8, 3),
     _cfg(64, 64, 64, 8, 4),
 ]
+# fp32 heads: exact ("ieee") dots run on the FMA units, each thread holding its rows of
+# both operands for the whole BLOCK_K beside two fp32 logits tiles, so the tiles are half
+# the 16-bit ones: 8 logits per thread and tile (64x32 or 32x64 over 8 warps, 32x32 over
+# 4). 64x64 / 8 warps, the earlier first choice, spilled in the teacher forward (96 bytes
+# with Triton 3.6.0, 28 with 3.9.0), as did 32x64 / 4 warps (116 / 28). 64x32 comes first:
+# the forward's token block stays 64 rows, so the weight (the tensor read from DRAM) is
+# streamed no more often than before; the hidden rows it re-reads twice as often sit in L2.
 _FP32_CONFIGS = [
-    _cfg(64, 64, 32, 8, 2),
-    _cfg(32, 64, 32, 4, 2),
+    _cfg(64, 32, 32, 8, 2),
+    _cfg(32, 64, 32, 8, 2),
+    _cfg(32, 32, 32, 4, 2),
 ]
 # The teacher-less forward (HAS_TEACHER=False) keeps one tile live, so 128x128 fits
 # without spilling and the larger tiles are offered.
@@ -468,6 +476,11 @@ _SPILLS16 = {
     ("jsd", "jsd"): {(32, 128, 64, 8, 3)},
     ("dlogits", "reverse_kl"): {(128, 128, 64, 8, 3)},
 }
+# The same for the fp32 candidates: the JSD pass (three exp/log per entry) spills on 8
+# warps (64x32: 56 / 32 bytes with 3.9.0 / 3.6.0; 32x64: 16 with 3.6.0) and runs 32x32 / 4.
+_SPILLS32 = {
+    ("jsd", "jsd"): {(64, 32, 32, 8, 2), (32, 64, 32, 8, 2)},
+}
 
 
 def _variant(kind: str, divergence: int, has_teacher: bool) -> str:
@@ -482,7 +495,8 @@ def _configs(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
     """The autotune candidates of one kernel variant, in order of preference (the first
     one is the fixed choice when autotuning is off), spilling ones removed."""
     if fp32:
-        return _FP32_CONFIGS
+        cfgs, spills = _FP32_CONFIGS, _SPILLS32.get((kind, _variant(kind, divergence, has_teacher)), ())
+        return [c for c in cfgs if _key(c) not in spills]
     if kind == "fwd" and not has_teacher:
         cfgs = _LPE16_FWD_CONFIGS
     elif kind == "fwd":  # the forward kernel is the same for every divergence
@@ -494,8 +508,12 @@ def _configs(kind: str, divergence: int, fp32: bool, has_teacher: bool = True):
     else:
         cfgs = _KL16_CONFIGS
     spills = _SPILLS16.get((kind, _variant(kind, divergence, has_teacher)), ())
-    return [c for c in cfgs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.kwargs["BLOCK_K"], c.num_warps,
-                                c.num_stages) not in spills]
+    return [c for c in cfgs if _key(c) not in spills]
+
+
+def _key(c) -> tuple:
+    """(BLOCK_N, BLOCK_V, BLOCK_K, warps, stages) of a candidate, as the spill tables list it."""
+    return c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages
 
 
 _LOSS_INTERP = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=32)

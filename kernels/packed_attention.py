@@ -864,11 +864,12 @@ def _bwd_dq_kernel(
 # --------------------------------------------------------------------------------------
 # launch configuration
 # --------------------------------------------------------------------------------------
-def _make_prune(resident: str, n_acc: int, smem_factor: float = 1.0, spills=None):
+def _make_prune(resident: str, n_acc: int, smem_factor: float = 1.0, spills=None, spills32=None):
     """Config pruner for one kernel. `resident` names the tile that stays put for the whole
     program ("M": queries, "N": keys); the other one streams through `num_stages` buffers.
-    `n_acc` fp32 [resident, D] accumulators live in registers. `spills`: {head dim: set
-    of (BLOCK_M, BLOCK_N, num_warps, num_stages)} measured to spill with 16-bit inputs."""
+    `n_acc` fp32 [resident, D] accumulators live in registers. `spills` / `spills32`:
+    {head dim: set of (BLOCK_M, BLOCK_N, num_warps, num_stages)} measured to spill with
+    16-bit / fp32 inputs. Candidates in `_FP32_ONLY` are offered to fp32 inputs only."""
 
     def prune(configs, named_args, **kwargs):
         def arg(name, default=None):
@@ -900,8 +901,10 @@ def _make_prune(resident: str, n_acc: int, smem_factor: float = 1.0, spills=None
             wgmma_ok = elt == 4 or d < 64 or res >= 64
             # ... and a candidate whose plain launch ptxas spills at this head dim (with
             # Triton 3.6.0 or 3.9.0, at any GQA group) is dropped before tuning
-            spilled = elt == 2 and (bm, bn, c.num_warps, c.num_stages) in (spills or {}).get(d, ())
-            if smem <= 220 * 1024 and regs <= 128 and bm >= min_m and wgmma_ok and not spilled:
+            launch = (bm, bn, c.num_warps, c.num_stages)
+            spilled = launch in ((spills if elt == 2 else spills32) or {}).get(d, ())
+            other_dtype = elt != 4 and launch in _FP32_ONLY
+            if smem <= 220 * 1024 and regs <= 128 and bm >= min_m and wgmma_ok and not spilled and not other_dtype:
                 keep.append(c)
         if keep:
             return keep
@@ -932,7 +935,7 @@ def _cfgs(triples):
 _FWD_CONFIGS = _cfgs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2),
                       (32, 32, 4, 2), (16, 16, 4, 2)])
 _BWD_KV_CONFIGS = _cfgs([(32, 64, 8, 2), (32, 64, 8, 1), (16, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                         (32, 64, 4, 3), (16, 32, 4, 2), (16, 16, 4, 2)])
+                         (32, 64, 4, 3), (16, 32, 4, 2), (16, 16, 8, 1), (16, 16, 4, 2)])
 _BWD_DQ_CONFIGS = _cfgs([(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
                          (16, 16, 4, 2)])
 # The candidates whose plain launch spills registers on sm_90a with 16-bit inputs, per
@@ -957,6 +960,18 @@ _SPILLS_MEASURED = {
 }
 
 
+# fp32 inputs: IEEE dots on the FMA units, where each thread holds its rows of both
+# operands for the whole reduction (D long in S^T = K Q^T and dP^T = V dO^T), so the dK/dV
+# kernel's 16x16 tiles spill on 4 warps (D=128: 1,308 bytes with Triton 3.6.0; D=64, group
+# 1: 12 bytes with 3.9.0) and on 8 warps with 2 stages (D=128: 108 bytes with 3.9.0). They
+# fit on 8 warps with one stage (170-236 registers): that candidate is offered to fp32 only
+# (a 16-bit dK/dV tile at D >= 64 is never this small, see wgmma_ok). Measured with both
+# Tritons at D=64/128, GQA groups 1/4/8 (tests/kernels/test_aot_matrix.py); one table for
+# both releases.
+_FP32_ONLY = {(16, 16, 8, 1)}
+_SPILLS_FP32 = {"fwd": {}, "dkdv": {64: {(16, 16, 4, 2)}, 128: {(16, 16, 4, 2)}}, "dq": {}}
+
+
 def _spills_for_this_triton():
     """The measured table of the Triton in use; for an unmeasured release, that of the
     nearest measured one not newer than it (the oldest measured below that)."""
@@ -970,9 +985,9 @@ def _spills_for_this_triton():
 
 
 _SPILLS = _spills_for_this_triton()
-_FWD_PRUNE = _make_prune("M", 1, spills=_SPILLS["fwd"])
-_BWD_KV_PRUNE = _make_prune("N", 2, smem_factor=1.5, spills=_SPILLS["dkdv"])
-_BWD_DQ_PRUNE = _make_prune("M", 1, spills=_SPILLS["dq"])
+_FWD_PRUNE = _make_prune("M", 1, spills=_SPILLS["fwd"], spills32=_SPILLS_FP32["fwd"])
+_BWD_KV_PRUNE = _make_prune("N", 2, smem_factor=1.5, spills=_SPILLS["dkdv"], spills32=_SPILLS_FP32["dkdv"])
+_BWD_DQ_PRUNE = _make_prune("M", 1, spills=_SPILLS["dq"], spills32=_SPILLS_FP32["dq"])
 
 # Autotuning (GPU only; it needs a driver) can be switched off with
 # MEMOPD_TRITON_AUTOTUNE=0 or by setting this flag: the first surviving candidate is used.

@@ -12,12 +12,13 @@ Three layers:
   registers, spill bytes, shared memory, seconds, or a one-line error (the full compiler
   output is kept for a log).
 * `matrix_jobs`: the production matrix. Every autotune candidate that the kernel's pruner
-  keeps (a pruned candidate is never launched), plain and SAFE, at bf16: attention
-  D=64/128 and GQA groups 1/4/8, and the deterministic backward's dK/dV (plain, D=128,
-  groups 4/8); the fused distillation (both gradient paths),
+  keeps (a pruned candidate is never launched), plain and SAFE, at bf16 and at fp32 (its
+  own tiles, exact dots): attention D=64/128 and GQA groups 1/4/8, and the deterministic
+  backward's dK/dV (plain, D=128, groups 4/8); the fused distillation (both gradient paths),
   log-prob/entropy and actor-loss kernels at the lm-head sizes V=151,936 (Qwen2.5's padded head) and 151,665 (its
   tokenizer), H=2048/3584. Shapes enter a compile only through constexprs and the
-  launcher's divisibility-by-16 specialisation, so equal specialisations are one job.
+  launcher's divisibility-by-16 specialisation, so equal specialisations are one job (and
+  a job whose binary equals an earlier one's is left out).
 * `python tests/_aot.py --shard i/n`: run a share of the jobs in this process (the Triton
   on sys.path) and print one JSON row per job; `run_matrix` starts one such process per
   Triton and shard in parallel and gathers the rows. With MEMOPD_AOT_CACHE set, rows are
@@ -51,6 +52,10 @@ GROUPS = (1, 4, 8)
 # groups of the GPU tests (Hq/Hkv 16/2 and 32/8); each cold compile ~26 s (Triton 3.9.0,
 # one loaded core), so 4 rows per Triton add ~2 min of compiler time to the AOT step
 DETERMINISTIC_GROUPS = (4, 8)
+# the dtypes of the matrix: bf16, and fp32 (exact "ieee" dots on the FMA units, its own
+# tile lists): `memopd train`'s default dtype, taken by every Triton op on CUDA
+ATTN_DTYPES = (("bf16", "bfloat16"), ("fp32", "float32"))
+LM_DTYPES = ("bf16", "fp32")
 
 
 # --------------------------------------------------------------------------------------
@@ -159,10 +164,12 @@ _DISTILL_ROWS_TYPES = dict(_LOSS_TYPES, s_ptr="*fp32", t_ptr="*fp32", g_ptr="*bf
                            stride_g="i32")
 
 
-def _attn_types(fn):
-    # DQ: the fp32 atomic accumulator in the dK/dV kernel, the bf16 output of the dQ kernel
-    dq = "*fp32" if fn.__name__ == "_bwd_dkdv_kernel" else "*bf16"
-    return {n: dq if n == "DQ" else _ATTN_TYPES.get(n, "i32") for n in fn.arg_names}
+def _attn_types(fn, dtype="bf16"):
+    # DQ: the fp32 atomic accumulator in the dK/dV kernel, the output of the dQ kernel;
+    # Q/K/V/O and their gradients in the inputs' dtype
+    dq = "*fp32" if fn.__name__ == "_bwd_dkdv_kernel" else f"*{dtype}"
+    types = {n: dq if n == "DQ" else _ATTN_TYPES.get(n, "i32") for n in fn.arg_names}
+    return {n: f"*{dtype}" if t == "*bf16" else t for n, t in types.items()}
 
 
 def _lm_divisible(fn, consts, V, H):
@@ -205,38 +212,48 @@ def attention_jobs():
 
     import memopd.kernels.packed_attention as kern
 
-    q = torch.empty(1, 1, 1, dtype=torch.bfloat16)
     kernels = [("fwd", kern._fwd_kernel, kern._FWD_CONFIGS, kern._FWD_PRUNE),
                ("dkdv", kern._bwd_dkdv_kernel, kern._BWD_KV_CONFIGS, kern._BWD_KV_PRUNE),
                ("dq", kern._bwd_dq_kernel, kern._BWD_DQ_CONFIGS, kern._BWD_DQ_PRUNE)]
     jobs = []
-    for name, fn, configs, prune in kernels:
-        # a kernel that takes the group as a runtime argument (fwd, dq) compiles to one
-        # binary for every group; the dK/dV tiles are shaped by it (a constexpr)
-        groups = GROUPS if any(p.name == "GROUP" and p.is_constexpr for p in fn.params) else (None,)
+    for dt, torch_name in ATTN_DTYPES:
+        torch_dtype = getattr(torch, torch_name)
+        q = torch.empty(1, 1, 1, dtype=torch_dtype)
+        prec = kern.dot_precision(torch_dtype)  # bf16: "tf32" (unused by 16-bit dots); fp32: "ieee"
+        for name, fn, configs, prune in kernels:
+            # a kernel that takes the group as a runtime argument (fwd, dq) compiles to one
+            # binary for every group; the dK/dV tiles are shaped by it (a constexpr)
+            groups = GROUPS if any(p.name == "GROUP" and p.is_constexpr for p in fn.params) else (None,)
+            for D in HEAD_DIMS:
+                for group in groups:
+                    gp2 = 1 if group is None else 1 << (group - 1).bit_length()
+                    for c in prune(configs, {"HEAD_DIM": D, "Q": q, "GROUP_P2": gp2}):
+                        for safe in (False, True):
+                            consts = dict(HEAD_DIM=D, BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"],
+                                          UPCAST=False, PREC=prec, SAFE=safe)
+                            if name == "dkdv":
+                                consts.update(GROUP=group, GROUP_P2=gp2, ATOMIC_DQ=True,
+                                              PLAN_N=kern.dkdv_plan_spec()[0])
+                            shape = f"{dt} D={D}" + ("" if group is None else f" group={group}")
+                            jobs.append(_job("attention", name, "safe" if safe else "plain", shape, fn,
+                                             _attn_types(fn, dt), consts, c.num_warps, c.num_stages))
+                            if name == "dkdv" and D == 128 and group in DETERMINISTIC_GROUPS and not safe:
+                                # the deterministic backward's dK/dV: another binary (ATOMIC_DQ is a
+                                # constexpr), at the GPU tests' shapes only
+                                jobs.append(_job("attention", name, "deterministic", shape, fn, _attn_types(fn, dt),
+                                                 dict(consts, ATOMIC_DQ=False), c.num_warps, c.num_stages))
+        # the sum of the split dK/dV blocks' partials (`_reduce_partials`: one launch setting)
         for D in HEAD_DIMS:
-            for group in groups:
-                gp2 = 1 if group is None else 1 << (group - 1).bit_length()
-                for c in prune(configs, {"HEAD_DIM": D, "Q": q, "GROUP_P2": gp2}):
-                    for safe in (False, True):
-                        consts = dict(HEAD_DIM=D, BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"],
-                                      UPCAST=False, PREC="tf32", SAFE=safe)
-                        if name == "dkdv":
-                            consts.update(GROUP=group, GROUP_P2=gp2, ATOMIC_DQ=True, PLAN_N=kern.dkdv_plan_spec()[0])
-                        shape = f"bf16 D={D}" + ("" if group is None else f" group={group}")
-                        jobs.append(_job("attention", name, "safe" if safe else "plain", shape, fn,
-                                         _attn_types(fn), consts, c.num_warps, c.num_stages))
-                        if name == "dkdv" and D == 128 and group in DETERMINISTIC_GROUPS and not safe:
-                            # the deterministic backward's dK/dV: another binary (ATOMIC_DQ is a
-                            # constexpr), at the GPU tests' shapes only
-                            jobs.append(_job("attention", name, "deterministic", shape, fn, _attn_types(fn),
-                                             dict(consts, ATOMIC_DQ=False), c.num_warps, c.num_stages))
-    # the sum of the split dK/dV blocks' partials (`_reduce_partials`: one launch setting)
-    for D in HEAD_DIMS:
-        fn = kern._bwd_kv_reduce_kernel
-        jobs.append(_job("attention", "dkdv-reduce", "plain", f"bf16 D={D}", fn, _attn_types(fn),
-                         dict(HEAD_DIM=D, BLOCK_R=32), 4, 3))
+            fn = kern._bwd_kv_reduce_kernel
+            jobs.append(_job("attention", "dkdv-reduce", "plain", f"{dt} D={D}", fn, _attn_types(fn, dt),
+                             dict(HEAD_DIM=D, BLOCK_R=32), 4, 3))
     return jobs
+
+
+def _in_dtype(types, dt):
+    """Kernel argument types with the 16-bit tensors (hidden states, weights, biases, a
+    16-bit scratch) in dtype `dt` instead of bf16."""
+    return {n: f"*{dt}" if t == "*bf16" else t for n, t in types.items()}
 
 
 def lm_head_jobs():
@@ -252,73 +269,97 @@ def lm_head_jobs():
     for V in VOCABS:
         for H in HIDDENS:
             specs.setdefault((V % 16 == 0, H % 16 == 0), (V, H))
-    for V, H in specs.values():
-        shape = f"bf16 V={V} H={'/'.join(str(h) for h in HIDDENS)}"
-        variants = [("fwd", fd._distill_fwd_kernel, Divergence.REVERSE_KL, True, "teacher"),
-                    ("fwd", fd._distill_fwd_kernel, Divergence.REVERSE_KL, False, "no-teacher"),
-                    ("jsd", fd._jsd_pass_kernel, Divergence.JSD, True, "jsd"),
-                    ("dlogits", fd._distill_dlogits_kernel, Divergence.REVERSE_KL, True, "reverse_kl"),
-                    ("dlogits", fd._distill_dlogits_kernel, Divergence.FORWARD_KL, True, "forward_kl"),
-                    ("dlogits", fd._distill_dlogits_kernel, Divergence.JSD, True, "jsd"),
-                    ("dlogits", fd._distill_dlogits_kernel, Divergence.REVERSE_KL, False, "no-teacher")]
-        for kind, fn, div, teacher, variant in variants:
-            for c in fd._configs(kind, div, False, teacher):
-                consts = dict(HAS_BS=True, HAS_BT=teacher, UPCAST=False, PREC_S="tf32", PREC_T="tf32", **c.kwargs)
-                if kind != "jsd":
-                    consts["DIV"] = int(div)
-                if kind == "fwd":
-                    consts["HAS_TEACHER"] = teacher
-                if kind == "dlogits":
-                    consts.update(HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True)
-                jobs.append(_job("fused_distill", kind, variant, shape, fn, _LOSS_TYPES, consts, c.num_warps,
-                                 c.num_stages, _lm_divisible(fn, consts, V, H)))
-        g = dict(tiles.GEMM_GPU)
-        nw, ns = g.pop("num_warps"), g.pop("num_stages")
-        # the scratch is bf16, or fp32 (the actor loss with a bias gradient: rounded in the GEMM)
-        for fn in (tiles.dh_kernel, tiles.dw_kernel, tiles.dh_split_kernel):
-            consts = dict(UPCAST=False, PREC="tf32", **g)
-            for variant, g_type in (("gemm", "*bf16"), ("gemm-fp32-scratch", "*fp32")):
-                jobs.append(_job("fused_distill", fn.__name__.strip("_").replace("_kernel", ""), variant, shape, fn,
-                                 dict(_GEMM_TYPES, g_ptr=g_type), consts, nw, ns, _lm_divisible(fn, consts, V, H)))
-        r = dict(tiles.DH_REDUCE_GPU)
-        nw = r.pop("num_warps")
-        fn = tiles.dh_reduce_kernel
-        jobs.append(_job("fused_distill", "dh_reduce", "gemm", shape, fn, _GEMM_TYPES, r, nw, 1,
-                         _lm_divisible(fn, r, V, H)))
-        meta = dict(tiles.logits_meta(False))
-        nw, ns = meta.pop("num_warps"), meta.pop("num_stages")
-        consts = dict(HAS_BIAS=True, UPCAST=False, PREC="tf32", **meta)
-        fn = tiles.scaled_logits_kernel
-        jobs.append(_job("actor_loss", "logits", "plain", shape, fn, _LOGITS_TYPES, consts, nw, ns,
-                         _lm_divisible(fn, consts, V, H)))
-        # every gradient term compiled in (the op's reduced loss needs the divergence's alone);
-        # dL/dlogits into a bf16 scratch (16-bit heads without a bias gradient), or in place
-        # into the fp32 student scratch
-        for div, teacher, variant, grads in ((Divergence.REVERSE_KL, True, "reverse_kl", "bf16"),
-                                             (Divergence.FORWARD_KL, True, "forward_kl", "bf16"),
-                                             (Divergence.JSD, True, "jsd", "bf16"),
-                                             (Divergence.REVERSE_KL, False, "no-teacher", "bf16"),
-                                             (Divergence.REVERSE_KL, True, "reverse_kl-fp32-grads", "fp32")):
-            consts = dict(DIV=int(div), HAS_TEACHER=teacher, HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True,
-                          NEED_GRAD=True, BLOCK_V=dr.rows_block(V))
-            fn = dr._distill_rows_kernel
-            jobs.append(_job("fused_distill", "distill_rows", variant, shape, fn,
-                             dict(_DISTILL_ROWS_TYPES, g_ptr=f"*{grads}"), consts,
-                             dr.ROWS_LAUNCH["num_warps"], dr.ROWS_LAUNCH["num_stages"], _lm_divisible(fn, consts, V, H)))
-        # dL/dlogits into a bf16 scratch (16-bit heads without a bias gradient) or in place
-        # into the fp32 student scratch (fp32 heads, or a bias gradient)
-        for teacher, grads in ((True, "bf16"), (False, "bf16"), (True, "fp32")):
-            consts = dict(HAS_TEACHER=teacher, DUAL=True, NEED_GRAD=True, BLOCK_V=al._rows_block(V))
-            fn = al._actor_rows_kernel
-            variant = ("teacher" if teacher else "no-teacher") + ("" if grads == "bf16" else "-fp32-grads")
-            jobs.append(_job("actor_loss", "rows", variant, shape, fn, dict(_ROWS_TYPES, g_ptr=f"*{grads}"),
-                             consts, al._ROWS_LAUNCH["num_warps"], al._ROWS_LAUNCH["num_stages"],
+    for dt in LM_DTYPES:
+        fp32 = dt == "fp32"
+        prec = "ieee" if fp32 else "tf32"  # `runtime.dot_precision`: fp32 heads run exact dots
+        for V, H in specs.values():
+            shape = f"{dt} V={V} H={'/'.join(str(h) for h in HIDDENS)}"
+            variants = [("fwd", fd._distill_fwd_kernel, Divergence.REVERSE_KL, True, "teacher"),
+                        ("fwd", fd._distill_fwd_kernel, Divergence.REVERSE_KL, False, "no-teacher"),
+                        ("jsd", fd._jsd_pass_kernel, Divergence.JSD, True, "jsd"),
+                        ("dlogits", fd._distill_dlogits_kernel, Divergence.REVERSE_KL, True, "reverse_kl"),
+                        ("dlogits", fd._distill_dlogits_kernel, Divergence.FORWARD_KL, True, "forward_kl"),
+                        ("dlogits", fd._distill_dlogits_kernel, Divergence.JSD, True, "jsd"),
+                        ("dlogits", fd._distill_dlogits_kernel, Divergence.REVERSE_KL, False, "no-teacher")]
+            for kind, fn, div, teacher, variant in variants:
+                for c in fd._configs(kind, div, fp32, teacher):
+                    consts = dict(HAS_BS=True, HAS_BT=teacher, UPCAST=False, PREC_S=prec, PREC_T=prec, **c.kwargs)
+                    if kind != "jsd":
+                        consts["DIV"] = int(div)
+                    if kind == "fwd":
+                        consts["HAS_TEACHER"] = teacher
+                    if kind == "dlogits":
+                        consts.update(HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True)
+                    jobs.append(_job("fused_distill", kind, variant, shape, fn, _in_dtype(_LOSS_TYPES, dt), consts,
+                                     c.num_warps, c.num_stages, _lm_divisible(fn, consts, V, H)))
+            g = dict(tiles.GEMM_GPU_FP32 if fp32 else tiles.GEMM_GPU)  # `gemm_meta`
+            nw, ns = g.pop("num_warps"), g.pop("num_stages")
+            # 16-bit heads: the scratch is bf16, or fp32 (a bias gradient: rounded in the
+            # GEMM); fp32 heads: fp32 (the student's logits scratch, in place)
+            scratches = (("gemm", "*fp32"),) if fp32 else (("gemm", "*bf16"), ("gemm-fp32-scratch", "*fp32"))
+            for fn in (tiles.dh_kernel, tiles.dw_kernel, tiles.dh_split_kernel):
+                consts = dict(UPCAST=False, PREC=prec, **g)
+                for variant, g_type in scratches:
+                    jobs.append(_job("fused_distill", fn.__name__.strip("_").replace("_kernel", ""), variant, shape,
+                                     fn, dict(_in_dtype(_GEMM_TYPES, dt), g_ptr=g_type), consts, nw, ns,
+                                     _lm_divisible(fn, consts, V, H)))
+            r = dict(tiles.DH_REDUCE_GPU)
+            nw = r.pop("num_warps")
+            fn = tiles.dh_reduce_kernel
+            jobs.append(_job("fused_distill", "dh_reduce", "gemm", shape, fn, _in_dtype(_GEMM_TYPES, dt), r, nw, 1,
+                             _lm_divisible(fn, r, V, H)))
+            meta = dict(tiles.logits_meta(fp32))
+            nw, ns = meta.pop("num_warps"), meta.pop("num_stages")
+            consts = dict(HAS_BIAS=True, UPCAST=False, PREC=prec, **meta)
+            fn = tiles.scaled_logits_kernel
+            jobs.append(_job("actor_loss", "logits", "plain", shape, fn, _in_dtype(_LOGITS_TYPES, dt), consts, nw, ns,
                              _lm_divisible(fn, consts, V, H)))
+            # The row kernels read the fp32 logits scratch whatever the heads' dtype; only
+            # the dL/dlogits they write differs: a bf16 scratch (16-bit heads without a bias
+            # gradient), or in place into the fp32 student scratch (fp32 heads, or a bias
+            # gradient). Every gradient term compiled in (the op's reduced loss needs the
+            # divergence's alone). The fp32 heads' rows that equal a 16-bit head's
+            # bias-gradient row are one binary (`matrix_jobs` keeps the first).
+            for div, teacher, variant in ((Divergence.REVERSE_KL, True, "reverse_kl"),
+                                          (Divergence.FORWARD_KL, True, "forward_kl"),
+                                          (Divergence.JSD, True, "jsd"),
+                                          (Divergence.REVERSE_KL, False, "no-teacher")):
+                for grads in ("fp32",) if fp32 else ("bf16", "fp32") if variant == "reverse_kl" else ("bf16",):
+                    consts = dict(DIV=int(div), HAS_TEACHER=teacher, HAS_GDIV=teacher, HAS_GLP=True, HAS_GENT=True,
+                                  NEED_GRAD=True, BLOCK_V=dr.rows_block(V))
+                    fn = dr._distill_rows_kernel
+                    jobs.append(_job("fused_distill", "distill_rows", variant + ("-fp32-grads" if grads == "fp32" else ""),
+                                     shape, fn, dict(_DISTILL_ROWS_TYPES, g_ptr=f"*{grads}"), consts,
+                                     dr.ROWS_LAUNCH["num_warps"], dr.ROWS_LAUNCH["num_stages"],
+                                     _lm_divisible(fn, consts, V, H)))
+            for teacher, grads in ((True, "fp32"), (False, "fp32")) if fp32 else \
+                    ((True, "bf16"), (False, "bf16"), (True, "fp32")):
+                consts = dict(HAS_TEACHER=teacher, DUAL=True, NEED_GRAD=True, BLOCK_V=al._rows_block(V))
+                fn = al._actor_rows_kernel
+                variant = ("teacher" if teacher else "no-teacher") + ("" if grads == "bf16" else "-fp32-grads")
+                jobs.append(_job("actor_loss", "rows", variant, shape, fn, dict(_ROWS_TYPES, g_ptr=f"*{grads}"),
+                                 consts, al._ROWS_LAUNCH["num_warps"], al._ROWS_LAUNCH["num_stages"],
+                                 _lm_divisible(fn, consts, V, H)))
     return jobs
 
 
+def _spec(job):
+    """What decides a job's binary: kernel, argument types, constexprs, launch, 16-divisibility."""
+    return json.dumps([job["fn"].__module__, job["fn"].__name__, job["types"], job["consts"], job["warps"],
+                       job["stages"], job["divisible"]], sort_keys=True, default=str)
+
+
 def matrix_jobs():
-    return attention_jobs() + lm_head_jobs()
+    """Every job of the matrix, each distinct binary once: a job whose specialisation equals
+    an earlier one's (e.g. the fp32 heads' reverse-KL row kernel and a bf16 head's with a
+    bias gradient) is left out, its binary already compiled under the first one's name."""
+    jobs, seen = [], set()
+    for job in attention_jobs() + lm_head_jobs():
+        spec = _spec(job)
+        if spec not in seen:
+            seen.add(spec)
+            jobs.append(job)
+    return jobs
 
 
 _ROW_SCHEMA = 2  # bump when compile_kernel's row gains or changes a field

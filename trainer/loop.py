@@ -282,7 +282,8 @@ class Trainer:
             self.critic.save_checkpoint(os.path.join(path, "critic"), client_state=client)
             self.actor.barrier()
             if self.rank == 0:
-                write_manifest(path, step=step, config=self.cfg.to_dict(), **self._models_record())
+                write_manifest(path, step=step, config=self.cfg.to_dict(), device=str(self.actor.device),
+                               **self._models_record())
                 atomic_write_text(os.path.join(self.ckpt_root, "latest"), f"step_{step}\n")
         self.actor.barrier()
         return path
@@ -354,7 +355,19 @@ class Trainer:
             truncate_metrics(self.metrics_path, step, self.log)
             atomic_write_text(os.path.join(self.ckpt_root, "latest"), f"step_{step}\n")
         self.log(f"resumed from {path} (step {step})")
+        self._say_device_change(path)
         return step
+
+    def _say_device_change(self, path: str) -> None:
+        """Log a resume onto another device than the checkpoint's (a CPU run resumed on a GPU,
+        or back; also under device=auto on another host): allowed, but not bit for bit."""
+        from .rundir import read_manifest
+
+        then, now = (read_manifest(path) or {}).get("device"), str(self.actor.device)
+        if isinstance(then, str) and then != now:
+            self.log(f"resume: checkpoint {os.path.basename(path)} was trained on {then}, this run continues on "
+                     f"{now}: weights and optimiser state were loaded onto {now}, and the steps from here on are "
+                     f"computed there (its kernels and rounding), not bit for bit what {then} would give")
 
     def write_metrics(self, m: dict) -> None:
         if self.rank != 0:

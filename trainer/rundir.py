@@ -68,6 +68,12 @@ _RUN_FILES = ("config.yaml", "metrics.jsonl", "report.json", "curves.png")
 # `run_dir` is the directory itself and never compared.
 SAFE_RESUME_KEYS = frozenset({"steps", "checkpoint_every", "eval_every", "progress", "tensorboard", "cpu_threads",
                               "teacher_url", "teacher_secret_file", "teacher_timeout", "teacher_retries"})
+# Config keys a resumed run may also change, though it is then not bit for bit the stored
+# run's continuation: where it trains (`device`: a CPU run resumed on a GPU, or back). The
+# checkpoint's weights and optimiser state load onto the new device; the steps after it are
+# computed there (its kernels, its float rounding). The log says so. (`dtype` is refused:
+# the weights, their fp32 master copies and the optimiser state are of the stored one.)
+DEVICE_RESUME_KEYS = frozenset({"device"})
 _IGNORED_KEYS = frozenset({"run_dir"})
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -247,15 +253,25 @@ def check_resume_config(stored: dict, new: dict, *, source: str, defaults: dict 
     """Refuse (RunDirError) a resume whose config differs from `stored` outside the safe
     keys; returns the allowed changes as "key: old -> new" strings."""
     diffs = config_differences(stored, new, defaults)
-    safe = _safe_keys(stored, new)
+    safe = _safe_keys(stored, new) | DEVICE_RESUME_KEYS
     bad = [d for d in diffs if d[0] not in safe]
+    dtype = next((d for d in bad if d[0] == "dtype"), None)
+    if dtype is not None:
+        others = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad if k != "dtype")
+        raise RunDirError(
+            f"--resume with dtype={dtype[2]}, but the run in {source} trained in dtype={dtype[1]}: its weights, "
+            "their fp32 master copies and the optimiser state are of that dtype, so a resumed run cannot change "
+            f"it; resume with dtype={dtype[1]} (device= may change), or start a new run_dir"
+            + (f" (also changed: {others})" if others else ""))
     if bad:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
         raise RunDirError(
             f"--resume with a different config than {source}: {listed}. A resumed run must be the exact "
             f"continuation of the stored one; only {', '.join(sorted(safe))} may change. Resume with the "
             "stored values, start a new run_dir, or pass --overwrite (instead of --resume) to discard the run")
-    return [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs]
+    return [f"{k}: {a!r} -> {b!r}" + (" (the steps from here on run on the new device: not bit for bit the stored "
+                                      "run's continuation)" if k in DEVICE_RESUME_KEYS else "")
+            for k, a, b in diffs]
 
 
 # --------------------------------------------------------------------------- models

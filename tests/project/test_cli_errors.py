@@ -126,11 +126,13 @@ def test_argument_errors_exit_2(capsys, argv, msg):
     assert msg in capsys.readouterr().err
 
 
-def test_real_exit_status_and_stderr():
-    """The console entry point as a process: exit status 2 and exactly one stderr line;
+@pytest.mark.parametrize("module", ["memopd.cli", "memopd"])
+def test_real_exit_status_and_stderr(module):
+    """The console entry point as a process (`python -m memopd.cli`, and `python -m memopd`,
+    which must be the same command line): exit status 2 and exactly one stderr line;
     MEMOPD_DEBUG=1 adds the traceback."""
     env = {k: v for k, v in os.environ.items() if k != "MEMOPD_DEBUG"}
-    cmd = [sys.executable, "-m", "memopd.cli", "train", "steps=2.5", "policy=summary"]
+    cmd = [sys.executable, "-m", module, "train", "steps=2.5", "policy=summary"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
@@ -140,6 +142,18 @@ def test_real_exit_status_and_stderr():
     r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "MEMOPD_DEBUG": "1"}, timeout=300)
     assert r.returncode == 2
     assert "Traceback (most recent call last)" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_python_m_memopd_is_the_memopd_script():
+    """`python -m memopd` runs pyproject's `memopd` entry point: its help (exit 0, every
+    subcommand listed) and a missing subcommand (argparse's exit 2)."""
+    r = subprocess.run([sys.executable, "-m", "memopd", "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: memopd ") and "Memory-Aligned On-Policy Distillation" in r.stdout
+    for command in ("audit", "pack", "sft", "eval", "train", "plot", "compare"):
+        assert command in r.stdout.split("positional arguments:")[1], command
+    r = subprocess.run([sys.executable, "-m", "memopd"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "the following arguments are required: command" in r.stderr, r.stderr
 
 
 # --------------------------------------------------------------------------------------

@@ -347,6 +347,48 @@ def test_resume_with_another_config_is_refused_unless_only_safe_keys_change(part
     assert "steps: 3" in (d / "config.yaml").read_text()
 
 
+def test_resume_may_change_the_device_but_not_the_dtype(parts, sft_dirs, ref, tmp_path):
+    import yaml
+
+    d = _copy(ref, tmp_path / "run")
+    shutil.rmtree(d / "checkpoints" / "step_4")
+    stored = (d / "config.yaml").read_text()
+    # dtype: refused in one line naming both, before anything is written (also beside a device change)
+    for kw in (dict(dtype="bf16"), dict(dtype="bf16", device="cpu")):
+        with pytest.raises(RunDirError) as e:
+            _trainer(parts, _cfg(sft_dirs, d, **kw)).fit(resume=True)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("--resume with dtype=bf16, but the run in "), msg
+        assert "trained in dtype=fp32" in msg and "resume with dtype=fp32" in msg and "device" not in msg.split(";")[0]
+        assert (d / "config.yaml").read_text() == stored
+    # a GPU run resumed on the CPU: the stored config said device=cuda and its checkpoint was
+    # written on cuda:0 (both set here by hand: this host has no GPU); device=cpu is allowed,
+    # the log says what changed, and the steps continue exactly as the CPU reference ran them
+    step2 = d / "checkpoints" / "step_2"
+    manifest = json.loads((step2 / MANIFEST).read_text())
+    assert manifest["device"] == "cpu"  # what the reference run recorded
+    manifest["device"] = "cuda:0"
+    manifest["config"]["device"] = "cuda"
+    (step2 / MANIFEST).write_text(json.dumps(manifest))
+    cfg = yaml.safe_load(stored)
+    cfg["device"] = "cuda"
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert verify_manifest(step2) == []
+    hist, said = _resume(parts, _cfg(sft_dirs, d, device="cpu"))
+    assert "allowed config changes: device: 'cuda' -> 'cpu' (the steps from here on run on the new device" in said
+    assert "checkpoint step_2 was trained on cuda:0, this run continues on cpu" in said
+    assert [m["step"] for m in hist] == [3, 4]
+    _assert_matches(d, ref)
+    assert json.loads((d / "checkpoints" / "step_4" / MANIFEST).read_text())["device"] == "cpu"
+    # the same physical device (step_2 as a CPU run wrote it): only the config change is said
+    shutil.rmtree(d / "checkpoints" / "step_4")
+    manifest["device"], manifest["config"]["device"] = "cpu", "cpu"
+    (step2 / MANIFEST).write_text(json.dumps(manifest))
+    hist, said = _resume(parts, _cfg(sft_dirs, d, device="auto"))
+    assert "allowed config changes: device: 'cpu' -> 'auto'" in said and "was trained on" not in said
+    _assert_matches(d, ref)
+
+
 # ----------------------------------------------------------------- 12: unwritable output locations
 
 
