@@ -157,14 +157,15 @@ void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b,
                int threads) {
   if (!cpu_has_bf16()) throw std::runtime_error("bf16_gemm: this CPU has no AVX512-BF16");
   if (M < 0 || N < 0 || K < 0 || ldc < N) throw std::invalid_argument("bf16_gemm: bad sizes");
-  if (a == 0 || b == 0 || c == 0) throw std::invalid_argument("bf16_gemm: null buffer");
   if (M == 0 || N == 0) return;
+  if (c == 0) throw std::invalid_argument("bf16_gemm: null output buffer");
   float* C = reinterpret_cast<float*>(c);
   if (K == 0) {
     if (!accumulate)
       for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
     return;
   }
+  if (a == 0 || b == 0) throw std::invalid_argument("bf16_gemm: null operand buffer");
 #ifdef MEMOPD_HAVE_BF16_KERNEL
   py::gil_scoped_release release;
   const Operand A{reinterpret_cast<const void*>(a), a_sm, a_sk, a_f32};
