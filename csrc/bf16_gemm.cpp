@@ -55,22 +55,64 @@ inline uint32_t bf16_bits(const Operand& o, int64_t r, int64_t k) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
 }
 
+// In place: the 16x16 matrix of 32-bit values whose rows are r[0..15] is transposed.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + w]: column w of each 128-bit lane, rows 4g..4g+3
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int w = 0; w < 4; ++w) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[w], u[4 + w], 0x88), v4 = _mm512_shuffle_i32x4(u[w], u[4 + w], 0xdd);
+    const __m512i v8 = _mm512_shuffle_i32x4(u[8 + w], u[12 + w], 0x88);
+    const __m512i v12 = _mm512_shuffle_i32x4(u[8 + w], u[12 + w], 0xdd);
+    r[w] = _mm512_shuffle_i32x4(v0, v8, 0x88);
+    r[4 + w] = _mm512_shuffle_i32x4(v4, v12, 0x88);
+    r[8 + w] = _mm512_shuffle_i32x4(v0, v8, 0xdd);
+    r[12 + w] = _mm512_shuffle_i32x4(v4, v12, 0xdd);
+  }
+}
+
 // Packs rows [r0, r0 + L) (zero past `rows`) and all K of `o` into pairs: out[p*L + j] =
 // bits(r0 + j, 2p) | bits(r0 + j, 2p + 1) << 16, zero past K.
 void pack_panel(const Operand& o, int64_t r0, int64_t rows, int64_t K, int64_t L, uint32_t* out) {
   const int64_t P = (K + 1) / 2;
   const int64_t nr = std::min(L, rows - r0);
   if (nr < L || (K & 1)) std::fill(out, out + P * L, 0u);
-  if (o.sk == 1 && !o.f32) {
-    // pairs contiguous: one 32-bit load per pair
-    for (int64_t j = 0; j < nr; ++j) {
-      const uint16_t* row = static_cast<const uint16_t*>(o.base) + (r0 + j) * o.sr;
-      for (int64_t p = 0; p < K / 2; ++p) {
-        uint32_t v;
-        std::memcpy(&v, row + 2 * p, 4);
-        out[p * L + j] = v;
+  if (o.sk == 1) {
+    // pairs contiguous along each row: 16 rows x 16 pairs at a time, read as vectors
+    // (fp32 rows rounded to bf16 pairs), transposed, stored as 16 lanes of 16 pair rows
+    const int64_t pv = (K / 2) / 16 * 16;
+    for (int64_t j0 = 0; j0 < nr; j0 += 16) {
+      const int64_t nj = std::min<int64_t>(16, nr - j0);
+      const __mmask16 keep = static_cast<__mmask16>((1u << nj) - 1);
+      for (int64_t p0 = 0; p0 < pv; p0 += 16) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          if (i >= nj) {
+            r[i] = _mm512_setzero_si512();
+          } else if (o.f32) {
+            const float* x = static_cast<const float*>(o.base) + (r0 + j0 + i) * o.sr + 2 * p0;
+            r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+          } else {
+            r[i] = _mm512_loadu_si512(static_cast<const uint16_t*>(o.base) + (r0 + j0 + i) * o.sr + 2 * p0);
+          }
+        }
+        transpose16(r);
+        for (int64_t q = 0; q < 16; ++q) _mm512_mask_storeu_epi32(out + (p0 + q) * L + j0, keep, r[q]);
       }
-      if (K & 1) out[(K / 2) * L + j] = row[K - 1];
+      for (int64_t j = j0; j < j0 + nj; ++j)
+        for (int64_t p = pv; p < P; ++p) {
+          const uint32_t lo = bf16_bits(o, r0 + j, 2 * p);
+          const uint32_t hi = 2 * p + 1 < K ? bf16_bits(o, r0 + j, 2 * p + 1) : 0u;
+          out[p * L + j] = lo | (hi << 16);
+        }
     }
     return;
   }
