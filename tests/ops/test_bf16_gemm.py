@@ -212,3 +212,21 @@ def test_actor_loss_bf16_route(seed, monkeypatch, with_teacher):
     for name, a, b in zip(("dH", "dW", "db"), g16, gr):
         err = (a.double() - b).abs().max().item() / b.abs().max().item()
         assert err <= 1.5e-2, (seed, name, err)
+
+
+@needs_bf16
+def test_gemm_threads_split_rows_with_the_same_bits(seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(300, 200, generator=g)  # fp32, rounded on packing
+    b = torch.randn(200, 90, generator=g).bfloat16()
+    one, two = torch.empty(300, 90), torch.empty(300, 90)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        nc.bf16_matmul(a, b, one)
+        torch.set_num_threads(2)
+        nc.bf16_matmul(a, b, two)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(one, two)
+    assert _rel(one, a.bfloat16().double() @ b.double()) < 1e-6
