@@ -29,6 +29,18 @@ weight), in four groups, each with its own naive baseline and peer:
 The actor loss is compared with liger_rkl too: it does the reverse KL's work plus PPO
 and entropy.
 
+  GEMM floor: the four [N, H] x [H, V]-sized matmuls of a fused loss with a teacher and its
+    gradients taken in the forward (student and teacher logits, dH, dW), unchunked, no
+    elementwise work: gemm_floor (fp32), gemm_floor_bf16 (torch's bf16 matmul, bf16 output:
+    the bf16 rate of this CPU)
+
+bf16: every fused and Liger contender also runs with bfloat16 hidden states and weights
+under the name `<contender>_bf16` (the fused ops' logits in fp32 from bf16 operands where
+the C++ core has its bf16 GEMM; Liger's in bf16), held to the Liger peer's `_bf16` run.
+`--precision` measures, for the contenders given, the relative error of the loss and of
+dW (max |error| / max |dW|) against the float64 reference of the same inputs (the bf16
+values, exactly, for the _bf16 runs) on the first PRECISION_ROWS tokens of each shape.
+
 Each (contender, shape) runs in a fresh subprocess with one torch thread: it builds its
 inputs, warms up (at the real shape for the compiled Liger losses, so compilation is not
 timed; at a tiny shape for the others), resets the peak-RSS counter
@@ -55,6 +67,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 from _fresh_process import measure_call
@@ -71,10 +84,18 @@ GROUPS = {
     "reverse_kl": ("naive_rkl", ("fused_rkl", "fused_rkl_recompute", "fused_rkl_plain_ops", "liger_rkl"), "liger_rkl"),
     "forward_kl": ("naive_fkl", ("fused_fkl", "liger_fkl"), "liger_fkl"),
     "jsd": ("naive_jsd", ("fused_jsd", "liger_jsd"), "liger_jsd"),
+    "floor": ("gemm_floor", ("gemm_floor_bf16",), None),
 }
-CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names))
+_BF16 = [n + "_bf16" for _, names, _ in GROUPS.values() for n in names if n.startswith(("fused", "liger"))]
+CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names)) + tuple(_BF16)
 BASELINE = {n: base for base, names, _ in GROUPS.values() for n in (base, *names)}
+BASELINE.update({n: BASELINE[n[: -len("_bf16")]] for n in _BF16})
 PEER = {n: peer for _, names, peer in GROUPS.values() for n in names if n.startswith(("fused", "composed"))}
+PEER.update({n: PEER[n[: -len("_bf16")]] + "_bf16" for n in _BF16 if n[: -len("_bf16")] in PEER})
+FLOOR = {n: "gemm_floor_bf16" if n.endswith("_bf16") else "gemm_floor"
+         for n in CONTENDERS if n.startswith(("fused_rkl", "fused_actor", "fused_fkl", "fused_jsd", "liger_rkl",
+                                               "liger_fkl", "liger_jsd"))}
+PRECISION_ROWS = 256
 COEF = dict(clip_eps=0.2, entropy_coef=0.01, teacher_kl_coef=0.5)
 SEQ_LEN = 256  # Liger's GRPO loss takes [B, T] batches
 
@@ -91,19 +112,38 @@ def make_inputs(N, H, V, seed=0):
     return hs, ws, ht, wt, y, adv, old
 
 
-def step_fn(name):
-    """A function (hs, ws, ht, wt, y, adv, old) -> None that runs forward + backward."""
+def as_dtype(inputs, dtype):
+    """The inputs with hidden states and weights in `dtype` (fresh leaves where they need grads)."""
+    hs, ws, ht, wt, *rest = inputs
+    return (hs.detach().to(dtype).requires_grad_(), ws.detach().to(dtype).requires_grad_(), ht.to(dtype),
+            wt.to(dtype), *rest)
+
+
+def step_fn(name, loss_out=None):
+    """A function (hs, ws, ht, wt, y, adv, old) -> None that runs forward + backward; with
+    `loss_out` (a list) each call appends its loss."""
     from memopd.ops import fused_linear_actor_loss, fused_linear_reverse_kl, reference_actor_loss
 
+    name = name.removesuffix("_bf16")  # the dtype is the inputs' (`measure`)
+    keep = (lambda x: x) if loss_out is None else (lambda x: loss_out.append(x.detach()) or x)
+    if name.startswith("gemm_floor"):
+        def run(hs, ws, ht, wt, y, adv, old):
+            dt = torch.bfloat16 if name.endswith("_bf16") else hs.dtype
+            h, w, h2, w2 = (x.detach().to(dt) for x in (hs, ws, ht, wt))
+            s = h @ w.t()
+            h2 @ w2.t()
+            s @ w
+            s.t() @ h
+        return run
     if name.endswith("_plain_ops"):  # read at each call (memopd.ops._native_chunks.usable)
         os.environ["MEMOPD_NATIVE_CHUNKS"] = "0"
         name = name[: -len("_plain_ops")]
     if name == "naive":
         def run(hs, ws, ht, wt, y, adv, old):
-            reference_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss.backward()
+            keep(reference_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss).backward()
     elif name == "fused_actor":
         def run(hs, ws, ht, wt, y, adv, old):
-            fused_linear_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss.backward()
+            keep(fused_linear_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss).backward()
     elif name == "composed":
         from memopd.trainer.ppo import policy_loss
 
@@ -122,7 +162,7 @@ def step_fn(name):
             kw["gradients"] = "recompute"
 
         def run(hs, ws, ht, wt, y, adv, old):
-            op(hs, ws, ht, wt, y, **kw).loss.backward()
+            keep(op(hs, ws, ht, wt, y, **kw).loss).backward()
     elif name in ("liger_rkl", "liger_fkl", "liger_jsd"):
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
@@ -132,7 +172,7 @@ def step_fn(name):
                                        beta={"liger_rkl": 1.0, "liger_fkl": 0.0}.get(name, 0.5), compiled=True)
 
         def run(hs, ws, ht, wt, y, adv, old):
-            loss(hs, ws, ht, wt, y).backward()
+            keep(loss(hs, ws, ht, wt, y)).backward()
     elif name == "liger_grpo":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -150,6 +190,11 @@ def step_fn(name):
     return run
 
 
+def _inputs(name, seed=0, **shape):
+    inputs = make_inputs(**shape, seed=seed)
+    return as_dtype(inputs, torch.bfloat16) if name.endswith("_bf16") else inputs
+
+
 def measure(name, shape):
     """One timed forward + backward in this (fresh) process; returns a dict."""
     torch.set_num_threads(1)
@@ -157,17 +202,42 @@ def measure(name, shape):
     run = step_fn(name)
     s = SHAPES[shape]
     if name.startswith("liger"):  # compile at the real shape: compilation is not timed
-        run(*make_inputs(**s, seed=1))
+        run(*_inputs(name, **s, seed=1))
     else:
-        run(*make_inputs(N=SEQ_LEN, H=64, V=512, seed=1))
-    inputs = make_inputs(**s)
+        run(*_inputs(name, N=SEQ_LEN, H=64, V=512, seed=1))
+    inputs = _inputs(name, **s)
     _, m = measure_call(lambda: run(*inputs))
     return {"contender": name, "shape": shape, "cpu_s": m["cpu_s"], "wall_s": m["wall_s"], "peak_mb": m["peak_kb"] / 1024}
 
 
-def run_subprocess(name, shape, timeout=1800):
+def precision(name, shape):
+    """The loss's and dW's relative errors against the float64 reference (`reference_actor_loss`
+    or `reference_linear_distill` of the group's math, on the same input values) over the first
+    PRECISION_ROWS tokens of `shape`; returns a dict."""
+    from memopd.ops import reference_actor_loss, reference_linear_distill
+
+    torch.set_num_threads(1)
+    s = dict(SHAPES[shape], N=min(PRECISION_ROWS, SHAPES[shape]["N"]))
+    inputs = _inputs(name, **s)
+    losses = []
+    step_fn(name, losses)(*inputs)
+    hs, ws, ht, wt, y, adv, old = (x.detach().double().requires_grad_(x.requires_grad) if x.is_floating_point()
+                                   else x for x in inputs)
+    base = name.removesuffix("_bf16").removesuffix("_plain_ops").removesuffix("_recompute")
+    if base == "fused_actor":
+        ref = reference_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss
+    else:
+        div = {"fkl": "forward_kl", "jsd": "jsd"}.get(base.rsplit("_", 1)[-1], "reverse_kl")
+        ref = reference_linear_distill(hs, ws, ht, wt, y, divergence=div, beta=0.5).loss
+    ref.backward()
+    loss_err = abs(losses[0].double().item() - ref.item()) / abs(ref.item())
+    dw_err = ((inputs[1].grad.double() - ws.grad).abs().max() / ws.grad.abs().max()).item()
+    return {"contender": name, "shape": shape, "rows": s["N"], "loss_rel_err": loss_err, "dw_rel_err": dw_err}
+
+
+def run_subprocess(name, shape, timeout=1800, mode="--measure"):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure", name, shape]
+    cmd = [sys.executable, os.path.abspath(__file__), mode, name, shape]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["?"]
@@ -227,6 +297,10 @@ def summarise(results, shapes, contenders=CONTENDERS):
                     rows.append({"shape": shape, "contender": name, "error": errs[0]})
                 continue
             row = {"shape": shape, "contender": name, **{k: round(v, 3) for k, v in med.items()}}
+            floor = _medians(results, shape, FLOOR.get(name, ""))
+            if floor is not None:
+                row["floor"] = FLOOR[name]
+                row["time_vs_floor"] = round(med["cpu_s"] / floor["cpu_s"], 3)
             base = _medians(results, shape, BASELINE[name])
             if base is not None:
                 row["baseline"] = BASELINE[name]
@@ -242,26 +316,30 @@ def summarise(results, shapes, contenders=CONTENDERS):
 
 
 def format_table(rows):
-    out = [f"{'shape':<8}{'contender':<21}{'cpu s (min-max)':>22}{'peak MiB':>10}{'time/naive':>12}"
-           f"{'mem/naive':>11}{'time/peer':>11}{'mem/peer':>10}"]
+    out = [f"{'shape':<8}{'contender':<26}{'cpu s (min-max)':>22}{'peak MiB':>10}{'time/naive':>12}"
+           f"{'mem/naive':>11}{'time/peer':>11}{'mem/peer':>10}{'time/floor':>12}"]
 
     def ratio(r, k, width, fmt):
         return f"{r[k]:>{width}{fmt}}" if k in r else f"{'-':>{width}}"
 
     for r in rows:
         if "error" in r:
-            out.append(f"{r['shape']:<8}{r['contender']:<21}  error: {r['error']}")
+            out.append(f"{r['shape']:<8}{r['contender']:<26}  error: {r['error']}")
             continue
         spread = f"{r['cpu_s']:.2f} ({r['cpu_min_s']:.2f}-{r['cpu_max_s']:.2f})"
-        out.append(f"{r['shape']:<8}{r['contender']:<21}{spread:>22}{r['peak_mb']:>10.0f}"
+        out.append(f"{r['shape']:<8}{r['contender']:<26}{spread:>22}{r['peak_mb']:>10.0f}"
                    + ratio(r, "time_vs_naive", 12, ".2f") + ratio(r, "memory_vs_naive", 11, ".3f")
-                   + ratio(r, "time_vs_peer", 11, ".2f") + ratio(r, "memory_vs_peer", 10, ".2f"))
+                   + ratio(r, "time_vs_peer", 11, ".2f") + ratio(r, "memory_vs_peer", 10, ".2f")
+                   + ratio(r, "time_vs_floor", 12, ".3f"))
     return "\n".join(out)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--measure", nargs=2, metavar=("CONTENDER", "SHAPE"), help=argparse.SUPPRESS)
+    p.add_argument("--precision-of", nargs=2, metavar=("CONTENDER", "SHAPE"), help=argparse.SUPPRESS)
+    p.add_argument("--precision", action="store_true",
+                   help="also measure each contender's loss and dW error against float64 (fresh processes)")
     p.add_argument("--shapes", nargs="+", default=["small", "small2k", "qwen"], choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
@@ -271,17 +349,34 @@ def main(argv=None):
     if args.measure:
         print(json.dumps(measure(*args.measure)))
         return 0
-    results, skipped = compare(args.shapes, args.rounds, args.contenders)
+    if args.precision_of:
+        print(json.dumps(precision(*args.precision_of)))
+        return 0
+    started = (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg())
+    results, skipped = compare(args.shapes, args.rounds, args.contenders) if args.rounds > 0 else ({}, {})
     rows = summarise(results, args.shapes, args.contenders)
-    print(f"\nCPU fp32 forward+backward, 1 thread, process clock; medians over rounds (min-max); ratios to the "
+    prec = []
+    if args.precision:
+        for shape in args.shapes:
+            for name in args.contenders:
+                if name.startswith(("naive", "gemm_floor", "composed", "liger_grpo")) or name in skipped:
+                    continue
+                prec.append(run_subprocess(name, shape, mode="--precision-of"))
+                print(f"[{shape} precision] {name}: {prec[-1]}")
+    print(f"\nCPU forward+backward (fp32; *_bf16: bfloat16 heads), 1 thread, process clock; medians over rounds (min-max); ratios to the "
           f"group's naive baseline and to the Liger peer; load average at the end {os.getloadavg()[0]:.1f}")
     print(format_table(rows))
+    for r in prec:
+        if "error" not in r:
+            print(f"{r['shape']:<8}{r['contender']:<26} loss rel. err {r['loss_rel_err']:.2e}  "
+                  f"dW rel. err {r['dw_rel_err']:.2e}  (first {r['rows']} tokens vs float64)")
     meta = {"clock": "process CPU time of one torch thread (fresh subprocess per measurement)",
             "rounds": args.rounds, "torch": torch.__version__, "skipped": skipped,
-            "shapes": {k: SHAPES[k] for k in args.shapes}, "loadavg_at_end": os.getloadavg()}
+            "shapes": {k: SHAPES[k] for k in args.shapes}, "started": started[0], "loadavg_at_start": started[1],
+            "ended": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "loadavg_at_end": os.getloadavg()}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows,
+        json.dump({"meta": meta, "rows": rows, "precision": prec,
                    "raw": {f"{s}/{n}": v for (s, n), v in results.items()}}, f, indent=2)
     print(f"\nresults: {args.out}")
     return 0

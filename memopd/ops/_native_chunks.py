@@ -3,6 +3,10 @@
 softmax sums in one pass and dL/ds in one more, in place of about ten elementwise PyTorch
 passes and their temporaries (docs/design.md §6.2).
 
+It also holds the core's bfloat16 GEMM with float32 accumulation and output
+(csrc/bf16_gemm.cpp): `bf16_gemm_usable(...)` says whether it may run (a CPU with
+AVX512-BF16, the same switch), `bf16_matmul` calls it.
+
 `usable(...)` says whether a call may take them: CPU float32 contiguous tensors, a built
 `memopd._C` that has them, and `MEMOPD_NATIVE_CHUNKS` not set to 0 (the switch the tests
 and benchmarks use to compare both). Anything else keeps the PyTorch ops, which compute
@@ -16,7 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["usable", "softmax_sums", "dlogits", "MODE_NONE", "MODE_DIFF", "MODE_GIVEN"]
+__all__ = ["usable", "softmax_sums", "dlogits", "MODE_NONE", "MODE_DIFF", "MODE_GIVEN", "has_bf16_gemm",
+           "bf16_gemm_usable", "bf16_matmul"]
 
 MODE_NONE, MODE_DIFF, MODE_GIVEN = 0, 1, 2  # X of dlogits: none, s - t, t itself
 
@@ -24,9 +29,10 @@ try:
     from memopd import _C
 
     _HAVE = hasattr(_C, "softmax_sums") and hasattr(_C, "dlogits")
+    _HAVE_BF16 = hasattr(_C, "bf16_gemm") and bool(_C.bf16_gemm_available())
 except ImportError:  # a source tree whose core is not built: the PyTorch ops do the work
     _C = None
-    _HAVE = False
+    _HAVE = _HAVE_BF16 = False
 
 
 def usable(*tensors: Optional[Tensor]) -> bool:
@@ -74,3 +80,37 @@ def dlogits(s: Tensor, t: Optional[Tensor], lse_s: Tensor, a: Tensor, b: Optiona
     _C.dlogits(s.data_ptr(), 0 if t is None else t.data_ptr(), n, c, _ptr(lse_s, n), _ptr(a, n), _ptr(b, n),
                _ptr(d, n), int(mode), torch.get_num_threads())
     return s
+
+
+def has_bf16_gemm() -> bool:
+    """Whether the core's bf16 GEMM runs here (built, and a CPU with AVX512-BF16)."""
+    return _HAVE_BF16
+
+
+def bf16_gemm_usable(*tensors: Optional[Tensor]) -> bool:
+    """Whether `bf16_matmul` may take these operands: the GEMM runs here, MEMOPD_NATIVE_CHUNKS
+    is not 0, and every tensor is a CPU bfloat16 one (None allowed)."""
+    if not _HAVE_BF16 or os.environ.get("MEMOPD_NATIVE_CHUNKS", "1") == "0":
+        return False
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.bfloat16) for t in tensors)
+
+
+def bf16_matmul(a: Tensor, b: Tensor, out: Tensor, *, alpha: float = 1.0, accumulate: bool = False) -> Tensor:
+    """out = alpha·(a @ b) (+ out with `accumulate`), returned: a [M, K], b [K, N] CPU
+    tensors of any strides, bfloat16, or float32 rounded to bfloat16 (nearest even) as the
+    core packs them; out a float32 [M, N] block with unit column stride. The products of
+    bf16 values are exact in fp32, so the result is the exact product of the bf16 operands
+    up to fp32 accumulation (and denormals flushed to zero)."""
+    if not _HAVE_BF16:
+        raise RuntimeError("bf16_matmul: the C++ core's bf16 GEMM does not run here (has_bf16_gemm() is False)")
+    M, K = a.shape
+    N = b.shape[1]
+    ok = (b.shape[0] == K and tuple(out.shape) == (M, N) and out.dtype == torch.float32 and out.stride(1) == 1
+          and all(t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float32) for t in (a, b)))
+    if not ok:
+        raise ValueError(f"bf16_matmul: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype} and out "
+                         f"{tuple(out.shape)} {out.dtype} do not make out[M, N] = a[M, K] @ b[K, N] on CPU")
+    _C.bf16_gemm(a.data_ptr(), a.stride(0), a.stride(1), a.dtype == torch.float32, b.data_ptr(), b.stride(0),
+                 b.stride(1), b.dtype == torch.float32, out.data_ptr(), max(out.stride(0), N), M, N, K,
+                 float(alpha), bool(accumulate), torch.get_num_threads())
+    return out

@@ -1,8 +1,10 @@
 """The PyTorch implementation of the fused distillation op and of its teacher-less mode
 (log-prob + entropy): blocked over kept tokens and vocabulary chunks, never [N, V]. It
 runs on CPU tensors and on any device with backend="torch"; on CPU float32 the
-elementwise work of the resident path runs in the C++ core (`_native_chunks`). The
-algorithm, the blocking and the costs are in docs/design.md §6.2.
+elementwise work of the resident path runs in the C++ core (`_native_chunks`), and a
+bfloat16 head's lm-head GEMMs run there too where the CPU has AVX512-BF16 (bf16 operands,
+fp32 accumulation and output; `_HeadLogits`). The algorithm, the blocking and the costs
+are in docs/design.md §6.2.
 """
 from __future__ import annotations
 
@@ -71,26 +73,68 @@ def _weight_chunk(w: Tensor, v0: int, v1: int, dtype: torch.dtype) -> Tensor:
     return wc if wc.dtype == dtype else wc.to(dtype)  # bf16 @ bf16 on CPU would round to bf16
 
 
+def _bf16_route(h: Tensor, w: Tensor) -> bool:
+    """Whether a head's GEMMs take the C++ core's bf16 GEMM: bf16 hidden states and weight
+    on a CPU that runs it (fp32 output; `_native_chunks.bf16_matmul`)."""
+    return _native_chunks.bf16_gemm_usable(h, w)
+
+
 class _HeadLogits:
-    """Logits / T of one token block against one head, vocabulary chunk by chunk.
+    """Logits / T of one token block against one head, vocabulary chunk by chunk, and the
+    block's dH / dW GEMMs against the same head.
 
     Without `resident` every request runs the chunk's matmul. With it (the forward that
     also takes the gradients) each chunk is computed once into a [rows, chunk] slot of
     `resident`, laid out chunk after chunk so every slot is contiguous; the statistics
     read it (`kept`) and the gradient pass, its last reader, consumes it (`last_use`).
     That is what saves the backward's two recomputed lm-head matmuls.
+
+    `rows` are the block's hidden rows as given. `h_t` holds them in the compute dtype,
+    times 1/T. With a bfloat16 head on a CPU whose core runs the bf16 GEMM (`_bf16_route`)
+    the GEMMs read the bf16 rows and weight chunks themselves (`h16`) with fp32 output,
+    1/T applied to the product: the logits are the exact products of the bf16 operands up
+    to fp32 accumulation, as the fp32 path computes them, at the bf16 rate. The dH / dW
+    GEMMs then read dL/ds rounded to bf16 (nearest even), as the GPU kernels' 16-bit
+    gradient scratch does (`add_grads`). Otherwise each weight chunk is converted to the
+    compute dtype (bf16 @ bf16 in torch on CPU would round the logits to bf16).
     """
 
-    def __init__(self, h_t: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float,
+    def __init__(self, rows: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float, cdt: torch.dtype,
                  resident: Optional[Tensor] = None):
-        self.h_t, self.w, self.b, self.inv_t = h_t, w, b, inv_t
+        self.h_t, self.w, self.b, self.inv_t = rows.to(cdt).mul_(inv_t), w, b, inv_t
+        self.h16 = rows if _bf16_route(rows, w) else None
         self.resident = resident
         self._filled: set = set()
         self.jsd_weight = False  # the resident chunks were overwritten with the JSD weight -(δ - u)
 
     def _compute(self, v0: int, v1: int, out: Tensor) -> Tensor:
-        return _logits(self.h_t, _weight_chunk(self.w, v0, v1, self.h_t.dtype), self.b, v0, v1,
-                       self.inv_t, out)
+        if self.h16 is None:
+            return _logits(self.h_t, _weight_chunk(self.w, v0, v1, self.h_t.dtype), self.b, v0, v1,
+                           self.inv_t, out)
+        if self.b is not None:
+            out.copy_((self.b[v0:v1].float() * self.inv_t).expand_as(out))
+        return _native_chunks.bf16_matmul(self.h16, self.w[v0:v1].t(), out, alpha=self.inv_t,
+                                          accumulate=self.b is not None)
+
+    def full(self, V: int, out: Tensor) -> Tensor:
+        """Logits / T of whole vocabulary rows into `out` [rows, V] (full-row mode)."""
+        if self.h16 is not None:
+            return self._compute(0, V, out)
+        return _full_logits(self.h_t, self.w, self.b, V, self.inv_t, out)
+
+    def add_grads(self, ds: Tensor, v0: int, v1: int, dh: Optional[Tensor], dw: Optional[Tensor]) -> None:
+        """dh += ds @ W[v0:v1] and dw[v0:v1] += ds^T @ (h / T) for the chunk's dL/ds `ds`
+        (dh still lacks its 1/T; either may be None)."""
+        if self.h16 is not None:
+            if dh is not None:
+                _native_chunks.bf16_matmul(ds, self.w[v0:v1], dh, accumulate=True)
+            if dw is not None:
+                _native_chunks.bf16_matmul(ds.t(), self.h16, dw[v0:v1], alpha=self.inv_t, accumulate=True)
+            return
+        if dh is not None:
+            dh.addmm_(ds, _weight_chunk(self.w, v0, v1, self.h_t.dtype))
+        if dw is not None:
+            dw[v0:v1].addmm_(ds.t(), self.h_t)
 
     def _slot(self, v0: int, v1: int) -> Tensor:
         n = self.h_t.shape[0]
@@ -227,8 +271,8 @@ def _precise_dlse(d: Tensor, es: Tensor, et: Tensor, m_s: Tensor, m_t: Tensor,
     return small, big
 
 
-def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, vchunk, wk):
-    """Per-token outputs and stats of one token block (hidden rows already times 1/T).
+def _torch_forward_rows(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, div_code, beta, vchunk, wk):
+    """Per-token outputs and stats of one token block.
 
     One vocabulary chunk covering the row (`vchunk >= V`) takes the full-row route: exact
     row maxima, one exp2 pass per distribution, the precise normaliser difference only on
@@ -236,14 +280,13 @@ def _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta,
     Otherwise the vocabulary is walked in chunks with online statistics. `wk` holds the
     [rows, chunk] scratch blocks.
 
-    `ht_t is None` is the teacher-less mode: only the student sums (max, sum-exp, entropy
+    `src_t is None` is the teacher-less mode: only the student sums (max, sum-exp, entropy
     sum, target logit) are kept, no teacher logits are ever computed, and the divergence
     and the teacher rows of the stats are zero.
     """
     if vchunk >= V:
-        return _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, wk)
-    src_t = None if ht_t is None else _HeadLogits(ht_t, wt, bt, inv_t)
-    return _forward_chunked(_HeadLogits(hs_t, ws, bs, inv_t), src_t, y, V, div_code, beta, vchunk, wk)
+        return _forward_full_rows(src_s, src_t, y, V, div_code, beta, wk)
+    return _forward_chunked(src_s, src_t, y, V, div_code, beta, vchunk, wk)
 
 
 def student_outputs(m_s, z_s, a_s, s_y):
@@ -302,21 +345,22 @@ def _full_logits(h: Tensor, w: Tensor, b: Optional[Tensor], V: int, inv_t: float
     return out
 
 
-def _forward_full_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code, beta, wk):
+def _forward_full_rows(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, div_code, beta, wk):
+    hs_t = src_s.h_t
     n = hs_t.shape[0]
     f = dict(device=hs_t.device, dtype=hs_t.dtype)
-    s = _full_logits(hs_t, ws, bs, V, inv_t, wk("s", n, V))
+    s = src_s.full(V, wk("s", n, V))
     s_y = s.gather(1, y[:, None])[:, 0]
     m_s = s.amax(1)
-    if ht_t is not None:
-        t = _full_logits(ht_t, wt, bt, V, inv_t, wk("t", n, V))
+    if src_t is not None:
+        t = src_t.full(V, wk("t", n, V))
         m_t = t.amax(1)
         d = torch.sub(s, t, out=wk("d", n, V))  # before centring: exact where s ≈ t
     s2 = _centre2(s, m_s)
     es = torch.exp2(s2, out=wk("e", n, V))
     z_s = es.sum(1)
     log_zs, lse_s, ent, lp = student_outputs(m_s, z_s, s2.mul_(es).sum(1) * _LN2, s_y)
-    if ht_t is None:
+    if src_t is None:
         zero = torch.zeros(n, **f)
         return zero, lp, ent, stack_stats(lse_s=lse_s, lse_t=zero, dlse=zero, aux=zero, entropy=ent)
     tmp = s  # free from here on
@@ -606,11 +650,10 @@ def torch_forward(student: LinearHead, teacher: Optional[LinearHead], targets: T
     wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
     for r0 in range(0, n_kept, rows_per_block):
         rows = kept[r0:r0 + rows_per_block]
-        hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
-        ht_t = None if ht is None else ht.index_select(0, rows).to(cdt).mul_(inv_t)
+        src_s = _HeadLogits(hs.index_select(0, rows), ws, bs, inv_t, cdt)
+        src_t = None if ht is None else _HeadLogits(ht.index_select(0, rows), wt, bt, inv_t, cdt)
         y = targets.index_select(0, rows).long()
-        d_, l_, e_, st_ = _torch_forward_rows(hs_t, ws, bs, ht_t, wt, bt, y, inv_t, V, div_code,
-                                              beta, vchunk, wk)
+        d_, l_, e_, st_ = _torch_forward_rows(src_s, src_t, y, V, div_code, beta, vchunk, wk)
         div.index_copy_(0, rows, d_)
         lp.index_copy_(0, rows, l_)
         ent.index_copy_(0, rows, e_)
@@ -728,12 +771,9 @@ def _block_gradients(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y: Tensor
         t = src_t.last_use(v0, v1, wk("t", n, c)) if with_teacher else None
         ds = _chunk_dlogits(s, t, y, v0, v1, coef, st, div_code, beta, wk, with_teacher and src_t.jsd_weight)
         del s, t
-        if need[0]:
-            dh32.addmm_(ds, _weight_chunk(src_s.w, v0, v1, cdt))
-        if need[1]:
-            dw32[v0:v1].addmm_(ds.t(), hs_t)
-        if need[2]:
+        if need[2]:  # before add_grads: a bf16 GEMM rounds ds, db is summed from the fp32 values
             db32[v0:v1] += ds.sum(0)
+        src_s.add_grads(ds, v0, v1, dh32 if need[0] else None, dw32 if need[1] else None)
         del ds
     return dh32
 
@@ -791,14 +831,13 @@ def torch_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHe
         wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
         for r0 in range(0, n_kept, rows_per_block):
             rows = kept[r0:r0 + rows_per_block]
-            hs_t = hs.index_select(0, rows).to(cdt).mul_(inv_t)
             src_t = None
             if grads[0] is not None:
-                src_t = _HeadLogits(ht.index_select(0, rows).to(cdt).mul_(inv_t), wt, bt, inv_t)
+                src_t = _HeadLogits(ht.index_select(0, rows), wt, bt, inv_t, cdt)
             st = stats.index_select(1, rows).to(cdt)
             coef = _dlogit_coefficients(tuple(None if g is None else g.index_select(0, rows) for g in grads), st,
                                         params.divergence, params.beta)
-            dh32 = _block_gradients(_HeadLogits(hs_t, ws, bs, inv_t), src_t, targets.index_select(0, rows).long(),
+            dh32 = _block_gradients(_HeadLogits(hs.index_select(0, rows), ws, bs, inv_t, cdt), src_t, targets.index_select(0, rows).long(),
                                     coef, st, params, vchunk, need, dw32, db32, wk)
             if need[0]:
                 dh.index_copy_(0, rows, dh32.mul_(inv_t).to(dh.dtype))
@@ -878,10 +917,10 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
         for r0 in range(0, n_kept, rows_per_block):
             rows = kept[r0:r0 + rows_per_block]
             n = rows.numel()
-            src_s = _HeadLogits(hs.index_select(0, rows).to(cdt).mul_(inv_t), ws, bs, inv_t, res_s[: n * V])
+            src_s = _HeadLogits(hs.index_select(0, rows), ws, bs, inv_t, cdt, res_s[: n * V])
             src_t = None
             if ht is not None:
-                src_t = _HeadLogits(ht.index_select(0, rows).to(cdt).mul_(inv_t), wt, bt, inv_t, res_t[: n * V])
+                src_t = _HeadLogits(ht.index_select(0, rows), wt, bt, inv_t, cdt, res_t[: n * V])
             y = targets.index_select(0, rows).long()
             d_, l_, e_, st = _forward_resident(src_s, src_t, y, V, params.divergence, params.beta, vchunk, wk)
             div.index_copy_(0, rows, d_)

@@ -1,0 +1,264 @@
+// A bfloat16 GEMM with float32 accumulation and float32 output for the fused losses' CPU
+// path: C = alpha·op(A)·op(B) (+ C), with A, B strided bf16 matrices, or float32 ones that
+// are rounded to bf16 (round to nearest even) as they are packed. The products of two bf16
+// values are exact in fp32, so the result differs from the exact product of the bf16
+// operands only by fp32 accumulation; the lm-head logits then keep fp32 precision at the
+// bf16 rate. torch on CPU has no such call (its bf16 matmul rounds its output to bf16, and
+// MKL's cblas_gemm_bf16bf16f32 runs at the fp32 rate on CPUs MKL does not dispatch for).
+//
+// It runs on CPUs with AVX512-BF16 (vdpbf16ps: fp32 += a0·b0 + a1·b1 over bf16 pairs;
+// denormal inputs and outputs flushed to zero); `bf16_gemm_available()` says whether this
+// CPU has it, and the Python side keeps its fp32 path where not. Both operands are packed
+// into pairs along the reduction dimension (A in 12-row panels whose pairs are broadcast,
+// B in 32-column panels loaded as vectors), then a 12x32 register-tile kernel runs over
+// cache blocks. Rows of C are split over up to `threads` std::threads.
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MEMOPD_HAVE_BF16_KERNEL 1
+#include <immintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+#ifdef MEMOPD_HAVE_BF16_KERNEL
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+constexpr int64_t kMR = 12;   // rows of the register tile
+constexpr int64_t kNR = 32;   // columns of the register tile (two 16-lane vectors)
+constexpr int64_t kKCP = 256; // reduction pairs per cache block (512 bf16 values)
+constexpr int64_t kNCP = 8;   // B panels per cache block (8 x 32 columns x 256 pairs x 4 B = 256 KiB)
+
+// One operand: element (r, k) at base + r*sr + k*sk (in elements), bf16 bits or float32.
+struct Operand {
+  const void* base;
+  int64_t sr, sk;
+  bool f32;
+};
+
+inline uint32_t bf16_bits(const Operand& o, int64_t r, int64_t k) {
+  if (!o.f32) return static_cast<const uint16_t*>(o.base)[r * o.sr + k * o.sk];
+  float x = static_cast<const float*>(o.base)[r * o.sr + k * o.sk];
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays NaN
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+}
+
+// In place: the 16x16 matrix of 32-bit values whose rows are r[0..15] is transposed.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + w]: column w of each 128-bit lane, rows 4g..4g+3
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int w = 0; w < 4; ++w) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[w], u[4 + w], 0x88), v4 = _mm512_shuffle_i32x4(u[w], u[4 + w], 0xdd);
+    const __m512i v8 = _mm512_shuffle_i32x4(u[8 + w], u[12 + w], 0x88);
+    const __m512i v12 = _mm512_shuffle_i32x4(u[8 + w], u[12 + w], 0xdd);
+    r[w] = _mm512_shuffle_i32x4(v0, v8, 0x88);
+    r[4 + w] = _mm512_shuffle_i32x4(v4, v12, 0x88);
+    r[8 + w] = _mm512_shuffle_i32x4(v0, v8, 0xdd);
+    r[12 + w] = _mm512_shuffle_i32x4(v4, v12, 0xdd);
+  }
+}
+
+// Packs rows [r0, r0 + L) (zero past `rows`) and all K of `o` into pairs: out[p*L + j] =
+// bits(r0 + j, 2p) | bits(r0 + j, 2p + 1) << 16, zero past K.
+void pack_panel(const Operand& o, int64_t r0, int64_t rows, int64_t K, int64_t L, uint32_t* out) {
+  const int64_t P = (K + 1) / 2;
+  const int64_t nr = std::min(L, rows - r0);
+  if (nr < L || (K & 1)) std::fill(out, out + P * L, 0u);
+  if (o.sk == 1) {
+    // pairs contiguous along each row: 16 rows x 16 pairs at a time, read as vectors
+    // (fp32 rows rounded to bf16 pairs), transposed, stored as 16 lanes of 16 pair rows
+    const int64_t pv = (K / 2) / 16 * 16;
+    for (int64_t j0 = 0; j0 < nr; j0 += 16) {
+      const int64_t nj = std::min<int64_t>(16, nr - j0);
+      const __mmask16 keep = static_cast<__mmask16>((1u << nj) - 1);
+      for (int64_t p0 = 0; p0 < pv; p0 += 16) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          if (i >= nj) {
+            r[i] = _mm512_setzero_si512();
+          } else if (o.f32) {
+            const float* x = static_cast<const float*>(o.base) + (r0 + j0 + i) * o.sr + 2 * p0;
+            r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+          } else {
+            r[i] = _mm512_loadu_si512(static_cast<const uint16_t*>(o.base) + (r0 + j0 + i) * o.sr + 2 * p0);
+          }
+        }
+        transpose16(r);
+        for (int64_t q = 0; q < 16; ++q) _mm512_mask_storeu_epi32(out + (p0 + q) * L + j0, keep, r[q]);
+      }
+      for (int64_t j = j0; j < j0 + nj; ++j)
+        for (int64_t p = pv; p < P; ++p) {
+          const uint32_t lo = bf16_bits(o, r0 + j, 2 * p);
+          const uint32_t hi = 2 * p + 1 < K ? bf16_bits(o, r0 + j, 2 * p + 1) : 0u;
+          out[p * L + j] = lo | (hi << 16);
+        }
+    }
+    return;
+  }
+  if (o.sr == 1) {
+    // lanes contiguous: two rows of k, zero-extended and merged (vectorises)
+    for (int64_t p = 0; p < K / 2; ++p) {
+      uint32_t* dst = out + p * L;
+      if (o.f32) {
+        const float* a = static_cast<const float*>(o.base) + r0 + 2 * p * o.sk;
+        const float* b = a + o.sk;
+        for (int64_t j = 0; j < nr; ++j) {
+          uint32_t ua, ub;
+          std::memcpy(&ua, a + j, 4);
+          std::memcpy(&ub, b + j, 4);
+          ua = (ua + 0x7fffu + ((ua >> 16) & 1u)) >> 16;
+          ub = (ub + 0x7fffu + ((ub >> 16) & 1u)) & 0xffff0000u;
+          dst[j] = ua | ub;
+        }
+      } else {
+        const uint16_t* a = static_cast<const uint16_t*>(o.base) + r0 + 2 * p * o.sk;
+        const uint16_t* b = a + o.sk;
+        for (int64_t j = 0; j < nr; ++j) dst[j] = uint32_t{a[j]} | (uint32_t{b[j]} << 16);
+      }
+    }
+    if (K & 1)
+      for (int64_t j = 0; j < nr; ++j) out[(K / 2) * L + j] = bf16_bits(o, r0 + j, K - 1);
+    return;
+  }
+  for (int64_t j = 0; j < nr; ++j)
+    for (int64_t p = 0; p < P; ++p) {
+      const uint32_t lo = bf16_bits(o, r0 + j, 2 * p);
+      const uint32_t hi = 2 * p + 1 < K ? bf16_bits(o, r0 + j, 2 * p + 1) : 0u;
+      out[p * L + j] = lo | (hi << 16);
+    }
+}
+
+// C[rows<=MR, cols<=NR] (ldc) = or += alpha * Ap·Bp over `np` pairs.
+void tile_kernel(const uint32_t* ap, const uint32_t* bp, int64_t np, float* c, int64_t ldc, int64_t rows,
+                 int64_t cols, float alpha, bool add) {
+  __m512 acc[kMR][2];
+  for (int i = 0; i < kMR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + p * kNR);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + p * kNR + 16);
+    const uint32_t* a = ap + p * kMR;
+#pragma GCC unroll 12
+    for (int i = 0; i < kMR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha);
+  const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* ci = c + i * ldc;
+    __m512 r0 = _mm512_mul_ps(acc[i][0], va), r1 = _mm512_mul_ps(acc[i][1], va);
+    if (add) {
+      r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, ci));
+      r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, ci + 16));
+    }
+    _mm512_mask_storeu_ps(ci, m0, r0);
+    _mm512_mask_storeu_ps(ci + 16, m1, r1);
+  }
+}
+#pragma GCC pop_options
+#endif
+
+bool cpu_has_bf16() {
+#ifdef MEMOPD_HAVE_BF16_KERNEL
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// C [M, N] (row stride ldc) = alpha·A·B (+ C if accumulate), A [M, K] and B [K, N] given by
+// their element strides; a_f32 / b_f32: the operand is float32, rounded to bf16 on packing.
+void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b, int64_t b_sk, int64_t b_sn,
+               bool b_f32, uintptr_t c, int64_t ldc, int64_t M, int64_t N, int64_t K, float alpha, bool accumulate,
+               int threads) {
+  if (!cpu_has_bf16()) throw std::runtime_error("bf16_gemm: this CPU has no AVX512-BF16");
+  if (M < 0 || N < 0 || K < 0 || ldc < N) throw std::invalid_argument("bf16_gemm: bad sizes");
+  if (M == 0 || N == 0) return;
+  if (c == 0) throw std::invalid_argument("bf16_gemm: null output buffer");
+  float* C = reinterpret_cast<float*>(c);
+  if (K == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
+    return;
+  }
+  if (a == 0 || b == 0) throw std::invalid_argument("bf16_gemm: null operand buffer");
+#ifdef MEMOPD_HAVE_BF16_KERNEL
+  py::gil_scoped_release release;
+  const Operand A{reinterpret_cast<const void*>(a), a_sm, a_sk, a_f32};
+  const Operand B{reinterpret_cast<const void*>(b), b_sn, b_sk, b_f32};  // rows of B's panels: the columns n
+  const int64_t P = (K + 1) / 2;
+  const int64_t mp = (M + kMR - 1) / kMR, npan = (N + kNR - 1) / kNR;
+  thread_local std::vector<uint32_t> abuf, bbuf;
+  abuf.resize(static_cast<size_t>(mp * P * kMR));
+  bbuf.resize(static_cast<size_t>(npan * P * kNR));
+  uint32_t* ap = abuf.data();
+  uint32_t* bp = bbuf.data();
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, mp / 4));
+  auto run = [&](int64_t lo, int64_t hi, auto body) {  // body(i0, i1) over [lo, hi) on nt threads
+    if (nt <= 1) return body(lo, hi);
+    std::vector<std::thread> pool;
+    const int64_t step = (hi - lo + nt - 1) / nt;
+    for (int64_t s = lo + step; s < hi; s += step) pool.emplace_back(body, s, std::min(hi, s + step));
+    body(lo, std::min(hi, lo + step));
+    for (auto& th : pool) th.join();
+  };
+  run(0, mp, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) pack_panel(A, i * kMR, M, K, kMR, ap + i * P * kMR);
+  });
+  run(0, npan, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) pack_panel(B, j * kNR, N, K, kNR, bp + j * P * kNR);
+  });
+  run(0, mp, [&](int64_t i0, int64_t i1) {
+    for (int64_t kc = 0; kc < P; kc += kKCP) {
+      const int64_t np = std::min(kKCP, P - kc);
+      const bool add = accumulate || kc > 0;
+      for (int64_t jc = 0; jc < npan; jc += kNCP)
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = jc; j < std::min(npan, jc + kNCP); ++j)
+            tile_kernel(ap + i * P * kMR + kc * kMR, bp + j * P * kNR + kc * kNR, np, C + i * kMR * ldc + j * kNR,
+                        ldc, std::min(kMR, M - i * kMR), std::min(kNR, N - j * kNR), alpha, add);
+    }
+  });
+#else
+  (void)a_sm; (void)a_sk; (void)a_f32; (void)b_sk; (void)b_sn; (void)b_f32; (void)alpha; (void)threads;
+#endif
+}
+
+}  // namespace
+
+void register_bf16_gemm(py::module_& m) {
+  m.def("bf16_gemm_available", &cpu_has_bf16,
+        "Whether bf16_gemm runs on this CPU (AVX512-BF16 and a build with its kernel).");
+  m.def("bf16_gemm", &bf16_gemm, py::arg("a"), py::arg("a_sm"), py::arg("a_sk"), py::arg("a_f32"), py::arg("b"),
+        py::arg("b_sk"), py::arg("b_sn"), py::arg("b_f32"), py::arg("c"), py::arg("ldc"), py::arg("M"), py::arg("N"),
+        py::arg("K"), py::arg("alpha"), py::arg("accumulate"), py::arg("threads"),
+        "C[M, N] (float32, row stride ldc) = alpha A B (+ C if accumulate): A [M, K] and B [K, N] by data "
+        "pointer and element strides, bf16 bits, or float32 (a_f32 / b_f32) rounded to bf16 (nearest even) "
+        "when packed; products exact, fp32 accumulation.");
+}
