@@ -42,8 +42,8 @@ class AttentionMeta:
 
     Segment level (a varlen kernel's view):
       cu_seqlens      int32 [S+1]  segment s is tokens cu_seqlens[s] : cu_seqlens[s+1]
-      prefix_segment  int32 [S]    index of the prefix segment that segment s sees in
-                                   full, or -1
+      prefix_segment  int32 [S]    index of the prefix segment that segment s sees (in
+                                   full, or its first tokens: trie layout), or -1
       segment_kind    int8  [S]    `SegmentKind`
     Token level (what a kernel reads per query row):
       seg_start       int32 [T]    first key of the own segment (causal up to i)

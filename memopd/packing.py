@@ -11,6 +11,11 @@ Layouts (docs/design.md §2):
   positions and plain causal attention: what persistent-history trainers do. Its
   `naive_action_mask` marks every token that came from a model output, including
   re-encoded memory, to count the spurious decision positions.
+- `trie`: every token prefix common to several calls (the task prefix, a group's shared
+  call-0 context, identical early calls, the memory carried into later calls) laid out
+  once, as spines (PREFIX segments at positions 0..); each call is a segment with the rest
+  of `[q, x_t, a_t]` from its branch depth b, reading the first b tokens of its spine
+  (docs/design.md §2.5). Several entries may point at one token (identical states).
 
 Action domain (`action_domain=`, any layout):
 - `"exact"` (default): the per-action entries are the sampled occurrences of action
@@ -928,7 +933,7 @@ def pack(
 
     share_prefix: for `aligned`, "trajectory" (one prefix segment per trajectory per
     row) or "group" (trajectories with the same group_id and identical prefix ids
-    share one prefix segment per row).
+    share one prefix segment per row). `trie` shares whatever is identical and ignores it.
     action_domain: "exact" (the sampled action tokens) or "naive" (also re-encoded
     copies of model output inside later contexts: the ablation; module docstring).
     """
