@@ -350,6 +350,28 @@ def _empty_item(rec: _Records, c: int) -> PackError:
     return PackError(f"trajectory {int(rec.traj[c])}, call {int(rec.t[c])} has no tokens to pack")
 
 
+def _stream_order(row_of: np.ndarray, groups: np.ndarray, n_groups: int):
+    """Where the calls go in the stream: in each row the groups in order of their first
+    call, a group's prefix segment first, then its calls in (trajectory, call) order;
+    ungrouped calls (-1) form one group without a prefix. Returns the calls in stream
+    order, their groups, whether a prefix segment opens before each, the segment index
+    of each call and of each prefix, each call's link (-1: none), the segment count, and
+    per call (in call order) the index of its (row, group) pair."""
+    C = row_of.size
+    pair = row_of * (n_groups + 1) + (groups + 1)
+    _, first_idx, inverse = np.unique(pair, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    pair_first = first_idx[inverse]
+    order = np.lexsort((np.arange(C, dtype=_I64), pair_first, row_of))
+    g_s = groups[order]
+    opens = (pair_first[order] == order) & (g_s >= 0)  # a prefix segment before this call
+    call_seg = np.arange(C, dtype=_I64) + np.cumsum(opens)
+    S = C + int(opens.sum())
+    pre_seg = call_seg[opens] - 1
+    link_s = np.where(g_s >= 0, np.maximum.accumulate(np.where(opens, call_seg - 1, -1)) if C else g_s, -1)
+    return order, g_s, opens, call_seg, pre_seg, link_s, S, inverse
+
+
 def _layout_aligned(rec: _Records, trajs, max_tokens: int, shared: bool, share_prefix: str) -> _Layout:
     C, ql = rec.C, rec.q_len
     xa = rec.x_len + rec.a_len
@@ -385,16 +407,7 @@ def _layout_aligned(rec: _Records, trajs, max_tokens: int, shared: bool, share_p
     row_of = _plan(n, groups, group_cost, max_tokens)
     # in each row: the groups in order of their first call, a group's prefix segment
     # first, then its calls in (trajectory, call) order; ungrouped calls form one group
-    pair = row_of * (len(group_cost) + 1) + (groups + 1)
-    _, first_idx, inverse = np.unique(pair, return_index=True, return_inverse=True)
-    pair_first = first_idx[inverse.reshape(-1)]
-    order = np.lexsort((np.arange(C, dtype=_I64), pair_first, row_of))
-    g_s = groups[order]
-    opens = (pair_first[order] == order) & (g_s >= 0)  # a prefix segment before this call
-    call_seg = np.arange(C, dtype=_I64) + np.cumsum(opens)
-    S = C + int(opens.sum())
-    pre_seg = call_seg[opens] - 1
-    link_s = np.where(g_s >= 0, np.maximum.accumulate(np.where(opens, call_seg - 1, -1)) if C else g_s, -1)
+    order, g_s, opens, call_seg, pre_seg, link_s, S, _ = _stream_order(row_of, groups, len(group_cost))
 
     seg_len = np.empty(S, dtype=_I64)
     seg_kind = np.full(S, int(SegmentKind.CALL), dtype=np.int8)
@@ -542,15 +555,23 @@ def _sorted_calls(rec: _Records) -> tuple[np.ndarray, np.ndarray]:
         return order, np.zeros(0, dtype=_I64)
     c1, c2 = order[:-1], order[1:]
     m = np.minimum(length[c1], length[c2])
-    starts = np.cumsum(m) - m
-    pair = np.repeat(np.arange(C - 1, dtype=_I64), m)
-    d = np.arange(pair.size, dtype=_I64) - starts[pair]
-    diff = ids[_call_tokens(rec, c1[pair], d)] != ids[_call_tokens(rec, c2[pair], d)]
-    first = np.where(diff, d, m[pair])
     lcp = m.copy()
-    nz = m > 0
-    if nz.any():
-        lcp[nz] = np.minimum.reduceat(first, starts[nz])
+    # token by token over pairs of calls, in blocks of about `block` tokens (no T-long
+    # temporaries): the first differing depth of each pair, or the shorter length
+    ends = np.cumsum(m)
+    lo, block = 0, 1 << 16
+    while lo < C - 1:
+        hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - m[lo] + block, side="right")))
+        mb = m[lo:hi]
+        starts = np.cumsum(mb) - mb
+        pair = np.repeat(np.arange(lo, hi, dtype=_I64), mb)
+        d = np.arange(pair.size, dtype=_I64) - starts[pair - lo]
+        diff = ids[_call_tokens(rec, c1[pair], d)] != ids[_call_tokens(rec, c2[pair], d)]
+        first = np.where(diff, d, m[pair])
+        nz = mb > 0
+        if nz.any():
+            lcp[lo:hi][nz] = np.minimum.reduceat(first, starts[nz])
+        lo = hi
     return order, lcp
 
 
@@ -699,22 +720,13 @@ def _layout_trie(rec: _Records, max_tokens: int) -> _Layout:
     # in each row: the spines in order of their first call, a spine's PREFIX segment first,
     # then its readers in call order; calls that read no spine stand alone. A spine's copy
     # in a row is as long as the deepest of its readers there (the planner priced all of it).
-    pair = row_of * (n_sp + 1) + (spine + 1)
-    _, first_idx, inverse = np.unique(pair, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    pair_first = first_idx[inverse]
-    L_pair = np.zeros(first_idx.size, dtype=_I64)
+    order, g_s, opens, call_seg, pre_seg, link_s, S, inverse = _stream_order(row_of, spine, n_sp)
+    n_pairs = int(inverse.max()) + 1 if C else 0
+    L_pair = np.zeros(n_pairs, dtype=_I64)
     np.maximum.at(L_pair, inverse[reads], b[reads])
-    rep = np.zeros(first_idx.size, dtype=_I64)  # per pair: a call whose first L tokens are the spine
+    rep = np.zeros(n_pairs, dtype=_I64)  # per (row, spine): a call whose first L tokens are the spine
     deepest = reads & (b == L_pair[inverse])
     rep[inverse[deepest]] = np.flatnonzero(deepest)
-    order = np.lexsort((np.arange(C, dtype=_I64), pair_first, row_of))
-    g_s = spine[order]
-    opens = (pair_first[order] == order) & (g_s >= 0)
-    call_seg = np.arange(C, dtype=_I64) + np.cumsum(opens)
-    S = C + int(opens.sum())
-    pre_seg = call_seg[opens] - 1
-    link_s = np.where(g_s >= 0, np.maximum.accumulate(np.where(opens, call_seg - 1, -1)) if C else g_s, -1)
     seg_len = np.empty(S, dtype=_I64)
     seg_kind = np.full(S, int(SegmentKind.CALL), dtype=np.int8)
     seg_link = np.full(S, -1, dtype=_I64)
