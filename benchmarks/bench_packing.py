@@ -18,6 +18,10 @@ Layouts (names as they appear in `benchmark.extra_info["layout"]`):
   aligned_shared  `pack(..., "aligned", share_prefix="group")` + `packed_forward`: the
                   rollouts of one group (GRPO/PPO samples of one prompt, group size 4)
                   read one prefix segment per packed row.
+  trie            `pack(..., "trie")` + `packed_forward`: every token prefix common to
+                  several calls laid out once (the task prefix, a group's shared call-0
+                  context, identical early calls, the memory span later calls of one
+                  episode start with), each call reading its spine to its branch depth.
 
 Configurations: Q2-, Q8-, Q16-shaped trajectories x batch sizes 4, 8, 16 trajectories
 (`MEMOPD_BENCH_BATCHES`). Shapes follow expert episodes of the project's own QA
@@ -77,7 +81,7 @@ from memopd.memory import SummaryReplacement, drive
 from memopd.packing import pack
 from memopd.records import Trajectory
 
-LAYOUTS = ("independent", "aligned", "aligned_shared")
+LAYOUTS = ("independent", "aligned", "aligned_shared", "trie")
 QUESTION_COUNTS = (2, 8, 16)
 GROUP_SIZE = 4
 PAD_ID = 0
@@ -145,7 +149,7 @@ def config_name(k: int, batch_size: int, prefix_len: int | None = None, calls: i
 
 def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, vocab_size: int = 4096,
                            seed: int = 0, prefix_len: int | None = None,
-                           calls: int | None = None) -> list[Trajectory]:
+                           calls: int | None = None, context0_len: int | None = None) -> list[Trajectory]:
     """`n` valid trajectories shaped like expert episodes of k questions (see above).
 
     Rollouts of one group (`group_size` in a row) share the prefix q (like samples of one
@@ -154,9 +158,14 @@ def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, voca
     `prefix_len` / `calls` replace the expert prefix length / the drawn number of calls
     of every trajectory. The expert draws are made either way, so that with the same
     `calls` two prefix lengths give the same contexts, actions and observations.
+    `context0_len`: the rollouts of a group also share an initial context x_0 of that many
+    ids (e.g. documents given with the question; the expert shape has none), drawn from a
+    generator of its own so that the other draws stay the same.
     """
     rng = random.Random(1_000_003 * seed + k)
     prefix_rng = random.Random(7_919 * seed + k)
+    context_rng = random.Random(104_729 * seed + k)
+    context0: list[int] = []
     lo = 3
 
     def toks(m: int) -> list[int]:
@@ -172,6 +181,8 @@ def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, voca
             prefix = toks(SHAPE["prefix_base"] + SHAPE["prefix_per_question"] * k + rng.randint(-jitter, jitter))
             if prefix_len is not None:
                 prefix = [prefix_rng.randrange(lo, vocab_size) for _ in range(prefix_len)]
+            if context0_len:
+                context0 = [context_rng.randrange(lo, vocab_size) for _ in range(context0_len)]
         n_calls = rng.randint(calls_lo, calls_hi)
         if calls is not None:
             n_calls = calls
@@ -186,7 +197,8 @@ def qa_shaped_trajectories(k: int, n: int, *, group_size: int = GROUP_SIZE, voca
             steps.append((act, toks(rng.randint(*SHAPE["observation"]))))
             notes = notes + toks(rng.choice(SHAPE["notes_growth"]))
         g = i // group_size
-        out.append(drive(policy, prefix, steps, task_id=f"Q{k}-task{g}", group_id=f"Q{k}-g{g}"))
+        out.append(drive(policy, prefix, steps, initial_context_ids=context0, task_id=f"Q{k}-task{g}",
+                         group_id=f"Q{k}-g{g}"))
     return out
 
 
@@ -396,6 +408,8 @@ class PackedRunner:
             batch = pack(trajs, "aligned_unshared", max_tokens=setup.max_tokens, pad_id=PAD_ID)
         elif layout == "aligned_shared":
             batch = pack(trajs, "aligned", max_tokens=setup.max_tokens, share_prefix="group", pad_id=PAD_ID)
+        elif layout == "trie":
+            batch = pack(trajs, "trie", max_tokens=setup.max_tokens, pad_id=PAD_ID)
         else:
             raise ValueError(layout)
         self.stats = batch.stats()
@@ -434,27 +448,28 @@ def make_runner(setup: BenchSetup, trajs: list[Trajectory], layout: str):
 
 
 def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warmup: int = 0, *,
-                   prefix_len: int | None = None, calls: int | None = None) -> dict:
-    """Interleaved measurement of the three layouts on one configuration.
+                   prefix_len: int | None = None, calls: int | None = None, group_size: int = GROUP_SIZE,
+                   context0_len: int | None = None, layouts: tuple[str, ...] = LAYOUTS) -> dict:
+    """Interleaved measurement of the layouts on one configuration.
 
     Returns {layout: record}; a record holds the timed durations and the layout numbers.
     """
-    trajs = qa_shaped_trajectories(k, batch_size, vocab_size=setup.vocab_size, seed=batch_size,
-                                   prefix_len=prefix_len, calls=calls)
-    runners = {lay: make_runner(setup, trajs, lay) for lay in LAYOUTS}
+    trajs = qa_shaped_trajectories(k, batch_size, group_size=group_size, vocab_size=setup.vocab_size, seed=batch_size,
+                                   prefix_len=prefix_len, calls=calls, context0_len=context0_len)
+    runners = {lay: make_runner(setup, trajs, lay) for lay in layouts}
     model = setup.model
     # equivalence check (untimed, forward only): the action log-probs of every layout
-    lps = {lay: runners[lay].step(capture=True) for lay in LAYOUTS}
+    lps = {lay: runners[lay].step(capture=True) for lay in layouts}
     _sync(setup.device)
     ref = lps["independent"]
-    diffs = {lay: float((lps[lay] - ref).abs().max()) if ref.numel() else 0.0 for lay in LAYOUTS}
+    diffs = {lay: float((lps[lay] - ref).abs().max()) if ref.numel() else 0.0 for lay in layouts}
     del lps, ref
     # untimed warm-up steps (on CUDA the first backward compiles the Triton kernels)
     for _ in range(warmup):
-        for lay in LAYOUTS:
+        for lay in layouts:
             model.zero_grad(set_to_none=True)
             runners[lay].step()
-    timed = interleaved({lay: runners[lay].step for lay in LAYOUTS}, rounds, clock=CLOCK,
+    timed = interleaved({lay: runners[lay].step for lay in layouts}, rounds, clock=CLOCK,
                         before=lambda _: model.zero_grad(set_to_none=True), sync=lambda: _sync(setup.device))
     times = timed.times
     model.zero_grad(set_to_none=True)
@@ -468,7 +483,8 @@ def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warm
             "trajectories": batch_size,
             "prefix_length": prefix_len,  # None: the expert shape
             "calls_per_trajectory": calls,
-            "group_size": GROUP_SIZE,
+            "group_size": group_size,
+            "context0_length": context0_len,
             "calls": n_calls,
             "action_tokens": run.num_actions,
             "tokens": int(run.tokens),
@@ -491,7 +507,7 @@ def measure_config(setup: BenchSetup, k: int, batch_size: int, rounds: int, warm
             "threads": torch.get_num_threads(),
         }
     ind = statistics.median(times["independent"]) if rounds else math.nan
-    for lay in LAYOUTS:
+    for lay in layouts:
         rec = out[lay]
         rec["speedup_vs_independent"] = round(ind / rec["median_s"], 4) if rounds else math.nan
         rec["min_s"] = min(times[lay]) if rounds else math.nan

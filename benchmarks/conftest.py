@@ -32,7 +32,7 @@ from _timing import apply_threads, load_average
 
 PACKING_RECORDS = pytest.StashKey[list]()
 SPEEDUP_TARGET = 2.0  # aligned_shared over independent, on every configuration: the project's aim (the paper reports up to 1.63x)
-LAYOUTS = ("independent", "aligned", "aligned_shared")
+LAYOUTS = ("independent", "aligned", "aligned_shared", "trie")
 HERE = Path(__file__).resolve().parent
 
 
@@ -141,7 +141,8 @@ def summarize(records: list[dict]) -> dict:
             }
         ind = row.get("independent", {}).get("median_s")
         ind_min = row.get("independent", {}).get("min_s")
-        for lay, key in (("aligned", "speedup_aligned"), ("aligned_shared", "speedup_aligned_shared")):
+        for lay, key in (("aligned", "speedup_aligned"), ("aligned_shared", "speedup_aligned_shared"),
+                         ("trie", "speedup_trie")):
             t = row.get(lay, {}).get("median_s")
             row[key] = _ratio(ind, t)
             row[key + "_min"] = _ratio(ind_min, row.get(lay, {}).get("min_s"))
@@ -149,7 +150,7 @@ def summarize(records: list[dict]) -> dict:
                 pairs = [a / b for a, b in zip(row["independent"]["times_s"], row[lay]["times_s"]) if b > 0]
                 row[key + "_paired_range"] = [round(min(pairs), 3), round(max(pairs), 3)] if pairs else None
         ind_tok = row.get("independent", {}).get("tokens")
-        for lay in ("aligned", "aligned_shared"):  # the speedup if time were proportional to tokens
+        for lay in ("aligned", "aligned_shared", "trie"):  # the speedup if time were proportional to tokens
             tok = row.get(lay, {}).get("tokens")
             row[f"token_ratio_{lay}"] = round(ind_tok / tok, 3) if ind_tok and tok else None
         s = row.get("speedup_aligned_shared")
@@ -161,7 +162,7 @@ def summarize(records: list[dict]) -> dict:
     met = [r["meets_target"] for r in rows if r["meets_target"] is not None]
     first = records[0]
     return {
-        "benchmark": "packing: actor forward+backward, independent vs aligned vs aligned_shared",
+        "benchmark": "packing: actor forward+backward, independent vs aligned vs aligned_shared vs trie",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _git_commit(),
         "model": first.get("model"),
@@ -209,8 +210,9 @@ def format_table(summary: dict) -> list[str]:
         return "-" if v is None else f"{v:.2f}x"
 
     width = max([8] + [len(r["config"]) for r in summary["configs"]])  # knob names are longer
-    head = (f"{'config':<{width}} {'calls':>5} | {'tokens ind/aln/shr':>20} | {'pad ind':>7} | "
-            f"{'t ind s':>8} {'t aln s':>8} {'t shr s':>8} | {'ind/aln':>7} {'ind/shr':>7} {'rounds min-max':>14} | "
+    head = (f"{'config':<{width}} {'calls':>5} | {'tokens ind/aln/shr/trie':>26} | {'pad ind':>7} | "
+            f"{'t ind s':>8} {'t aln s':>8} {'t shr s':>8} {'t trie s':>8} | {'ind/aln':>7} {'ind/shr':>7} "
+            f"{'ind/trie':>8} {'rounds min-max':>14} | "
             f"{'max|dlp|':>8} | {'load':>9}")
     lines = [head, "-" * len(head)]
     notes = []
@@ -229,10 +231,11 @@ def format_table(summary: dict) -> list[str]:
             flag += "  (!)"
             notes += [f"  {r['config']}: {n}" for n in r["unreliable_rounds"]]
         lines.append(
-            f"{r['config']:<{width}} {r['calls']:>5} | {toks:>20} | {g('independent', 'padding_fraction', '.3f'):>7} | "
+            f"{r['config']:<{width}} {r['calls']:>5} | {toks:>26} | {g('independent', 'padding_fraction', '.3f'):>7} | "
             f"{g('independent', 'median_s', '.3f'):>8} {g('aligned', 'median_s', '.3f'):>8} "
-            f"{g('aligned_shared', 'median_s', '.3f'):>8} | {x(r.get('speedup_aligned')):>7} "
-            f"{x(r.get('speedup_aligned_shared')):>7} {spread:>14} | {dlp:>8.1e} | {load:>9}{flag}"
+            f"{g('aligned_shared', 'median_s', '.3f'):>8} {g('trie', 'median_s', '.3f'):>8} | "
+            f"{x(r.get('speedup_aligned')):>7} {x(r.get('speedup_aligned_shared')):>7} {x(r.get('speedup_trie')):>8} "
+            f"{spread:>14} | {dlp:>8.1e} | {load:>9}{flag}"
         )
     missed = [r["config"] for r in summary["configs"] if r.get("meets_target") is False]
     shaky = {r["config"] for r in summary["configs"] if r.get("unreliable_rounds")}

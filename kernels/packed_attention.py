@@ -1100,9 +1100,11 @@ def key_query_ranges(seg_start: torch.Tensor, prefix_start: torch.Tensor, prefix
 
     O(T log T) vectorised work on the tensors' device, no host synchronisation.
     * prefix: query rows whose prefix interval contains j. Prefix intervals of a valid
-      layout are identical or disjoint, so j belongs to the interval with the latest start
-      <= j; that interval's readers span [min row, max row + 1) — every call segment linked
-      to the prefix, wherever it lies in the stream.
+      layout with different starts are disjoint, and those of one start nested (the trie
+      layout reads one spine to several depths), so j belongs to the intervals with the
+      latest start <= j; their readers span [min row, max row + 1) — every call segment
+      linked to the prefix, wherever it lies in the stream (a superset where some of them
+      stop before j; such a range is not gap-free).
     * own: rows i >= j with seg_start[i] <= j. With seg_start non-decreasing (every layout
       built by `AttentionMeta.from_segments`, padding included) that is [j, X_j) with
       X_j = #rows having seg_start <= j.
@@ -1132,14 +1134,16 @@ def key_query_ranges(seg_start: torch.Tensor, prefix_start: torch.Tensor, prefix
     inside = (last >= 0) & (end_max[lastc] > idx)
     pre_lo = torch.where(inside, rd_lo[lastc], big)
     pre_hi = torch.where(inside, rd_hi[lastc], zero)
-    # validity: same start => same end; each interval ends before the next one starts
+    # validity: the intervals of one start end before the next start
     nxt = torch.flip(torch.cummin(torch.flip(torch.where(present, idx, big), [0]), 0).values, [0])
     nxt_after = torch.cat([nxt[1:], nxt.new_full((1,), T)]) if T else nxt
-    ok = ~present | ((end_min == end_max) & (end_max <= nxt_after))
+    ok = ~present | (end_max <= nxt_after)
     pre_ok = ok.all()
     # gap-free: the readers fill their range (no other segment interleaved between them)
+    # and every one of them reads j (no shorter interval of the same start)
     n_rd = zero.clone().scatter_add_(0, starts, has.long())
-    dense = torch.where(inside, n_rd[lastc] == rd_hi[lastc] - rd_lo[lastc], torch.ones_like(inside))
+    dense = torch.where(inside, (n_rd[lastc] == rd_hi[lastc] - rd_lo[lastc]) & (end_min[lastc] > idx),
+                        torch.ones_like(inside))
     pre_lo = torch.where(pre_ok, pre_lo, zero)
     pre_hi = torch.where(pre_ok, pre_hi, torch.full_like(idx, T))
     dense = dense & pre_ok

@@ -42,8 +42,8 @@ class AttentionMeta:
 
     Segment level (a varlen kernel's view):
       cu_seqlens      int32 [S+1]  segment s is tokens cu_seqlens[s] : cu_seqlens[s+1]
-      prefix_segment  int32 [S]    index of the prefix segment that segment s sees in
-                                   full, or -1
+      prefix_segment  int32 [S]    index of the prefix segment that segment s sees (in
+                                   full, or its first tokens: trie layout), or -1
       segment_kind    int8  [S]    `SegmentKind`
     Token level (what a kernel reads per query row):
       seg_start       int32 [T]    first key of the own segment (causal up to i)
@@ -186,8 +186,14 @@ class AttentionMeta:
         cu_seqlens,
         prefix_segment,
         segment_kind,
+        prefix_len=None,
     ) -> "AttentionMeta":
-        """Derive the token-level arrays from segment boundaries and prefix links."""
+        """Derive the token-level arrays from segment boundaries and prefix links.
+
+        `prefix_len` (optional, per segment): how many leading tokens of its linked prefix
+        segment a segment reads (-1: all of them, the default for every segment). The trie
+        layout links calls that leave a shared spine early to the spine's first tokens only.
+        """
         cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
         ps = torch.as_tensor(prefix_segment, dtype=torch.int64).cpu()
         kind = torch.as_tensor(segment_kind, dtype=torch.int8).cpu()
@@ -226,6 +232,17 @@ class AttentionMeta:
             del pad
         pstart = torch.where(linked, cu[:-1][to], torch.zeros_like(ps))
         pend = torch.where(linked, cu[1:][to], torch.zeros_like(ps))
+        if prefix_len is not None:
+            pl = torch.as_tensor(prefix_len, dtype=torch.int64).cpu()
+            if pl.shape != ps.shape:
+                raise ValueError(f"prefix_len has shape {tuple(pl.shape)}, prefix_segment {tuple(ps.shape)}")
+            part = linked & (pl >= 0)
+            bad = torch.nonzero((pl < -1) | (part & (pl > pend - pstart)))
+            if bad.numel():
+                s = int(bad[0, 0])
+                raise ValueError(f"segment {s} reads {int(pl[s])} tokens of its prefix segment, which has "
+                                 f"{int(pend[s] - pstart[s]) if linked[s] else 0}")
+            pend = torch.where(part, pstart + pl, pend)
         prefix_lens = pend - pstart
         tokens = {name: torch.from_numpy(np.repeat(v.numpy().astype(it), lens_np)).to(torch.int32)
                   for name, v in (("prefix_start", pstart), ("prefix_end", pend))}
@@ -388,7 +405,15 @@ class PackedBatch:
         s1 = int(torch.searchsorted(cu, torch.tensor(t1), right=False))
         ps = self.attn.prefix_segment.long()[s0:s1]
         ps = torch.where(ps >= 0, ps - s0, ps)
-        attn = AttentionMeta.from_segments(cu[s0 : s1 + 1] - t0, ps, self.attn.segment_kind[s0:s1])
+        # what each segment reads of its prefix (all of it, or the first tokens: trie layout),
+        # from its first token's interval (-1, all of it, for an empty segment)
+        cu_h = cu.cpu()
+        first = cu_h[s0:s1]
+        has = (cu_h[s0 + 1 : s1 + 1] > first) & (ps.cpu() >= 0)
+        at = first.clamp(0, max(self.num_tokens - 1, 0)).to(self.attn.prefix_end.device)
+        width = (self.attn.prefix_end[at].long() - self.attn.prefix_start[at].long()).cpu()
+        plen = torch.where(has, width, torch.full_like(width, -1))
+        attn = AttentionMeta.from_segments(cu[s0 : s1 + 1] - t0, ps, self.attn.segment_kind[s0:s1], plen)
         keep = (self.action_index >= t0) & (self.action_index < t1)
         return PackedBatch(
             layout=self.layout,

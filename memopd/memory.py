@@ -286,12 +286,18 @@ def random_trajectories(
     mem_open_id: int = 1,
     mem_close_id: int = 2,
     with_logprobs: bool = True,
+    group_context: bool = False,
+    group_steps: int = 0,
 ) -> list[Trajectory]:
     """Random but valid trajectories for tests, audits and benchmarks (no model).
 
     Actions sometimes contain a `mem_open … mem_close` span so summary replacement has
     something to keep; trajectories of one group (`group_size` in a row) share their
     prefix, like rollouts of one prompt. Ids 0..2 are reserved (pad/mem tags).
+    `group_context`: the rollouts of a group also share their initial context x_0;
+    `group_steps`: and their first `group_steps` (action, observation) steps, so that
+    their early calls are identical (what the trie layout shares). Both off, the draws
+    are those of before the options existed.
     """
     if isinstance(policy, str):
         policy = make_policy(policy, mem_open_id=mem_open_id, mem_close_id=mem_close_id)
@@ -305,8 +311,11 @@ def random_trajectories(
 
     out = []
     prefix: list[int] = []
+    shared_ctx: list[int] = []
+    shared_steps: list = []
     for i in range(n):
-        if i % group_size == 0:
+        first_of_group = i % group_size == 0
+        if first_of_group:
             prefix = toks(prefix_len)
             if not prefix:
                 prefix = [lo]
@@ -320,6 +329,16 @@ def random_trajectories(
             steps.append((act, toks(obs_len)))
             lps.append([-rng.uniform(0.01, 5.0) for _ in act])
         ctx0 = toks(initial_context_len)
+        if group_context:
+            if first_of_group:
+                shared_ctx = ctx0
+            ctx0 = shared_ctx
+        if group_steps:
+            if first_of_group:
+                shared_steps = list(zip(steps, lps))[:group_steps]
+            k = min(len(shared_steps), len(steps))
+            steps[:k] = [s for s, _ in shared_steps[:k]]
+            lps[:k] = [lp for _, lp in shared_steps[:k]]
         out.append(
             drive(
                 policy,

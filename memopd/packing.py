@@ -11,6 +11,11 @@ Layouts (docs/design.md §2):
   positions and plain causal attention: what persistent-history trainers do. Its
   `naive_action_mask` marks every token that came from a model output, including
   re-encoded memory, to count the spurious decision positions.
+- `trie`: every token prefix common to several calls (the task prefix, a group's shared
+  call-0 context, identical early calls, the memory carried into later calls) laid out
+  once, as spines (PREFIX segments at positions 0..); each call is a segment with the rest
+  of `[q, x_t, a_t]` from its branch depth b, reading the first b tokens of its spine
+  (docs/design.md §2.5). Several entries may point at one token (identical states).
 
 Action domain (`action_domain=`, any layout):
 - `"exact"` (default): the per-action entries are the sampled occurrences of action
@@ -51,7 +56,7 @@ from .records import Source, Trajectory, validate_trajectories
 
 __all__ = ["LAYOUTS", "ACTION_DOMAINS", "PackError", "pack"]
 
-LAYOUTS = ("aligned", "aligned_unshared", "independent", "flatten")
+LAYOUTS = ("aligned", "aligned_unshared", "independent", "flatten", "trie")
 ACTION_DOMAINS = ("exact", "naive")
 _ALIASES = {"aligned_shared": "aligned", "packed": "aligned", "unshared": "aligned_unshared"}
 
@@ -333,6 +338,8 @@ class _Layout:
         self.seg_traj, self.seg_call, self.seg_row = seg_traj, seg_call, seg_row
         self.pieces = pieces  # (src in rec.ids, length, first position), two per segment
         self.x_start, self.x_pred, self.first, self.first_pred = x_start, x_pred, first, first_pred
+        self.seg_plen = None  # per segment, tokens read of its linked prefix (-1: all); trie only
+        self.depth_map = None  # trie: per call (branch depth b, spine start, tail start), see _at_depth
 
 
 def _plan(lengths: np.ndarray, groups: np.ndarray, group_cost: np.ndarray, max_tokens: int) -> np.ndarray:
@@ -341,6 +348,28 @@ def _plan(lengths: np.ndarray, groups: np.ndarray, group_cost: np.ndarray, max_t
 
 def _empty_item(rec: _Records, c: int) -> PackError:
     return PackError(f"trajectory {int(rec.traj[c])}, call {int(rec.t[c])} has no tokens to pack")
+
+
+def _stream_order(row_of: np.ndarray, groups: np.ndarray, n_groups: int):
+    """Where the calls go in the stream: in each row the groups in order of their first
+    call, a group's prefix segment first, then its calls in (trajectory, call) order;
+    ungrouped calls (-1) form one group without a prefix. Returns the calls in stream
+    order, their groups, whether a prefix segment opens before each, the segment index
+    of each call and of each prefix, each call's link (-1: none), the segment count, and
+    per call (in call order) the index of its (row, group) pair."""
+    C = row_of.size
+    pair = row_of * (n_groups + 1) + (groups + 1)
+    _, first_idx, inverse = np.unique(pair, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    pair_first = first_idx[inverse]
+    order = np.lexsort((np.arange(C, dtype=_I64), pair_first, row_of))
+    g_s = groups[order]
+    opens = (pair_first[order] == order) & (g_s >= 0)  # a prefix segment before this call
+    call_seg = np.arange(C, dtype=_I64) + np.cumsum(opens)
+    S = C + int(opens.sum())
+    pre_seg = call_seg[opens] - 1
+    link_s = np.where(g_s >= 0, np.maximum.accumulate(np.where(opens, call_seg - 1, -1)) if C else g_s, -1)
+    return order, g_s, opens, call_seg, pre_seg, link_s, S, inverse
 
 
 def _layout_aligned(rec: _Records, trajs, max_tokens: int, shared: bool, share_prefix: str) -> _Layout:
@@ -378,16 +407,7 @@ def _layout_aligned(rec: _Records, trajs, max_tokens: int, shared: bool, share_p
     row_of = _plan(n, groups, group_cost, max_tokens)
     # in each row: the groups in order of their first call, a group's prefix segment
     # first, then its calls in (trajectory, call) order; ungrouped calls form one group
-    pair = row_of * (len(group_cost) + 1) + (groups + 1)
-    _, first_idx, inverse = np.unique(pair, return_index=True, return_inverse=True)
-    pair_first = first_idx[inverse.reshape(-1)]
-    order = np.lexsort((np.arange(C, dtype=_I64), pair_first, row_of))
-    g_s = groups[order]
-    opens = (pair_first[order] == order) & (g_s >= 0)  # a prefix segment before this call
-    call_seg = np.arange(C, dtype=_I64) + np.cumsum(opens)
-    S = C + int(opens.sum())
-    pre_seg = call_seg[opens] - 1
-    link_s = np.where(g_s >= 0, np.maximum.accumulate(np.where(opens, call_seg - 1, -1)) if C else g_s, -1)
+    order, g_s, opens, call_seg, pre_seg, link_s, S, _ = _stream_order(row_of, groups, len(group_cost))
 
     seg_len = np.empty(S, dtype=_I64)
     seg_kind = np.full(S, int(SegmentKind.CALL), dtype=np.int8)
@@ -508,6 +528,261 @@ def _layout_flatten(rec: _Records, max_tokens: int) -> _Layout:
                    x_start, x_start - 1, first, first - 1)
 
 
+def _call_tokens(rec: _Records, calls: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Index in `rec.ids` of token `depth` of each call's sequence [q, x_t, a_t]."""
+    ql = rec.q_len[calls]
+    return np.where(depth < ql, rec.q_off_traj[rec.traj[calls]] + depth, rec.x_off[calls] + depth - ql)
+
+
+def _sorted_calls(rec: _Records) -> tuple[np.ndarray, np.ndarray]:
+    """The calls in lexicographic order of their sequences [q, x_t, a_t] (ties: call order),
+    and the longest common prefix of each neighbouring pair."""
+    C = rec.C
+    ids = rec.ids
+    # fixed-width big-endian codes: byte order is token order, so sequences with a common
+    # prefix sort next to each other
+    lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    code = ids.astype(">u4") if lo >= 0 and hi < 2**32 else (ids.astype(np.uint64) ^ np.uint64(1 << 63)).astype(">u8")
+    w = code.itemsize
+    buf = code.tobytes()
+    q_bytes = [buf[w * o: w * (o + n)] for o, n in zip(rec.q_off_traj.tolist(), rec.q_len_traj.tolist())]
+    x_off, xa = rec.x_off.tolist(), (rec.x_len + rec.a_len).tolist()
+    keys = [q_bytes[b] + buf[w * o: w * (o + n)] for b, o, n in zip(rec.traj.tolist(), x_off, xa)]
+    order = np.array(sorted(range(C), key=keys.__getitem__), dtype=_I64)
+    del keys, q_bytes, buf, code
+    length = rec.q_len + rec.x_len + rec.a_len
+    if C < 2:
+        return order, np.zeros(0, dtype=_I64)
+    c1, c2 = order[:-1], order[1:]
+    m = np.minimum(length[c1], length[c2])
+    lcp = m.copy()
+    # token by token over pairs of calls, in blocks of about `block` tokens (no T-long
+    # temporaries): the first differing depth of each pair, or the shorter length
+    ends = np.cumsum(m)
+    lo, block = 0, 1 << 16
+    while lo < C - 1:
+        hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - m[lo] + block, side="right")))
+        mb = m[lo:hi]
+        starts = np.cumsum(mb) - mb
+        pair = np.repeat(np.arange(lo, hi, dtype=_I64), mb)
+        d = np.arange(pair.size, dtype=_I64) - starts[pair - lo]
+        diff = ids[_call_tokens(rec, c1[pair], d)] != ids[_call_tokens(rec, c2[pair], d)]
+        first = np.where(diff, d, m[pair])
+        nz = mb > 0
+        if nz.any():
+            lcp[lo:hi][nz] = np.minimum.reduceat(first, starts[nz])
+        lo = hi
+    return order, lcp
+
+
+def _trie_spines(order: np.ndarray, lcp: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which spine each call reads (-1: none) and how many tokens of it (its branch depth).
+
+    The calls, sorted, with the common prefix of neighbours, give the compressed trie of
+    their sequences (its nodes are the intervals of the sorted order whose calls share a
+    prefix). A spine is a root path laid out once; a call reads one spine, down to the
+    depth where it leaves it, always keeping at least its last token for itself. Bottom
+    up, each node v (depth D, children c) is priced two ways: `A(c)`, c's calls read the
+    spine that passes through v down to D; `G(c)`, c owns a spine of its own (repeating
+    the D tokens above it). A spine through v continues into one child, the one where
+    owning instead of reading gains most: G(v) = sum_c min(A, G)(c) + min_c (G(c) -
+    min(A, G)(c)). The plan is the cheapest such decomposition; with every call sharing
+    only q it is the aligned layout's one prefix per group.
+    """
+    C = order.size
+    lens = length[order].tolist()
+    # node: [depth, lo, hi (sorted range), n, sum of lengths, G, heavy child, children]
+    # a child is ["L", k] (the k-th sorted call) or ["N", node, owns its spine]
+    stack: list[list] = [[0, 0, 0, 0, 0, 0.0, None, []]]
+    lcps = lcp.tolist()
+
+    def close(v) -> list:
+        D = v[0]
+        best, heavy, tot, n, s = math.inf, None, 0, 0, 0
+        for c in v[7]:
+            if c[0] == "L":
+                ln = lens[c[1]]
+                a = ln - min(D, ln - 1)
+                f, g = a, D + a
+                n, s = n + 1, s + ln
+            else:
+                u = c[1]
+                a = u[4] - u[3] * D
+                g = u[5]
+                f = min(a, g)
+                c.append(g < a)  # owns its spine
+                n, s = n + u[3], s + u[4]
+            tot += f
+            if g - f < best:
+                best, heavy = g - f, c
+        v[3], v[4], v[5], v[6] = n, s, tot + best, heavy
+        return v
+
+    for k in range(C):
+        last = ["L", k]
+        h = lcps[k] if k < C - 1 else 0
+        while stack[-1][0] > h:
+            v = stack.pop()
+            v[7].append(last)
+            v[2] = k + 1
+            last = ["N", close(v)]
+        if stack[-1][0] == h:
+            stack[-1][7].append(last)
+        else:
+            lo = last[1] if last[0] == "L" else last[1][1]
+            stack.append([h, lo, 0, 0, 0, 0.0, None, [last]])
+    root = stack[0]
+    spine = np.full(C, -1, dtype=_I64)  # per sorted call
+    depth = np.zeros(C, dtype=_I64)
+    n_spines = 0
+    todo = []
+    for c in root[7]:  # depth 0: reading the root is reading nothing; own a spine where it pays
+        if c[0] == "N" and c[1][5] < c[1][4]:
+            todo.append(c[1])
+    while todo:
+        v = todo.pop()
+        s = n_spines
+        n_spines += 1
+        while v is not None:
+            D, nxt = v[0], None
+            for c in v[7]:
+                if c[0] == "L":
+                    k = c[1]
+                    spine[k], depth[k] = s, min(D, lens[k] - 1)
+                elif c is v[6]:
+                    nxt = c[1]
+                elif c[2]:
+                    todo.append(c[1])
+                else:
+                    u = c[1]
+                    spine[u[1]:u[2]], depth[u[1]:u[2]] = s, D
+            v = nxt
+    out_spine = np.empty(C, dtype=_I64)
+    out_depth = np.empty(C, dtype=_I64)
+    out_spine[order] = spine
+    out_depth[order] = depth
+    return out_spine, out_depth
+
+
+def _layout_trie(rec: _Records, max_tokens: int) -> _Layout:
+    """Every token prefix common to several calls laid out once (docs/design.md §2.5): per
+    spine one PREFIX segment (a root path of the calls' trie, positions 0..), then per call
+    a CALL segment with the rest of its sequence, at positions from its branch depth b,
+    reading the spine's first b tokens."""
+    C = rec.C
+    if rec.odd_prefix:
+        raise PackError("a call's prefix_ids differ from call 0's in its trajectory; the trie layout "
+                        "needs one prefix per trajectory (pack with validate=True to see which)")
+    length = rec.q_len + rec.x_len + rec.a_len
+    over = np.flatnonzero(length > max_tokens)
+    if over.size:
+        c = int(over[0])
+        raise _budget_error(f"trajectory {int(rec.traj[c])}, call {int(rec.t[c])}", int(length[c]), max_tokens)
+    if C and length.min() <= 0:
+        raise _empty_item(rec, int(np.flatnonzero(length <= 0)[0]))
+    order, lcp = _sorted_calls(rec)
+    spine, b = _trie_spines(order, lcp, length)
+    spine[b <= 0] = -1
+    b[b <= 0] = 0
+    # a spine is as long as its deepest reader. A spine whose readers do not fit one row:
+    # its readers, deepest first (then in trie order, so that calls sharing deeper nodes
+    # stay together), cut into runs that fit, each a spine of its own as long as its first
+    # reader's depth (the planner would repeat the whole spine in every row instead). A call
+    # alone always fits; a spine with one reader saves nothing and is dropped.
+    reads = spine >= 0
+    n_sp = int(spine.max()) + 1 if C else 0
+    L = np.zeros(n_sp, dtype=_I64)
+    np.maximum.at(L, spine[reads], b[reads])
+    total = L + np.bincount(spine[reads], weights=(length - b)[reads], minlength=n_sp).astype(_I64)
+    rank = np.empty(C, dtype=_I64)
+    rank[order] = np.arange(C, dtype=_I64)
+    split = np.flatnonzero(reads & (total[np.maximum(spine, 0)] > max_tokens))
+    split = split[np.lexsort((rank[split], -b[split], spine[split]))]
+    g, cur, run_cost = -1, -1, 0
+    for c, gc, bc, lc in zip(split.tolist(), spine[split].tolist(), b[split].tolist(), length[split].tolist()):
+        if gc != g:  # the first run keeps the spine's number
+            g, cur, run_cost = gc, gc, bc
+        elif run_cost + lc - bc > max_tokens:
+            cur, run_cost, n_sp = n_sp, bc, n_sp + 1  # the run's deepest reader: its spine's length
+        run_cost += lc - bc
+        spine[c] = cur
+    readers = np.bincount(spine[reads], minlength=n_sp)
+    alone = reads & (readers[np.maximum(spine, 0)] < 2)
+    spine[alone], b[alone] = -1, 0
+    reads = spine >= 0
+    _, spine = np.unique(spine, return_inverse=True)  # renumber the spines left 0..
+    spine = np.where(reads, spine.reshape(-1) - (0 if reads.all() else 1), -1)
+    n_sp = int(spine.max()) + 1 if reads.any() else 0
+    L = np.zeros(n_sp, dtype=_I64)
+    np.maximum.at(L, spine[reads], b[reads])
+    tail = length - b
+    row_of = _plan(tail, spine, L, max_tokens)
+    # in each row: the spines in order of their first call, a spine's PREFIX segment first,
+    # then its readers in call order; calls that read no spine stand alone. A spine's copy
+    # in a row is as long as the deepest of its readers there (the planner priced all of it).
+    order, g_s, opens, call_seg, pre_seg, link_s, S, inverse = _stream_order(row_of, spine, n_sp)
+    n_pairs = int(inverse.max()) + 1 if C else 0
+    L_pair = np.zeros(n_pairs, dtype=_I64)
+    np.maximum.at(L_pair, inverse[reads], b[reads])
+    rep = np.zeros(n_pairs, dtype=_I64)  # per (row, spine): a call whose first L tokens are the spine
+    deepest = reads & (b == L_pair[inverse])
+    rep[inverse[deepest]] = np.flatnonzero(deepest)
+    seg_len = np.empty(S, dtype=_I64)
+    seg_kind = np.full(S, int(SegmentKind.CALL), dtype=np.int8)
+    seg_link = np.full(S, -1, dtype=_I64)
+    seg_plen = np.full(S, -1, dtype=_I64)
+    seg_traj = np.full(S, -1, dtype=_I64)
+    seg_call = np.full(S, -1, dtype=_I64)
+    seg_row = np.empty(S, dtype=_I64)
+    src = np.zeros((S, 2), dtype=_I64)
+    plen = np.zeros((S, 2), dtype=_I64)
+    pos0 = np.zeros((S, 2), dtype=_I64)
+    b_s, ql_s = b[order], rec.q_len[order]
+    seg_len[call_seg] = tail[order]
+    seg_link[call_seg] = link_s
+    seg_plen[call_seg] = np.where(link_s >= 0, b_s, -1)
+    seg_traj[call_seg] = rec.traj[order]
+    seg_call[call_seg] = rec.t[order]
+    seg_row[call_seg] = row_of[order]
+    # a tail from depth b: the rest of q (if b < |q|), then [x_t, a_t] from depth max(b, |q|)
+    in_q = np.minimum(b_s, ql_s)
+    src[call_seg, 0] = rec.q_off_traj[rec.traj[order]] + in_q
+    plen[call_seg, 0] = ql_s - in_q
+    pos0[call_seg, 0] = in_q
+    past = np.maximum(b_s, ql_s)
+    src[call_seg, 1] = rec.x_off[order] + past - ql_s
+    plen[call_seg, 1] = length[order] - past
+    pos0[call_seg, 1] = past
+    if n_sp:
+        p_open = inverse[order][opens]
+        r = rep[p_open]
+        Lg = L_pair[p_open]
+        seg_len[pre_seg] = Lg
+        seg_kind[pre_seg] = int(SegmentKind.PREFIX)
+        seg_row[pre_seg] = row_of[order][opens]
+        src[pre_seg, 0] = rec.q_off_traj[rec.traj[r]]
+        plen[pre_seg, 0] = np.minimum(Lg, rec.q_len[r])
+        src[pre_seg, 1] = rec.x_off[r]
+        plen[pre_seg, 1] = Lg - plen[pre_seg, 0]
+        pos0[pre_seg, 1] = rec.q_len[r]
+    seg_start = np.cumsum(seg_len) - seg_len
+    spine_at = np.zeros(C, dtype=_I64)
+    tail_at = np.empty(C, dtype=_I64)
+    tail_at[order] = seg_start[call_seg]
+    spine_at[order] = np.where(link_s >= 0, seg_start[np.maximum(link_s, 0)], 0)
+    lay = _Layout(seg_len, seg_kind, seg_link, seg_traj, seg_call, seg_row, (src, plen, pos0), None, None, None, None)
+    lay.seg_plen = seg_plen
+    lay.depth_map = (b, spine_at, tail_at)
+    return lay
+
+
+def _at_depth(rec: _Records, lay: _Layout, calls: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Packed index of token `depth` of each call's sequence [q, x_t, a_t] in a trie layout."""
+    b, spine_at, tail_at = lay.depth_map
+    bc = b[calls]
+    return np.where(depth < bc, spine_at[calls] + depth, tail_at[calls] + depth - bc)
+
+
 def _tokens(rec: _Records, pieces) -> tuple[np.ndarray, np.ndarray]:
     """Ids and positions of the pieces laid end to end (piece k: ids[src:src+len] at
     positions pos0, pos0+1, ...)."""
@@ -547,9 +822,16 @@ def _entries(rec: _Records, lay: _Layout, naive_domain: bool) -> dict:
     A = int(al.sum())
     a_call = np.repeat(calls, al)
     i = np.arange(A, dtype=_I64) - np.repeat(np.cumsum(al) - al, al)
-    a_idx = lay.first[a_call] + i
-    a_pred = a_idx - 1
-    a_pred[i == 0] = lay.first_pred[al > 0]
+    trie = lay.depth_map is not None
+    if trie:  # a token's index depends on whether its depth is on the call's spine
+        a_depth = (rec.q_len + rec.x_len)[a_call] + i
+        a_idx = _at_depth(rec, lay, a_call, a_depth)
+        a_pred = _at_depth(rec, lay, a_call, a_depth - 1)
+        del a_depth
+    else:
+        a_idx = lay.first[a_call] + i
+        a_pred = a_idx - 1
+        a_pred[i == 0] = lay.first_pred[al > 0]
     a_tgt = rec.ids[rec.a_off[a_call] + i]
     lps = rec.lps
     if not naive_domain or rec.src is None:
@@ -573,8 +855,14 @@ def _entries(rec: _Records, lay: _Layout, naive_domain: bool) -> dict:
         return o
 
     # one entry array at a time, each action-token temporary dropped once placed
-    c_idx = lay.x_start[cc] + cj
-    out = {"pred": scatter(a_pred, np.where(cj == 0, lay.x_pred[cc], c_idx - 1))}
+    if trie:
+        c_idx = _at_depth(rec, lay, cc, rec.q_len[cc] + cj)
+        c_pred = _at_depth(rec, lay, cc, rec.q_len[cc] + cj - 1)
+    else:
+        c_idx = lay.x_start[cc] + cj
+        c_pred = np.where(cj == 0, lay.x_pred[cc], c_idx - 1)
+    out = {"pred": scatter(a_pred, c_pred)}
+    del c_pred
     del a_pred
     out["index"] = scatter(a_idx, c_idx)
     del a_idx, c_idx
@@ -592,7 +880,7 @@ def _entries(rec: _Records, lay: _Layout, naive_domain: bool) -> dict:
 def _build(rec: _Records, lay: _Layout, layout: str, naive_domain: bool, pad_id: int) -> PackedBatch:
     cu = np.zeros(lay.seg_len.size + 1, dtype=_I64)
     np.cumsum(lay.seg_len, out=cu[1:])
-    attn = AttentionMeta.from_segments(cu, lay.seg_link, lay.seg_kind)
+    attn = AttentionMeta.from_segments(cu, lay.seg_link, lay.seg_kind, lay.seg_plen)
     ids, pos = _tokens(rec, lay.pieces)
     T = ids.size
     if layout == "independent" and T:
@@ -657,7 +945,7 @@ def pack(
 
     share_prefix: for `aligned`, "trajectory" (one prefix segment per trajectory per
     row) or "group" (trajectories with the same group_id and identical prefix ids
-    share one prefix segment per row).
+    share one prefix segment per row). `trie` shares whatever is identical and ignores it.
     action_domain: "exact" (the sampled action tokens) or "naive" (also re-encoded
     copies of model output inside later contexts: the ablation; module docstring).
     """
@@ -691,6 +979,8 @@ def pack(
         lay = _layout_aligned(rec, trajectories, max_tokens, layout == "aligned", share_prefix)
     elif layout == "independent":
         lay = _layout_independent(rec, max_tokens)
+    elif layout == "trie":
+        lay = _layout_trie(rec, max_tokens)
     else:
         lay = _layout_flatten(rec, max_tokens)
     return _build(rec, lay, layout, naive_domain, pad_id)

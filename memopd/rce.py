@@ -39,12 +39,13 @@ VARIANTS = (
     "aligned",
     "aligned_group",
     "aligned_unshared",
+    "trie",
     "flatten",
     "positions_broken",
     "visibility_broken",
 )
 # which variants must pass (the restored states); the others are there to fail
-MUST_PASS = ("aligned", "aligned_group", "aligned_unshared")
+MUST_PASS = ("aligned", "aligned_group", "aligned_unshared", "trie")
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -181,6 +182,8 @@ def audit(
                 batch = pack(trajectories, "aligned", max_tokens, share_prefix="group")
             elif v == "aligned_unshared":
                 batch = pack(trajectories, "aligned_unshared", max_tokens)
+            elif v == "trie":
+                batch = pack(trajectories, "trie", max_tokens)
             elif v == "flatten":
                 batch = pack(trajectories, "flatten", max_tokens)
             else:

@@ -32,14 +32,31 @@ def models():
 def test_aligned_passes_flatten_fails(models, arch, policy, seed):
     trajs = random_trajectories(policy, 6, seed=seed, group_size=3, vocab_size=128, calls=(3, 5), obs_len=(1, 8))
     res = {r.variant: r for r in audit(models[arch], trajs, attention_backend=BACKEND)}
-    for v in ("aligned", "aligned_group", "aligned_unshared"):
+    for v in ("aligned", "aligned_group", "aligned_unshared", "trie"):
         assert res[v].max_logit_linf <= 1e-4, (v, res[v])
         assert res[v].top1_changes == 0
+        assert res[v].must_pass
     assert res["flatten"].max_logit_linf > 0.1
     assert res["flatten"].max_logit_linf > 1000 * res["aligned"].max_logit_linf
     assert res["positions_broken"].max_logit_linf > 0.1
     assert res["visibility_broken"].max_logit_linf > 0.1
     assert res["flatten"].spurious_positions >= 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_trie_passes_on_shared_early_calls(models, policy, seed):
+    """Rollouts of a group with one x_0 and two identical first steps: the trie lays the
+    shared calls out once (fewer tokens than one prefix per group) and every action's
+    logits stay within 1e-5 of its call alone (fp32), on every memory policy."""
+    trajs = random_trajectories(policy, 6, seed=seed, group_size=3, vocab_size=128, calls=(3, 5), obs_len=(1, 8),
+                                initial_context_len=(4, 12), group_context=True, group_steps=2)
+    trie = pack(trajs, "trie")
+    assert trie.num_tokens < pack(trajs, "aligned", share_prefix="group").num_tokens
+    assert trie.action_index.unique().numel() < trie.num_actions  # identical early calls: shared entries
+    for arch in ("qwen2", "llama"):
+        res = {r.variant: r for r in audit(models[arch], trajs, ("trie", "aligned_group"), attention_backend=BACKEND)}
+        assert res["trie"].max_logit_linf <= 1e-5, res["trie"]
+        assert res["trie"].top1_changes == 0 and res["trie"].passed
 
 
 def test_metadata_is_really_used(models):
@@ -77,13 +94,16 @@ def test_missing_metadata_is_an_error(models):
     assert m.config._attn_implementation != "memopd"
 
 
+@pytest.mark.parametrize("layout", ["aligned", "trie"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_gradients_match_independent(models, arch, seed):
+def test_gradients_match_independent(models, arch, layout, seed):
     """d(actor loss over action tokens) through one packed forward equals the sum over
-    independent per-call forwards."""
+    independent per-call forwards (trie: with identical early calls, whose entries share
+    tokens)."""
     m = models[arch]
-    trajs = random_trajectories("summary", 4, seed=seed, group_size=2, vocab_size=128, calls=(2, 4))
-    batch = pack(trajs, layout="aligned", share_prefix="group")
+    shared = dict(group_context=True, group_steps=1) if layout == "trie" else {}
+    trajs = random_trajectories("summary", 4, seed=seed, group_size=2, vocab_size=128, calls=(2, 4), **shared)
+    batch = pack(trajs, layout=layout, share_prefix="group")
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(batch.num_actions, generator=g)
     m.zero_grad()

@@ -436,10 +436,41 @@ def test_tiny_streams(monkeypatch):
             assert_close(name, a, b, torch.float32)
 
 
+def _trie_meta(seed=0):
+    """A trie batch's metadata: spines read to several depths (nested prefix intervals with
+    one start), identical early calls of a group."""
+    from memopd import pack, random_trajectories
+
+    trajs = random_trajectories("full", 6, seed=seed, group_size=3, vocab_size=6, calls=(2, 4), obs_len=(1, 5),
+                                initial_context_len=(2, 6), group_context=True, group_steps=1)
+    meta = pack(trajs, "trie").attn
+    starts = [s for s, e in set(zip(meta.prefix_start.tolist(), meta.prefix_end.tolist())) if e > s]
+    assert len(starts) > len(set(starts))
+    return meta
+
+
+@pytest.mark.parametrize("det", [False, True])
+def test_trie_layout_metadata(det, monkeypatch):
+    """The trie layout's metadata goes through the kernels unchanged: a spine is a prefix
+    segment that each call reads to its own depth (its token-level interval)."""
+    meta = _trie_meta()
+    # the dK/dV walk's reader ranges stay per spine (no fallback to every query row)
+    kqr = kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end).long()
+    read = meta.prefix_end.long() > meta.prefix_start.long()
+    spine_keys = torch.zeros(meta.num_tokens, dtype=torch.bool)
+    spine_keys[meta.prefix_start.long()[read]] = True
+    assert spine_keys.any() and ((kqr[1] - kqr[0])[spine_keys] < meta.num_tokens).all()
+    q, k, v, do = make_inputs(meta.num_tokens, 4, 2, 16, torch.float32, 5)
+    got = run_triton(q, k, v, do, meta, (16, 16), det, monkeypatch=monkeypatch)
+    want = oracle(q, k, v, do, meta)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(name, a, b, torch.float32)
+
+
 def test_key_query_ranges_cover_every_reader():
     """Per key token, the precomputed query ranges must contain every row that sees it
     (through the prefix or the own segment), and the gap-free flag must be truthful."""
-    for meta in (random_meta(21, 400, shuffle=True), random_meta(22, 400), random_token_meta(4, 120)):
+    for meta in (random_meta(21, 400, shuffle=True), random_meta(22, 400), random_token_meta(4, 120), _trie_meta(1)):
         vis = meta.visible()  # [query, key]
         T = meta.num_tokens
         kqr = kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end).long()
