@@ -320,7 +320,7 @@ def test_served_scorer_faults(episode, teacher_dir, teacher_url):
         scorer.close()
     msg = str(e.value)
     print("dead teacher server:", msg)
-    assert url in msg and "did not answer" in msg and "\n" not in msg
+    assert url in msg and "did not answer" in msg and "trainer.resume_mode" in msg and "\n" not in msg
     assert all(r.extra_fields.get(TEACHER_KEY) is b for r, b in zip(rows, before))  # no row half written
 
 

@@ -40,6 +40,7 @@ __all__ = ["CallScore", "TeacherScorer", "LocalTeacherScorer", "ServedTeacherSco
            "ScoreEveryCallMixin", "session_groups", "TEACHER_KEY"]
 
 TEACHER_KEY = "memopd_teacher"
+RESUME_HINT = "resume the verl run (trainer.resume_mode=auto continues from its last checkpoint)"
 
 
 @dataclass
@@ -151,7 +152,7 @@ class ServedTeacherScorer:
         from memopd.teacher_client import ServedTeacher
 
         client = ServedTeacher(url, secret_file=secret_file, timeout=timeout, retries=retries, transport=transport,
-                               head_dir=head_dir)
+                               head_dir=head_dir, resume_hint=RESUME_HINT)
         try:
             return cls(client, max_tokens=max_tokens, fingerprint=fingerprint)
         except BaseException:
