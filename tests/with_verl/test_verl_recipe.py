@@ -7,9 +7,10 @@ way verl's `AgentLoopWorker._run_agent_loop` does (`hydra.utils.instantiate` wit
 trainer config composed from examples/verl/memopd_compact_memory.yaml over verl's
 `ppo_trainer`). The sessions run with a sliding-window memory (contexts rewritten). Then:
 per-call rows, their restored packed forward against independent per-call forwards, the
-teacher's scores of every call, the RCE hook, and the registered loss against verl's own
-`ppo_loss` on the same rows (float64) for every `loss_agg_mode`, plus the KL term, and the
-session weighting."""
+teacher's scores of every call (in process, and through a real `memopd serve-teacher`
+process on a loopback port: the same, every call), the RCE hook, and the registered loss
+against verl's own `ppo_loss` on the same rows (float64) for every `loss_agg_mode`, plus
+the KL term, and the session weighting."""
 import asyncio
 import os
 
