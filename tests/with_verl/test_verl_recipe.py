@@ -235,8 +235,14 @@ def test_served_scorer_equals_the_in_process_one_for_every_call(episode, teacher
         head = served.head()
         got = served.client.bytes_received
         assert served.head() is head and served.client.bytes_received == got  # the head is read once
+        half = build_scorer(None, {"teacher": {**settings["teacher"], "transport": "bf16"}})
+        try:  # bf16 on the wire: the fp32 states rounded once
+            bf16_scores = _scores(rows, half)
+        finally:
+            half.close()
     finally:
         served.close()
+    assert all(torch.equal(b.hidden, a.hidden.to(torch.bfloat16).float()) for a, b in zip(local_scores, bf16_scores))
     local_head = head_of(teacher)
     assert torch.equal(head.weight, local_head.weight) and head.scale == local_head.scale and head.bias is None
     # every call, not only the last: hidden states and the full-vocabulary reverse KL of the call
