@@ -5,7 +5,8 @@
 # without declaring them, and its TransferQueue trainer (trainer/ppo/v1) imports
 # transferqueue. torch is installed first (the CPU wheel) and must stay 2.13.0+cpu.
 # The tests import the checkout's memopd (C++ core built in place by `pip install -e`) from
-# the repository root. Prints the install and test times. VERL_VENV=DIR reuses (or keeps) a
+# the repository root; the served-teacher tests start `memopd serve-teacher` (uvicorn +
+# starlette) in this venv. Prints the install and test times. VERL_VENV=DIR reuses (or keeps) a
 # venv there instead of a temporary one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/pip" install --quiet torch==2.13.0
 "$venv/bin/pip" install --quiet "verl==0.9.1" "transformers>=5.5.3,<5.11" "tensordict<=0.10.0" "ray[default]" \
-  cachetools uvicorn fastapi "hydra-core>=1.3" "omegaconf>=2.3,<3" "safetensors>=0.4" "numpy>=1.24" \
+  cachetools uvicorn fastapi "starlette>=0.37" "hydra-core>=1.3" "omegaconf>=2.3,<3" "safetensors>=0.4" "numpy>=1.24" \
   "tokenizers>=0.20" "bm25s>=0.2" "tqdm>=4.60" "pyyaml>=6.0" "pytest>=8" "transferqueue==0.1.11"
 "$venv/bin/python" -c "import torch, verl; v = torch.__version__; assert v == '2.13.0+cpu', f'verl replaced the CPU torch: {v}'; print('verl', verl.__version__)"
 echo "verl stage install: $((SECONDS - start)) s"

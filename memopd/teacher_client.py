@@ -54,7 +54,8 @@ class ServedTeacher:
     fetched (with retries), its protocol checked; `.fingerprint` is the server's."""
 
     def __init__(self, url: str, *, secret_file: str | None = None, timeout: float = 60.0, retries: int = 3,
-                 backoff: float = 0.5, transport: str = "fp32", head_dir: str | None = None, inflight: int = 2):
+                 backoff: float = 0.5, transport: str = "fp32", head_dir: str | None = None, inflight: int = 2,
+                 resume_hint: str = "continue with --resume"):
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path not in ("", "/"):
             raise UserError(f"teacher_url={url!r}: give http://HOST:PORT (the address `memopd serve-teacher` prints)")
@@ -65,6 +66,7 @@ class ServedTeacher:
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.transport = transport
         self.head_dir = head_dir
+        self.resume_hint = resume_hint  # how the caller's run goes on once the server is back (said on a PeerError)
         self._headers = {"Content-Type": "application/octet-stream"}
         if secret_file:
             from .teacher_server import read_secret
@@ -265,7 +267,7 @@ class ServedTeacher:
             raise UserError(f"the teacher server at {self.url} refused {method} {path} (HTTP {resp.status}): {said}")
         raise PeerError(f"the teacher server at {self.url} did not answer {method} {path} after {self.retries + 1} "
                         f"tries over {time.monotonic() - t0:.1f} s ({last}): it stopped or is unreachable; nothing of "
-                        "this step was written: start it again and continue with --resume")
+                        f"this step was written: start it again and {self.resume_hint}")
 
     def close(self) -> None:
         self._producer.shutdown(wait=False, cancel_futures=True)

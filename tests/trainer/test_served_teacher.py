@@ -3,52 +3,20 @@ through real server processes on free loopback ports: the same hidden states, lo
 gradients for every layout and two context-rewriting memory policies; `memopd train` end
 to end with the same metrics; and the faults (bad requests, limits, secret, a server that
 dies mid-run, a restarted one with other weights, a vocabulary that does not fit)."""
-import contextlib
 import json
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
+from _teacher_server import ROOT, served
 
 from memopd.errors import EXIT_BAD_INPUT, EXIT_PEER_FAILED, PeerError, RunDirError, UserError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-URL_LINE = re.compile(r"on (http://[0-9.]+:\d+)")
-
-
-@contextlib.contextmanager
-def served(model_dir, *args, port=0):
-    """A `memopd serve-teacher` process on loopback; yields (process, url)."""
-    cmd = [sys.executable, "-m", "memopd.cli", "serve-teacher", str(model_dir), "--port", str(port), "--threads", "1", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-    try:
-        try:
-            first = lines.get(timeout=120)
-        except queue.Empty:
-            first = ""
-        m = URL_LINE.search(first)
-        assert m, f"the server did not start: {first!r} {proc.stderr.read() if proc.poll() is not None else ''}"
-        yield proc, m.group(1)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +41,14 @@ def _loss_and_grads(student, teacher_lm, trajs, layout, head):
     """score() with `teacher_lm` (in process or served), then the fused actor loss of every
     micro-batch, backward: (teacher hidden, teacher mask, loss, KL sum, student grads)."""
     from memopd.trainer.modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
-    from memopd.trainer.update import _pack, score
+    from memopd.trainer.update import pack_layout, score
 
     student.zero_grad(set_to_none=True)
     actor = Actor(student, scoring=Scoring(1.0, 128))
     critic = Critic(student)
     scored = score(actor, critic, None, teacher_lm, trajs, teacher_layout=layout, max_tokens=256, kl_coef=0.0,
                    gamma=1.0, lam=0.95)
-    batch = _pack(trajs, 256)
+    batch = pack_layout(trajs, 256)
     coefs = ActorLossCoefs(0.2, 0.001, 1.0)
     n_t = float(batch.teacher_mask.sum())
     loss = kl = 0.0

@@ -7,9 +7,10 @@ way verl's `AgentLoopWorker._run_agent_loop` does (`hydra.utils.instantiate` wit
 trainer config composed from examples/verl/memopd_compact_memory.yaml over verl's
 `ppo_trainer`). The sessions run with a sliding-window memory (contexts rewritten). Then:
 per-call rows, their restored packed forward against independent per-call forwards, the
-teacher's scores of every call, the RCE hook, and the registered loss against verl's own
-`ppo_loss` on the same rows (float64) for every `loss_agg_mode`, plus the KL term, and the
-session weighting."""
+teacher's scores of every call (in process, and through a real `memopd serve-teacher`
+process on a loopback port: the same, every call), the RCE hook, and the registered loss
+against verl's own `ppo_loss` on the same rows (float64) for every `loss_agg_mode`, plus
+the KL term, and the session weighting."""
 import asyncio
 import os
 
@@ -173,6 +174,161 @@ def test_teacher_scores_every_call_in_its_restored_state(episode):
     # the calls before the last are scored too, and differ from the last call's scores
     first, last = rows[0].extra_fields[TEACHER_KEY].hidden, rows[3].extra_fields[TEACHER_KEY].hidden
     assert first.abs().sum() > 0 and not torch.equal(first[:1], last[:1])
+
+
+# ----------------------------------------------------------------- the served teacher (memopd serve-teacher)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """The tiny teacher saved as a checkpoint directory, as `memopd serve-teacher` loads one."""
+    d = tmp_path_factory.mktemp("verl_teacher") / "teacher"
+    _model(TEACHER).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def teacher_url(teacher_dir):
+    """A real `memopd serve-teacher` process serving it on a free loopback port."""
+    from _teacher_server import served
+
+    with served(teacher_dir) as (_, url):
+        yield url
+
+
+def _scores(rows, scorer):
+    from memopd.integrations.verl.teacher import TEACHER_KEY, score_every_call
+
+    assert asyncio.run(score_every_call(rows, scorer)) == len(rows)
+    return [r.extra_fields[TEACHER_KEY] for r in rows]
+
+
+def test_served_scorer_equals_the_in_process_one_for_every_call(episode, teacher_dir, teacher_url):
+    """`memopd.teacher.kind=served` through the config: each call's hidden states, the
+    teacher's head, the per-call full-vocabulary KL and the registered fused loss equal the
+    in-process teacher's on the same sessions (fp32)."""
+    from omegaconf import OmegaConf
+
+    from memopd.files import weights_fingerprint
+    from memopd.hf import head_of, independent_forward, packed_forward
+    from memopd.integrations.verl.agent_loop import memopd_settings
+    from memopd.integrations.verl.teacher import LocalTeacherScorer, ServedTeacherScorer, build_scorer, session_groups
+    from memopd.integrations.verl.training import memopd_actor_loss, session_inputs
+    from memopd.models import load_local_model
+
+    rows = _rows(episode)
+    n_requests = len(session_groups(sessions_from_rows(rows)[0], 64))
+    assert n_requests > 1  # several requests, whole sessions in each
+    teacher = load_local_model(teacher_dir).eval().requires_grad_(False)
+    sha = weights_fingerprint(teacher_dir)["sha256"]
+    example = memopd_settings(_config())["teacher"]  # the example config's keys, switched to the served teacher
+    settings = {"teacher": {**example, "kind": "served", "url": teacher_url, "max_tokens": 64, "retries": 1,
+                            "fingerprint": sha[:16]}}
+    served = build_scorer(None, settings)
+    try:
+        assert isinstance(served, ServedTeacherScorer) and served.kind == "hidden"
+        assert served.fingerprint["sha256"] == sha and served.fingerprint["url"] == teacher_url
+        local_scores = _scores(rows, LocalTeacherScorer(teacher, max_tokens=64))
+        sent = served.client.bytes_sent
+        served_scores = _scores(rows, served)
+        assert served.client.bytes_sent > sent  # the sessions went over the wire
+        head = served.head()
+        got = served.client.bytes_received
+        assert served.head() is head and served.client.bytes_received == got  # the head is read once
+        half = build_scorer(None, {"teacher": {**settings["teacher"], "transport": "bf16"}})
+        try:  # bf16 on the wire: the fp32 states rounded once
+            bf16_scores = _scores(rows, half)
+        finally:
+            half.close()
+    finally:
+        served.close()
+    assert all(torch.equal(b.hidden, a.hidden.to(torch.bfloat16).float()) for a, b in zip(local_scores, bf16_scores))
+    local_head = head_of(teacher)
+    assert torch.equal(head.weight, local_head.weight) and head.scale == local_head.scale and head.bias is None
+    # every call, not only the last: hidden states and the full-vocabulary reverse KL of the call
+    student = _model(MODEL)
+    dh = dkl = 0.0
+    for out, a, b in zip(rows, local_scores, served_scores):
+        inv = out.extra_fields[ROW_KEY]["invocation"]
+        n_in, n = len(inv["prefix_ids"]) + len(inv["context_ids"]), len(inv["action_ids"])
+        assert a.kind == b.kind == "hidden" and a.hidden.shape == b.hidden.shape == (n, 48)
+        assert b.hidden.dtype == torch.float32 and b.hidden.abs().sum() > 0
+        dh = max(dh, float((a.hidden - b.hidden).abs().max()))
+        with torch.no_grad():
+            hs = independent_forward(student, inv["prefix_ids"] + inv["context_ids"] + inv["action_ids"], output="hidden")
+            ls = torch.log_softmax(head_of(student).logits(hs[n_in - 1:n_in - 1 + n]), -1)
+            kl = [float((ls.exp() * (ls - torch.log_softmax(hd.logits(sc.hidden), -1))).sum())
+                  for hd, sc in ((local_head, a), (head, b))]
+        assert kl[0] > 0
+        dkl = max(dkl, abs(kl[0] - kl[1]))
+    # the registered fused loss (PPO + entropy + teacher KL) fed either teacher's states
+    sessions, ids = sessions_from_rows(rows)
+    where = {(r.extra_fields[ROW_KEY]["session_id"], r.extra_fields[ROW_KEY]["call"]): i for i, r in enumerate(rows)}
+    per = [[where[(sid, t)] for t in range(len(tr.invocations))] for sid, tr in zip(ids, sessions)]
+    g = torch.Generator().manual_seed(1)
+    old = [[torch.tensor(rows[i].response_logprobs) - 0.3 * torch.rand(len(rows[i].response_ids), generator=g)
+            for i in calls] for calls in per]
+    adv = [[torch.randn(len(rows[i].response_ids), generator=g) for i in calls] for calls in per]
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+                               "entropy_coeff": 0.01, "loss_agg_mode": "seq-mean-token-mean", "global_batch_info": {},
+                               "teacher_kl_coef": KL_COEF, "memopd_weighting": "per_session"})
+    results = []
+    for scores, hd in ((local_scores, local_head), (served_scores, head)):
+        inputs = session_inputs(sessions, old, adv, [[scores[i].hidden for i in calls] for calls in per])
+        with torch.no_grad():
+            h = packed_forward(student, inputs.batch, output="hidden")
+            loss, metrics = memopd_actor_loss(config, {"hidden": h, "head": head_of(student), "inputs": inputs,
+                                                       "teacher_head": hd})
+        results.append((float(loss), metrics["memopd/teacher_kl"]))
+    (loss_in, kl_in), (loss_sv, kl_sv) = results
+    print(f"served vs in-process teacher, fp32, {len(rows)} calls in {n_requests} requests: max |dh| {dh:.3g}, "
+          f"max |dKL| per call {dkl:.3g}, "
+          f"|dloss| {abs(loss_in - loss_sv):.3g}, |dKL| in the loss {abs(kl_in - kl_sv):.3g}, "
+          f"bitwise {dh == 0 and dkl == 0 and loss_in == loss_sv}")
+    assert kl_in > 0 and metrics["memopd/calls"] == 7
+    assert dh <= 1e-6 and dkl <= 1e-6 and abs(loss_in - loss_sv) <= 1e-6 and abs(kl_in - kl_sv) <= 1e-6
+
+
+def test_served_scorer_faults(episode, teacher_dir, teacher_url):
+    """A dead server is one PeerError line naming it (at connect, and mid-run after it
+    stopped); another teacher's fingerprint and a missing url are refused at connect."""
+    import socket
+
+    from _teacher_server import served
+
+    from memopd.errors import EXIT_PEER_FAILED, PeerError, UserError
+    from memopd.integrations.verl.teacher import TEACHER_KEY, build_scorer
+
+    def settings(**kw):
+        return {"teacher": {"kind": "served", "max_tokens": 64, "timeout": 5, "retries": 1, **kw}}
+
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(PeerError) as e:
+        build_scorer(None, settings(url=dead))
+    assert e.value.exit_code == EXIT_PEER_FAILED and dead in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="memopd.teacher.url"):
+        build_scorer(None, settings())
+    with pytest.raises(UserError, match="fingerprint") as e:
+        build_scorer(None, settings(url=teacher_url, fingerprint="0" * 64))
+    assert teacher_url in str(e.value)
+    # a server that stops between connect and scoring
+    rows = _rows(episode)
+    before = [r.extra_fields.get(TEACHER_KEY) for r in rows]
+    with served(teacher_dir) as (proc, url):
+        scorer = build_scorer(None, settings(url=url))
+        proc.terminate()
+        proc.wait(timeout=20)
+    try:
+        with pytest.raises(PeerError) as e:
+            _scores(rows, scorer)
+    finally:
+        scorer.close()
+    msg = str(e.value)
+    print("dead teacher server:", msg)
+    assert url in msg and "did not answer" in msg and "trainer.resume_mode" in msg and "\n" not in msg
+    assert all(r.extra_fields.get(TEACHER_KEY) is b for r, b in zip(rows, before))  # no row half written
 
 
 def test_rce_audit_hook_logs_every_n_steps(episode):

@@ -14,30 +14,33 @@ per call, in call order:
   positions that predict each action token, plus `head()` -> the teacher's lm_head
   (`memopd.hf.LMHead`); the trainer's fused loss forms the KL over the full vocabulary.
   `LocalTeacherScorer` (an in-process Hugging Face teacher, packed aligned: every call at
-  its restored positions and visibility) implements it here; a served teacher needs the
-  same two things from its server (hidden states at given positions of a restored packed
-  request, and its head weights once).
+  its restored positions and visibility) and `ServedTeacherScorer` (the same packed
+  batches sent to `memopd serve-teacher` through `memopd.teacher_client.ServedTeacher`;
+  its lm_head read once, from a server whose weight fingerprint is checked) implement it.
 - kind "topk": verl's own teacher servers (`VerlTopKScorer`: the ids and log-probs verl's
   `compute_teacher_logprobs_single` returns for `q + x_t + a_t`, which is exactly call t's
   state), for verl's top-k distillation losses.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
 
+from memopd.errors import UserError
 from memopd.hf import LMHead, head_of, packed_forward
 from memopd.packing import pack
 from memopd.records import Trajectory
 
 from .rows import ROW_KEY, session_sizes, sessions_from_rows
 
-__all__ = ["CallScore", "TeacherScorer", "LocalTeacherScorer", "VerlTopKScorer", "score_every_call",
+__all__ = ["CallScore", "TeacherScorer", "LocalTeacherScorer", "ServedTeacherScorer", "VerlTopKScorer", "score_every_call",
            "ScoreEveryCallMixin", "session_groups", "TEACHER_KEY"]
 
 TEACHER_KEY = "memopd_teacher"
+RESUME_HINT = "resume the verl run (trainer.resume_mode=auto continues from its last checkpoint)"
 
 
 @dataclass
@@ -97,15 +100,89 @@ class LocalTeacherScorer:
         for group in session_groups(sessions, self.max_tokens):
             batch = pack([sessions[i] for i in group], "aligned", self.max_tokens)
             h = packed_forward(self.model, batch, output="hidden", attention_backend=self.attention_backend)
-            keys = torch.stack([batch.traj_index, batch.call_index]).cpu()
-            for b in range(len(group)):
-                for t in range(len(sessions[group[b]].invocations)):
-                    sel = ((keys[0] == b) & (keys[1] == t)).nonzero().flatten()
-                    out[group[b]][t] = CallScore("hidden", hidden=h.index_select(0, sel.to(h.device)))
+            _split_by_call(h, batch, group, sessions, out)
         return out
 
     async def score(self, sessions: Sequence[Trajectory]) -> list[list[CallScore]]:
         return self.score_now(sessions)
+
+
+def _split_by_call(h: torch.Tensor, batch, group: list[int], sessions: Sequence[Trajectory], out) -> None:
+    """Write the rows of `h` ([A, H], `batch`'s actions in order) of call t of the b-th
+    session of `group` into `out[group[b]][t]`."""
+    keys = torch.stack([batch.traj_index, batch.call_index]).cpu()
+    for b in range(len(group)):
+        for t in range(len(sessions[group[b]].invocations)):
+            sel = ((keys[0] == b) & (keys[1] == t)).nonzero().flatten()
+            out[group[b]][t] = CallScore("hidden", hidden=h.index_select(0, sel.to(h.device)))
+
+
+class ServedTeacherScorer:
+    """The teacher behind `memopd serve-teacher` (`memopd.teacher_client.ServedTeacher`):
+    the packed aligned batches `LocalTeacherScorer` runs (groups of whole sessions of at
+    most `max_tokens` tokens, every call at its restored positions and visibility) go to
+    the server, one request per group (packed while the previous one is answered); it
+    answers the teacher's last hidden states at the action-predicting positions (fp32, or
+    bf16 on the wire with `transport="bf16"`), split here per call. `head()` is the
+    server's lm_head, read once (from the server, or from `head_dir`, a local copy of the
+    teacher's files with the same fingerprint). `fingerprint`, when given (the sha256 of
+    the teacher's weight files, or a prefix of it of at least 16 hex digits), must be the
+    server's: another teacher is refused at connect. The connection faults are the
+    client's: a server that does not answer within `timeout` after `retries` retries is
+    one `PeerError` (exit 69) naming it."""
+
+    kind = "hidden"
+
+    def __init__(self, client, *, max_tokens: int = 8192, fingerprint: str | None = None):
+        self.client = client
+        self.max_tokens = int(max_tokens)
+        served = client.fingerprint["sha256"]
+        if fingerprint is not None:
+            want = str(fingerprint).strip().lower()
+            if len(want) < 16 or not served.startswith(want):
+                raise UserError(f"memopd.teacher.fingerprint={fingerprint!r}, but the teacher served at {client.url} has "
+                                f"weights {served[:16]} ({client.fingerprint.get('path')}): serve the teacher this run was "
+                                "set up with, or update the key (at least 16 hex digits of the sha256)")
+
+    @classmethod
+    def connect(cls, url: str, *, secret_file: str | None = None, timeout: float = 60.0, retries: int = 3,
+                transport: str = "fp32", head_dir: str | None = None, max_tokens: int = 8192,
+                fingerprint: str | None = None) -> "ServedTeacherScorer":
+        """A scorer over a new `ServedTeacher` at `url` (connected and checked now)."""
+        from memopd.teacher_client import ServedTeacher
+
+        client = ServedTeacher(url, secret_file=secret_file, timeout=timeout, retries=retries, transport=transport,
+                               head_dir=head_dir, resume_hint=RESUME_HINT)
+        try:
+            return cls(client, max_tokens=max_tokens, fingerprint=fingerprint)
+        except BaseException:
+            client.close()
+            raise
+
+    @property
+    def fingerprint(self) -> dict:
+        """The server's weight fingerprint ({"sha256", "path", "files", "url"})."""
+        return self.client.fingerprint
+
+    def head(self) -> LMHead:
+        return self.client.lm_head()
+
+    def score_now(self, sessions: Sequence[Trajectory]) -> list[list[CallScore]]:
+        sessions = list(sessions)
+        out: list[list[CallScore]] = [[None] * len(tr.invocations) for tr in sessions]
+        sent = []
+        for group in session_groups(sessions, self.max_tokens):
+            batch = pack([sessions[i] for i in group], "aligned", self.max_tokens)
+            sent.append((group, batch, self.client.submit(batch, self.max_tokens)))
+        for group, batch, pending in sent:
+            _split_by_call(pending.result(), batch, group, sessions, out)
+        return out
+
+    async def score(self, sessions: Sequence[Trajectory]) -> list[list[CallScore]]:
+        return await asyncio.to_thread(self.score_now, sessions)  # the client blocks: keep the worker's loop free
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class VerlTopKScorer:
@@ -160,8 +237,10 @@ class ScoreEveryCallMixin:
 
 def build_scorer(worker, settings: dict) -> TeacherScorer | None:
     """The scorer named by `memopd.teacher.kind`: "memopd" (an in-process Hugging Face
-    teacher loaded from `memopd.teacher.path`), "verl_topk" (verl's teacher servers, with
-    verl's distillation config) or "none"."""
+    teacher loaded from `memopd.teacher.path`), "served" (`memopd serve-teacher` at
+    `memopd.teacher.url`, with `secret_file`, `timeout`, `retries`, `transport`, `head_dir`,
+    `fingerprint`), "verl_topk" (verl's teacher servers, with verl's distillation config)
+    or "none"."""
     t = dict(settings.get("teacher") or {})
     kind = t.get("kind", "none")
     if kind == "none":
@@ -177,7 +256,15 @@ def build_scorer(worker, settings: dict) -> TeacherScorer | None:
         model = AutoModelForCausalLM.from_pretrained(t["path"], torch_dtype=getattr(torch, t.get("dtype", "float32")))
         model.to(t.get("device", "cuda" if torch.cuda.is_available() else "cpu")).eval()
         return LocalTeacherScorer(model, max_tokens=int(t.get("max_tokens", 8192)))
-    raise ValueError(f"memopd.teacher.kind={kind!r}; choose memopd, verl_topk or none")
+    if kind == "served":
+        if not t.get("url"):
+            raise UserError("memopd.teacher.kind=served needs memopd.teacher.url=http://HOST:PORT (the address "
+                            "`memopd serve-teacher` prints)")
+        return ServedTeacherScorer.connect(
+            t["url"], secret_file=t.get("secret_file") or None, timeout=float(t.get("timeout", 60.0)),
+            retries=int(t.get("retries", 3)), transport=t.get("transport", "fp32"), head_dir=t.get("head_dir") or None,
+            max_tokens=int(t.get("max_tokens", 8192)), fingerprint=t.get("fingerprint") or None)
+    raise ValueError(f"memopd.teacher.kind={kind!r}; choose memopd, served, verl_topk or none")
 
 
 def tq_worker_class():
