@@ -3,8 +3,8 @@
 They import the trainer and the environment; nothing outside this folder imports them
 (`memopd compare --protocol NAME` finds its module by name: trainer/compare.py, `PROTOCOLS`).
 
-- `replicate`: the paper protocol and the info-gap protocol (`memopd compare --protocol
-  paper|info-gap`) and the reading of their runs;
+- `paper`, `infogap_protocol`: the paper protocol and the info-gap protocol (`memopd compare
+  --protocol paper|info-gap`); `runs`: the reading of their runs and `--publish DIR`;
 - `intervals`: the statistics they report (paired bootstrap, t intervals, the minimal
   detectable effect, curve areas);
 - `manipulation`: the info-gap manipulation check (does the teacher's view change its
