@@ -467,3 +467,28 @@ def test_the_info_gap_recipe_with_its_defaults_is_the_plain_one_and_reuses_its_c
             job = {"world": world.config.to_json(), "env": {}, "sft": plain.to_json(), "spec": {"hidden_size": 64}}
             diff = sft._cache_mismatch(d, job)
             assert (diff == []) is reused, diff
+
+
+# sha256 of the JSON of the examples each preset's teacher recipe built, at small settings
+# (ks, 60 calls per k, seed 3, the environment's default config), recorded from the recipe
+# as it was before the info-gap options moved out of `SFTConfig`: moving code must not
+# change one byte of the data
+RECORDED_DATA = {
+    "default": ((1, 2, 4), "ca60d669a13e0180ed0522078c70581809b4f2c260f7c681634ec59237693911"),
+    "replication": ((1, 2, 4), "3fc5272dc5f3862002b73153941bee3c85b3ef337d73e7264201af00875f7648"),
+    "info-gap": ((2, 4), "46d259fed3eb08b47f1ff74fa0b6a0c60deb5379e37cfcecae7afe15c5081843"),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(RECORDED_DATA))
+def test_each_presets_teacher_data_is_the_recorded_one(preset):
+    import hashlib
+    import json
+
+    ks, digest = RECORDED_DATA[preset]
+    wc = world_preset(preset)
+    world = World.generate(wc)
+    env = QAEnv.from_world(world, build_tokenizer(world.vocabulary_texts(), kind="word"), EnvConfig())
+    cfg = replace(role_presets(wc)[1]["teacher"], ks=ks, calls_per_k=60, seed=3)
+    examples, _ = cfg.build_examples(world, env)
+    assert hashlib.sha256(json.dumps(examples).encode()).hexdigest() == digest
