@@ -1,5 +1,5 @@
 """Running arms as separate `memopd train` processes, for `memopd compare` (compare.py)
-and the paper's protocol (replicate.py).
+and the experiments' protocols (trainer/experiments/paper.py, infogap_protocol.py).
 
 An arm is `ARM` or `ARM:naive` (the action-domain ablation); each (arm, seed) run is a
 `memopd train` child writing OUT/<arm>/seed<S>/ (`arm_run_dir`). `run_all` runs them

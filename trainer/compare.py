@@ -4,7 +4,7 @@ tabulate held-out EM/F1 per Qk (mean ± std over seeds) with CPU time.
     memopd compare                                   # ppo, persistent, memopd, memopd:naive; seeds 0 1 2
     memopd compare --arms ppo memopd --seeds 0 1 --jobs 2 steps=40 train_k=[2,8]
 
-    memopd compare --protocol paper [--quick] [--publish DIR]  # the paper's protocol (trainer/experiments/replicate.py)
+    memopd compare --protocol paper [--quick] [--publish DIR]  # the paper's protocol (trainer/experiments/paper.py)
     memopd compare --protocol info-gap [--quick] [--force-arms]  # check first, then arms that can differ
     memopd compare --resume ...                      # after an interruption: reuse finished runs, resume the rest
 
@@ -30,7 +30,7 @@ __all__ = ["compare_main", "format_compare"]
 DEFAULT_ARMS = ("ppo", "persistent", "memopd", "memopd:naive")
 # `--protocol NAME`: the experiment module whose `run_protocol(args, overrides)` runs it (the
 # experiments sit on top of the trainer, which imports none of them)
-PROTOCOLS = {"paper": "memopd.trainer.experiments.replicate", "info-gap": "memopd.trainer.experiments.replicate"}
+PROTOCOLS = {"paper": "memopd.trainer.experiments.paper", "info-gap": "memopd.trainer.experiments.infogap_protocol"}
 
 
 def _mean_std(xs: list[float]) -> str:

@@ -11,23 +11,21 @@ import pytest
 from memopd.env import EnvConfig, QAEnv, World, build_tokenizer, rollout
 from memopd.env.qa.expert import efficient_calls, expert_options, make_expert, rational_action_text
 from memopd.env.qa.notes import parse_entries
-from memopd.env.qa.sft import (
-    FLATTEN_VIEW,
-    INFOGAP_MODEL_PRESETS,
-    INFOGAP_SFT_PRESETS,
-    SFTConfig,
-    expert_examples,
-    flattened_prompt,
-    gap_continuation,
-    perturbed_state,
-    role_presets,
-)
+from memopd.env.qa.sft import FLATTEN_VIEW, SFTConfig, flattened_prompt, role_presets
 from memopd.env.qa.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
 from memopd.trainer.experiments.infogap import (
     action_token_roles,
     gap_share,
     information_gap_calls,
     view_disagreement_ceiling,
+)
+from memopd.trainer.experiments.infogap_sft import (
+    INFOGAP_MODEL_PRESETS,
+    INFOGAP_SFT_PRESETS,
+    InfoGapSFTConfig,
+    expert_examples,
+    gap_continuation,
+    perturbed_state,
 )
 
 # The share of the plain (scripted) expert's calls on held-out Q2 sets that are
@@ -198,11 +196,12 @@ def test_sft_data_of_the_teacher_recipe(infogap):
     assert specs == INFOGAP_MODEL_PRESETS and cfgs == INFOGAP_SFT_PRESETS
     assert cfgs["teacher"].expert == "rational" and cfgs["teacher"].perturb_frac == pytest.approx(0.2)
     assert set(cfgs["teacher"].policies) == {"summary", "full", FLATTEN_VIEW} and cfgs["teacher"].balance_policies
-    assert cfgs["student"].expert == "scripted" and cfgs["student"].steps == 1000
-    assert cfgs["teacher"].redraw_values and not cfgs["student"].redraw_values
-    assert cfgs["teacher"].state_players == ("scripted",) and cfgs["student"].state_players == ()
-    assert cfgs["teacher"].gap_copies == 3 and cfgs["student"].gap_copies == 0 == SFTConfig().gap_copies
-    assert SFTConfig().expert == "scripted" and SFTConfig().perturb_frac == 0.0 and not SFTConfig().redraw_values
+    # the student's is the plain recipe: the scripted expert, none of the info-gap options
+    assert type(cfgs["student"]) is SFTConfig and cfgs["student"].steps == 1000
+    assert cfgs["teacher"].redraw_values and cfgs["teacher"].state_players == ("scripted",)
+    assert cfgs["teacher"].gap_copies == 3 and InfoGapSFTConfig().gap_copies == 0
+    assert InfoGapSFTConfig().expert == "scripted" and InfoGapSFTConfig().perturb_frac == 0.0
+    assert not InfoGapSFTConfig().redraw_values
     env = QAEnv.from_world(world, tok, EnvConfig())
     plain, _ = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational")
     ex, stats = expert_examples(world, env, (2,), 120, policies=("summary", "full"), expert="rational",
@@ -437,3 +436,59 @@ def test_gap_copies_add_to_the_sampled_calls_and_leave_the_rest_as_they_were(inf
         expert_examples(world, env, (2,), 8, gap_copies=1)
     with pytest.raises(ValueError, match="gap_copies must be"):
         expert_examples(world, env, (2,), 8, expert="rational", gap_copies=-1)
+
+
+def test_the_info_gap_recipe_with_its_defaults_is_the_plain_one_and_reuses_its_caches(infogap):
+    """`InfoGapSFTConfig` at its defaults builds the plain recipe's examples; its JSON
+    keeps the plain fields first, and a checkpoint recorded with the options at their
+    plain values (as every checkpoint was while `SFTConfig` held them) is reused by a
+    plain recipe, while one of the info-gap teacher's is not."""
+    from memopd.env.qa import sft
+
+    world, tok = infogap
+    env = QAEnv.from_world(world, tok, EnvConfig())
+    plain = SFTConfig(ks=(1, 2), calls_per_k=40, seed=2, policies=("summary", FLATTEN_VIEW))
+    wide = InfoGapSFTConfig(**vars(plain))
+    assert plain.build_examples(world, env)[0] == wide.build_examples(world, env)[0]
+    assert list(wide.to_json())[:len(plain.to_json())] == list(plain.to_json())
+    assert sft.recipe_class(wide.recipe_name()) is InfoGapSFTConfig
+    assert InfoGapSFTConfig.from_json(INFOGAP_SFT_PRESETS["teacher"].to_json()) == INFOGAP_SFT_PRESETS["teacher"]
+    with pytest.raises(ValueError, match="not an SFTConfig class"):
+        sft.recipe_class("memopd.env.qa.sft:World")
+    import json
+    import tempfile
+
+    for recorded, reused in ((wide.to_json(), True), (INFOGAP_SFT_PRESETS["teacher"].to_json(), False)):
+        with tempfile.TemporaryDirectory() as d:
+            meta = {"version": sft.CHECKPOINT_VERSION, "world": world.config.to_json(), "env": {},
+                    "sft_config": recorded, "model_spec": {"hidden_size": 64}}
+            with open(f"{d}/{sft.ENV_META_FILE}", "w") as f:
+                json.dump(meta, f)
+            job = {"world": world.config.to_json(), "env": {}, "sft": plain.to_json(), "spec": {"hidden_size": 64}}
+            diff = sft._cache_mismatch(d, job)
+            assert (diff == []) is reused, diff
+
+
+# sha256 of the JSON of the examples each preset's teacher recipe built, at small settings
+# (ks, 60 calls per k, seed 3, the environment's default config), recorded from the recipe
+# as it was before the info-gap options moved out of `SFTConfig`: moving code must not
+# change one byte of the data
+RECORDED_DATA = {
+    "default": ((1, 2, 4), "ca60d669a13e0180ed0522078c70581809b4f2c260f7c681634ec59237693911"),
+    "replication": ((1, 2, 4), "3fc5272dc5f3862002b73153941bee3c85b3ef337d73e7264201af00875f7648"),
+    "info-gap": ((2, 4), "46d259fed3eb08b47f1ff74fa0b6a0c60deb5379e37cfcecae7afe15c5081843"),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(RECORDED_DATA))
+def test_each_presets_teacher_data_is_the_recorded_one(preset):
+    import hashlib
+    import json
+
+    ks, digest = RECORDED_DATA[preset]
+    wc = world_preset(preset)
+    world = World.generate(wc)
+    env = QAEnv.from_world(world, build_tokenizer(world.vocabulary_texts(), kind="word"), EnvConfig())
+    cfg = replace(role_presets(wc)[1]["teacher"], ks=ks, calls_per_k=60, seed=3)
+    examples, _ = cfg.build_examples(world, env)
+    assert hashlib.sha256(json.dumps(examples).encode()).hexdigest() == digest

@@ -131,7 +131,8 @@ def _layering_graph() -> dict[str, set[str]]:
 def test_the_walk_reads_every_product_module_and_sees_real_edges():
     graph = _layering_graph()
     assert {"memopd.env.rollout", "memopd.env.qa.world", "memopd.trainer.loop", "memopd.kernels.fused_distill",
-            "memopd.trainer.experiments.replicate"} <= set(graph)
+            "memopd.trainer.experiments.paper",
+            "memopd.trainer.experiments.infogap_protocol", "memopd.trainer.experiments.runs"} <= set(graph)
     assert "memopd.env.qa.notes" in graph["memopd.env.qa.world"]
     assert "memopd.env.qa.expert" in graph["memopd.env.qa.world"]  # the lazy import of the turn budget counts
     assert "memopd.trainer.loop" in graph["memopd.trainer.experiments.rulegap"]

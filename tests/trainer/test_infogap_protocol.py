@@ -268,7 +268,7 @@ def test_protocol_stops_at_the_gate_and_the_flag_forces_the_arms(sft_dirs, tmp_p
 
 
 def test_controls_verdict_needs_every_control_above_zero():
-    from memopd.trainer.experiments.replicate import INFOGAP_ARMS, NEGATIVE_CONTROL, controls_verdict
+    from memopd.trainer.experiments.infogap_protocol import INFOGAP_ARMS, NEGATIVE_CONTROL, controls_verdict
 
     assert NEGATIVE_CONTROL == "broken_visibility" and NEGATIVE_CONTROL in INFOGAP_ARMS
     up, straddle = {"lo": 0.01, "diff": 0.02, "hi": 0.03}, {"lo": -0.01, "diff": 0.01, "hi": 0.03}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from memopd.trainer.experiments.intervals import paired_bootstrap, relative_change
-from memopd.trainer.experiments.replicate import BUDGETS
+from memopd.trainer.experiments.paper import BUDGETS
 
 
 def test_bootstrap_identical_arms_is_exactly_zero():
@@ -50,7 +50,7 @@ def test_bootstrap_and_relative_change_reject_bad_input():
 
 def test_per_set_scores_line_up_on_the_held_out_sets():
     from memopd.env.qa.world import World, WorldConfig
-    from memopd.trainer.experiments.replicate import per_set_scores
+    from memopd.trainer.experiments.runs import per_set_scores
 
     world = World.generate(WorldConfig())
     ids = [t.task_id for t in world.sample_tasks(2, 4, split="eval", seed=0)]
@@ -136,7 +136,7 @@ def test_publish_takes_an_existing_results_directory(tmp_path, monkeypatch):
     exist is refused before any run, and a bare `--publish` means ./benchmarks/results."""
     from memopd.errors import UserError
     from memopd.trainer.compare import compare_main
-    from memopd.trainer.experiments.replicate import DEFAULT_RESULTS_DIR, publish_results, results_dir_of
+    from memopd.trainer.experiments.runs import DEFAULT_RESULTS_DIR, publish_results, results_dir_of
 
     assert results_dir_of(None) is None
     with pytest.raises(UserError, match=r"--publish .*nope: not a directory"):

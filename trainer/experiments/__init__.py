@@ -3,12 +3,14 @@
 They import the trainer and the environment; nothing outside this folder imports them
 (`memopd compare --protocol NAME` finds its module by name: trainer/compare.py, `PROTOCOLS`).
 
-- `replicate`: the paper protocol and the info-gap protocol (`memopd compare --protocol
-  paper|info-gap`) and the reading of their runs;
+- `paper`, `infogap_protocol`: the paper protocol and the info-gap protocol (`memopd compare
+  --protocol paper|info-gap`); `runs`: the reading of their runs and `--publish DIR`;
 - `intervals`: the statistics they report (paired bootstrap, t intervals, the minimal
   detectable effect, curve areas);
 - `manipulation`: the info-gap manipulation check (does the teacher's view change its
   top-1?), `python -m memopd.trainer.experiments.manipulation`;
+- `infogap_sft`: the info-gap teacher's SFT recipe (`InfoGapSFTConfig`, a `memopd sft`
+  recipe) and the info-gap world's role presets, which `memopd sft --world info-gap` reads;
 - `infogap`: the info-gap measures (information-gap calls, the views' disagreement ceiling,
   the role of each action token);
 - `rulegap`, `ruleteacher`: the rule-teacher replication (an exact-reader teacher),

@@ -13,8 +13,8 @@ any arm runs (docs/research/replication.md, "The rule teacher"). Stages, each a 
   `adoption_loss` (no model);
 - `run`: the jobs of a stage (`g0`, `arms`, `dose`), two processes at a time, one torch
   thread each, each job one arm × seed × linked_frac × p, skipped when its JSON is done;
-- `report`: the statistics (`interval_t`, the bootstrap of `replicate.bootstrap_seeds_sets`,
-  `replicate.minimal_detectable_effect`), the dose-response table and the curves, as
+- `report`: the statistics (`interval_t`, the bootstrap of `intervals.bootstrap_seeds_sets`,
+  `intervals.minimal_detectable_effect`), the dose-response table and the curves, as
   JSON / Markdown / PNG.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import replace
 
-from .replicate import DEFAULT_RESULTS_DIR
+from .runs import DEFAULT_RESULTS_DIR
 
 __all__ = ["PROTOCOL", "GATES", "PLAN", "adoption_loss", "interval_t", "g0_choice", "run_job", "main"]
 
@@ -113,7 +113,7 @@ GATES = {
 # statistics
 # ----------------------------------------------------------------------------------
 def interval_t(per_seed, level: float = 0.95) -> dict:
-    """The Student t interval over per-seed differences (`replicate.t_interval`)."""
+    """The Student t interval over per-seed differences (`intervals.t_interval`)."""
     from .intervals import t_interval
 
     return t_interval(per_seed, level)
@@ -742,7 +742,7 @@ def plot_report(rep: dict, path: str) -> str:
 
 
 def _report(args) -> int:
-    from .replicate import publish_results, results_dir_of
+    from .runs import publish_results, results_dir_of
 
     results_dir = results_dir_of(args.publish)
     rep = build_report(args.out)

@@ -28,8 +28,7 @@ from ..rollout import rollout
 from .data import DataError
 from .env import EnvConfig, QAEnv
 from .expert import make_expert
-from .notes import is_value, parse_entries
-from .protocol import SPECIAL_TOKENS, ProtocolTokens, answer_label
+from .protocol import SPECIAL_TOKENS, ProtocolTokens
 from .world import World, WorldConfig
 
 __all__ = [
@@ -39,18 +38,21 @@ __all__ = [
     "SFT_PRESETS",
     "REPLICATION_MODEL_PRESETS",
     "REPLICATION_SFT_PRESETS",
-    "INFOGAP_MODEL_PRESETS",
-    "INFOGAP_SFT_PRESETS",
-    "gap_continuation",
-    "gap_examples",
+    "WORLD_ROLE_PRESETS",
+    "register_role_presets",
+    "recipe_class",
     "role_presets",
     "ENV_META_FILE",
     "make_model",
     "sft_examples",
     "copy_warmup_examples",
     "expert_examples",
+    "view_env",
+    "view_calls",
+    "expert_rollouts",
+    "episodes_per_round",
+    "data_stats",
     "flattened_prompt",
-    "perturbed_state",
     "train_sft",
     "save_checkpoint",
     "checkpoint_exists",
@@ -122,37 +124,37 @@ class SFTConfig:
     # False: batches drawn from all examples at once, where long full-view batches
     # crowd out compact-memory ones (docs/design.md §10)
     balance_policies: bool = False
-    # the expert whose calls are the data (`expert.EXPERTS`): "scripted" (reads its notes
-    # and the last observation) or "rational" (every fact the visible context shows, so
-    # it acts differently under compact memory and the full history: memopd/env/qa/expert.py)
-    expert: str = "scripted"
-    # share of each (policy, k)'s calls replaced by a perturbed state (an entry of the
-    # notes dropped or corrupted) labelled by the expert under that view
-    perturb_frac: float = 0.0
-    # each round of expert episodes (at most REDRAW_ROUND_SETS sets) played in a copy of the
-    # world with its attribute values drawn afresh (`World.with_redrawn_values`): a value can
-    # then only be read from the context, never recalled. Trained on the one world, a
-    # teacher recalls the training facts and so fails on held-out ones (docs/research/replication.md)
-    redraw_values: bool = False
-    # experts that, beside `expert`, play episodes in every view whose states `expert` then
-    # labels (e.g. ("scripted",): the plain expert's kind of state, the one the student
-    # visits and OPD scores, where its notes miss a fact the history shows)
-    state_players: tuple[str, ...] = ()
-    # with expert "rational": each sampled call of the flatten view at which the rule acts
-    # otherwise on the compact call (an information-gap call) is added this many more
-    # times as it is, and as many times as its *continuation*: the flattened state and the
-    # compact call's memory span as the prompt, the rule's own search or answer on the
-    # flattened state as the label. OPD scores the teacher on the student's tokens, so at
-    # such a call the teacher reads on after a memory span that is not its own; the rule's
-    # next step there still follows from what the history shows (docs/research/replication.md)
-    gap_copies: int = 0
-
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ks"] = list(self.ks)
-        d["policies"] = list(self.policies)
-        d["state_players"] = list(self.state_players)
-        return d
+        """The recipe as JSON (tuples as lists): recorded in a checkpoint and compared
+        field by field before a cached one is reused (`_cache_mismatch`)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SFTConfig":
+        """The inverse of `to_json` (lists back to tuples)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    def build_examples(self, world: World, env: QAEnv) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
+        """This recipe's training data for `env` in `world` (examples, stats): the scripted
+        expert's calls (`expert_examples`). A recipe that builds its data otherwise is a
+        subclass that overrides this (with its own fields after these, so that its JSON
+        keeps theirs first); `recipe_name` names it for a worker process."""
+        return expert_examples(world, env, self.ks, self.calls_per_k, seed=self.seed, policies=self.policies)
+
+    def recipe_name(self) -> str:
+        """"module:class" of this recipe, what a worker process imports to rebuild it."""
+        return f"{type(self).__module__}:{type(self).__qualname__}"
+
+
+def recipe_class(name: str) -> type[SFTConfig]:
+    """The `SFTConfig` (sub)class `SFTConfig.recipe_name` named."""
+    import importlib
+
+    module, _, qualname = name.partition(":")
+    cls = getattr(importlib.import_module(module), qualname, None)
+    if not (isinstance(cls, type) and issubclass(cls, SFTConfig)):
+        raise DataError(f"SFT recipe {name!r} is not an SFTConfig class")
+    return cls
 
 
 # The student is weak on purpose (a third of the teacher's SFT steps, a smaller model):
@@ -183,38 +185,33 @@ REPLICATION_SFT_PRESETS: dict[str, SFTConfig] = {
 }
 
 
-# The info-gap world (docs/research/replication.md, "A replication that can tell the arms apart"):
-# a teacher trained on the rational rule under compact memory, the full history and the
-# persistent history the flatten layout scores (the `persistent` arm's teacher state; its
-# longest Q16 examples, 2,700 tokens measured, set the positions), with a fifth of its calls
-# perturbed (the view-dependent recovery), its episodes played in worlds of redrawn values
-# (on the one world it recalled the training facts and failed on held-out ones), as many
-# states again from the plain expert's episodes labelled by the rule (the student's kind of
-# state, which OPD scores), 8,000 steps (about 0.8 passes over its data, the exposure at
-# which the third teacher peaked), and each information-gap call of the flatten view three
-# more times as it is and three times as its continuation after the compact call's memory
-# span (`SFTConfig.gap_copies`: such calls were ~1% of its data): docs/research/replication.md, "The
-# third teacher" to "The sixth teacher"; and a student
-# with room on Q2 (1,000 SFT steps of the scripted expert: a student RL can still improve).
-INFOGAP_MODEL_PRESETS: dict[str, ModelSpec] = {
-    "teacher": replace(REPLICATION_MODEL_PRESETS["teacher"], max_position_embeddings=3072),
-    "student": REPLICATION_MODEL_PRESETS["student"],
+# Role presets of other world presets, by world preset: (model specs, SFT recipes), or the
+# name of the module that defines them as `ROLE_PRESETS` (imported when that world is
+# asked for: the info-gap world's recipe is an experiment's, which this package does not
+# import). `register_role_presets` adds one.
+WORLD_ROLE_PRESETS: dict[str, tuple[dict[str, ModelSpec], dict[str, SFTConfig]] | str] = {
+    "replication": (REPLICATION_MODEL_PRESETS, REPLICATION_SFT_PRESETS),
+    "info-gap": "memopd.trainer.experiments.infogap_sft",
 }
-INFOGAP_SFT_PRESETS: dict[str, SFTConfig] = {
-    "teacher": replace(REPLICATION_SFT_PRESETS["teacher"], steps=8000, batch_tokens=2560,
-                       policies=("summary", "full", FLATTEN_VIEW), expert="rational", perturb_frac=0.2,
-                       redraw_values=True, state_players=("scripted",), gap_copies=3),
-    "student": replace(REPLICATION_SFT_PRESETS["student"], steps=1000),
-}
+
+
+def register_role_presets(world_preset: str, model_specs: dict[str, ModelSpec],
+                          sft_configs: dict[str, SFTConfig]) -> None:
+    """Make `role_presets` answer (model specs, SFT recipes) for worlds of `world_preset`."""
+    WORLD_ROLE_PRESETS[world_preset] = (dict(model_specs), dict(sft_configs))
 
 
 def role_presets(world_config: WorldConfig | None = None) -> tuple[dict[str, ModelSpec], dict[str, SFTConfig]]:
-    """(model specs, SFT recipes) per role for a world: its `preset` picks them."""
-    if world_config is not None and world_config.preset == "replication":
-        return dict(REPLICATION_MODEL_PRESETS), dict(REPLICATION_SFT_PRESETS)
-    if world_config is not None and world_config.preset == "info-gap":
-        return dict(INFOGAP_MODEL_PRESETS), dict(INFOGAP_SFT_PRESETS)
-    return dict(MODEL_PRESETS), dict(SFT_PRESETS)
+    """(model specs, SFT recipes) per role for a world: its `preset` picks them
+    (`WORLD_ROLE_PRESETS`; the default ones for any other)."""
+    found = WORLD_ROLE_PRESETS.get(world_config.preset) if world_config is not None else None
+    if isinstance(found, str):
+        import importlib
+
+        found = importlib.import_module(found).ROLE_PRESETS
+    if found is None:
+        return dict(MODEL_PRESETS), dict(SFT_PRESETS)
+    return dict(found[0]), dict(found[1])
 
 
 def make_model(spec: ModelSpec, tokenizer, *, seed: int = 0, attn_implementation: str = "eager"):
@@ -262,204 +259,97 @@ def flattened_prompt(traj, t: int) -> list[int]:
     return ids + list(traj.invocations[t].context_ids)
 
 
-def _last_mem_span(ids: Sequence[int], tk: ProtocolTokens) -> tuple[int, int] | None:
-    close = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] == tk.mem_close), None)
-    if close is None:
-        return None
-    open_ = next((i for i in range(close - 1, -1, -1) if ids[i] == tk.mem_open), None)
-    return None if open_ is None else (open_, close + 1)
+def view_env(env: QAEnv, view: str) -> QAEnv:
+    """The environment whose episodes give `view`'s calls: `env` under the memory policy
+    `view` (under "summary" for `FLATTEN_VIEW`, whose states are the persistent history
+    of compact-memory episodes)."""
+    policy = "summary" if view == FLATTEN_VIEW else view
+    if policy == env.config.policy:
+        return env
+    return QAEnv(env.documents, env.tokenizer, replace(env.config, policy=policy), retriever=env.retriever,
+                 answer_words=env.answer_words)
 
 
-def perturbed_state(context_ids: Sequence[int], tokenizer, world, rng: random.Random) -> list[int] | None:
-    """`context_ids` with one entry of its last notes dropped or corrupted (a wrong value of
-    its attribute, or another middle entity), or None when the notes hold no filled entry."""
-    tk = ProtocolTokens.from_tokenizer(tokenizer)
-    ids = [int(i) for i in context_ids]
-    span = _last_mem_span(ids, tk)
-    if span is None:
-        return None
-    text = tokenizer.decode(ids[span[0] + 1:span[1] - 1], skip_special_tokens=True)
-    entries = parse_entries(text)
-    filled = [j for j, (_, vals) in enumerate(entries) if vals]
-    if not filled:
-        return None
-    j = rng.choice(filled)
-    vals = entries[j][1]
-    if rng.random() < 0.5:
-        del entries[j]
-    else:
-        joined = " ".join(vals)
-        pool = [v for a in world.config.attributes for v in world.values[a] if joined in world.values[a]]
-        if len(vals) == 1 and not is_value(vals[0]):
-            pool = world.entities
-        choices = [v for v in pool if v != joined]
-        if not choices:
-            del entries[j]
-        else:
-            entries[j][1] = rng.choice(choices).split()
-    mem = " ".join(" ".join([answer_label(i)] + v) for i, v in entries)
-    new = tokenizer.encode(f"<mem> {mem}</mem>" if mem else "<mem></mem>", add_special_tokens=False)
-    return ids[:span[0]] + [int(i) for i in new] + ids[span[1]:]
+def episodes_per_round(k: int, calls_per_k: int) -> int:
+    """Question sets played per round of expert episodes of k questions: about enough for
+    `calls_per_k` calls (an episode of k questions makes about 1 + 3k/2 calls)."""
+    return max(8, calls_per_k // (1 + 3 * k // 2) + 1)
 
 
-# Sets per round of expert episodes when each round has its own redrawn world: small
-# enough that a value is shared by few episodes.
-REDRAW_ROUND_SETS = 64
+def expert_rollouts(env: QAEnv, expert, tasks, name: str) -> list:
+    """The expert's greedy episodes on `tasks`; raises if it misses any answer (it must be
+    perfect, or the data would teach mistakes)."""
+    trajs = rollout(env, expert, tasks, temperature=0.0)
+    bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
+    if bad:
+        raise RuntimeError(f"the {name} expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
+    return trajs
 
 
-def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
-                    split: str = "train", policies: Sequence[str] = (), expert: str = "scripted",
-                    perturb_frac: float = 0.0, redraw_values: bool = False, state_players: Sequence[str] = (),
-                    gap_copies: int = 0) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
-    """SFT examples from expert episodes: `calls_per_k` calls for each k (and for each
-    memory policy of `policies`, if given; else `env`'s own policy).
+def view_calls(trajs, view: str, labeller, own: bool = True) -> list[tuple[tuple[list[int], int], list[int],
+                                                                           list[int], list[int] | None]]:
+    """Every call of `trajs` as an SFT example under `view`: (example, prefix, context,
+    compact state or None). Under `FLATTEN_VIEW` the state is the flattened history
+    (`flattened_prompt`) labelled by `labeller`, and the compact state is the call as it
+    was played; otherwise the recorded action is the label of the player's `own` calls,
+    and `labeller` labels another player's states."""
+    out = []
+    for t in trajs:
+        for c, inv in enumerate(t.invocations):
+            prefix, context = list(inv.prefix_ids), list(inv.context_ids)
+            if view == FLATTEN_VIEW:
+                state = flattened_prompt(t, c)
+                out.append(((state + labeller.act(state), len(state)), prefix, state[len(prefix):], prefix + context))
+            elif own:
+                out.append(((inv.prefix_ids + inv.context_ids + inv.action_ids, len(prefix) + len(context)),
+                            inv.prefix_ids, inv.context_ids, None))
+            else:
+                state = prefix + context
+                out.append(((state + labeller.act(state), len(state)), inv.prefix_ids, inv.context_ids, None))
+    return out
 
-    Episodes are drawn from the `split` stream (held out from "eval") until there are
-    enough calls, then exactly `calls_per_k` calls are sampled. Raises if the expert
-    misses any answer (it must be perfect, or the data would teach mistakes). The
-    examples come policy by policy, in the order of `policies`; `stats["calls_by_policy"]`
-    says how many each has; the view `FLATTEN_VIEW` holds the calls of compact-memory
-    episodes as the flatten layout shows them (`flattened_prompt`), labelled by
-    the expert on that state. `expert`: "scripted" or "rational" (`expert.make_expert`);
-    `perturb_frac`: the share of sampled calls whose context gets one entry of its notes
-    dropped or corrupted (`perturbed_state`), the action then being the expert's
-    on that state under the same view (`stats["perturbed"]` counts them). `redraw_values`:
-    each round of at most `REDRAW_ROUND_SETS` sets is played in its own
-    `world.with_redrawn_values` copy (`stats["worlds"]` counts them). `state_players`:
-    experts whose episodes give `calls_per_k` more calls per view and k, each state
-    labelled by `expert` (`calls_by_policy` key "VIEW@PLAYER"). `gap_copies` (with the
-    rational expert): each sampled, unperturbed flatten-view call that is an information-gap
-    call is added that many more times, and as many times as its continuation after the
-    compact call's memory span (`gap_continuation`; `stats["gap_calls"]` and
-    `stats["gap_examples"]` count them).
-    """
-    if not 0.0 <= perturb_frac < 1.0:
-        raise DataError(f"perturb_frac must be in [0, 1), got {perturb_frac}")
-    if isinstance(gap_copies, bool) or not isinstance(gap_copies, int) or gap_copies < 0:
-        raise DataError(f"gap_copies must be an integer >= 0, got {gap_copies!r}")
-    if gap_copies and expert != "rational":
-        raise DataError(f"gap_copies needs the rational expert (information-gap calls are its own), got {expert!r}")
 
-    def env_of(p: str) -> QAEnv:
-        p = "summary" if p == FLATTEN_VIEW else p  # the persistent history of compact-memory episodes
-        if p == env.config.policy:
-            return env
-        return QAEnv(env.documents, env.tokenizer, replace(env.config, policy=p), retriever=env.retriever,
-                     answer_words=env.answer_words)
-
-    views = list(policies) or [env.config.policy]
-    engine = make_expert(expert, env.tokenizer, world.config)
-    players = [(expert, engine)] + [(p, make_expert(p, env.tokenizer, world.config)) for p in state_players
-                                    if p != expert]
-    envs = [(v, env_of(v), name, player) for name, player in players for v in views]
-    rng = random.Random(f"sft-{seed}")
-    prng = random.Random(f"sft-perturb-{seed}")  # its own stream: unperturbed data as without it
-    examples: list[tuple[list[int], int]] = []
-    stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "perturbed": 0, "expert": expert,
-                             "worlds": 0, "gap_calls": 0, "gap_examples": 0}
-    for view, e, player_name, player in envs:
-        first = len(examples)
-        own = player is engine  # the labelling expert's own episodes: their recorded actions are its labels
-        tag = "" if own else f"-{player_name}"
-        for k in ks:
-            pool: list[tuple[list[int], int]] = []
-            states: list[tuple[list[int], list[int]]] = []  # (prefix, context) of each pooled call
-            compact: list[list[int] | None] = []  # flatten view: the compact call of each pooled state
-            chunk = max(8, calls_per_k // (1 + 3 * k // 2) + 1)
-            if redraw_values:
-                chunk = min(chunk, REDRAW_ROUND_SETS)
-            rnd = 0
-            while len(pool) < calls_per_k:
-                w, play = world, e
-                if redraw_values:  # the sets' answers are those of the copy they are played in
-                    w = world.with_redrawn_values(f"{seed}-{view}-{k}-{rnd}{tag}")
-                    play = QAEnv.from_world(w, env.tokenizer, e.config)
-                    stats["worlds"] += 1
-                tasks = w.sample_tasks(k, chunk, split=split, seed=seed * 1000 + rnd)
-                trajs = rollout(play, player, tasks, temperature=0.0)
-                bad = [t.task_id for t in trajs if t.rewards["em_mean"] < 1.0]
-                if bad:
-                    raise RuntimeError(f"the {player_name} expert failed on {len(bad)} training tasks (e.g. {bad[0]})")
-                if view == FLATTEN_VIEW:
-                    # each call as the flatten layout shows it, labelled by the expert on that state
-                    for t in trajs:
-                        for c, inv in enumerate(t.invocations):
-                            state = flattened_prompt(t, c)
-                            pool.append((state + engine.act(state), len(state)))
-                            states.append((inv.prefix_ids, state[len(inv.prefix_ids):]))
-                            compact.append(list(inv.prefix_ids) + list(inv.context_ids))
-                elif own:
-                    pool += sft_examples(trajs)
-                    states += [(inv.prefix_ids, inv.context_ids) for t in trajs for inv in t.invocations]
-                    compact += [None for t in trajs for _ in t.invocations]
-                else:  # another player's states, labelled by the expert
-                    for t in trajs:
-                        for inv in t.invocations:
-                            state = list(inv.prefix_ids) + list(inv.context_ids)
-                            pool.append((state + engine.act(state), len(state)))
-                            states.append((inv.prefix_ids, inv.context_ids))
-                            compact.append(None)
-                stats["episodes"] += len(trajs)
-                rnd += 1
-            # sampling indices draws exactly what sampling the pool itself would
-            for i in rng.sample(range(len(pool)), calls_per_k):
-                ex, perturbed = pool[i], False
-                if perturb_frac > 0 and prng.random() < perturb_frac:
-                    prefix, ctx = states[i]
-                    new = perturbed_state(ctx, env.tokenizer, world, prng)
-                    if new is not None:
-                        state = list(prefix) + new
-                        ex, perturbed = (state + engine.act(state), len(state)), True
-                        stats["perturbed"] += 1
-                examples.append(ex)
-                copies = gap_examples(engine, compact[i], ex, gap_copies) if gap_copies and compact[i] is not None and not perturbed else []
-                if copies:
-                    examples += copies
-                    stats["gap_calls"] += 1
-                    stats["gap_examples"] += len(copies)
-        stats["calls_by_policy"][view if own else f"{view}@{player_name}"] = len(examples) - first
+def data_stats(examples: Sequence[tuple[list[int], int]], stats: dict[str, Any]) -> dict[str, Any]:
+    """`stats` with the size of the data added: calls, tokens, action tokens, longest."""
     stats["calls"] = len(examples)
     stats["tokens"] = sum(len(e[0]) for e in examples)
     stats["action_tokens"] = sum(len(e[0]) - e[1] for e in examples)
     stats["longest"] = max(len(e[0]) for e in examples)
-    return examples, stats
+    return stats
 
 
-def gap_continuation(expert, compact_state: Sequence[int], flat_state: Sequence[int]) -> tuple[list[int], int] | None:
-    """The rule's continuation on the flattened state after the compact call's memory span:
-    (flattened state + the compact action's memory span + the flattened action's search or
-    answer, the prompt length that leaves only that last part as the label), or None where
-    the two views' actions write the same memory span (the plain example already parts
-    them). `expert`: the `expert.RationalExpert`, whose next step does not depend on the
-    memory span its action writes, only on what the state shows."""
-    return _continuation(expert, flat_state, expert.action_text(compact_state), expert.action_text(flat_state))
+def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: int, *, seed: int = 0,
+                    split: str = "train", policies: Sequence[str] = ()) -> tuple[list[tuple[list[int], int]],
+                                                                                 dict[str, Any]]:
+    """SFT examples from the scripted expert's episodes: `calls_per_k` calls for each k
+    (and for each memory policy of `policies`, if given; else `env`'s own policy).
 
-
-def _continuation(expert, flat_state: Sequence[int], c: str, f: str) -> tuple[list[int], int] | None:
-    """`gap_continuation` from the rule's action texts on the compact call (c) and on the
-    flattened state (f)."""
-    cut_c, cut_f = c.find("</mem>"), f.find("</mem>")
-    if cut_c < 0 or cut_f < 0:
-        raise RuntimeError(f"the rule wrote an action without a memory span: {c!r} / {f!r}")
-    mem_c, rest_f = c[:cut_c + len("</mem>")], f[cut_f + len("</mem>"):]
-    if mem_c == f[:cut_f + len("</mem>")]:
-        return None
-    enc = expert.tokenizer.encode
-    prompt = [int(i) for i in flat_state] + [int(i) for i in enc(mem_c, add_special_tokens=False)]
-    return prompt + [int(i) for i in enc(rest_f, add_special_tokens=False)], len(prompt)
-
-
-def gap_examples(expert, compact_state: Sequence[int], example: tuple[list[int], int], copies: int,
-                 ) -> list[tuple[list[int], int]]:
-    """`copies` more of a flattened state's own `example` (state + the rule's action, the
-    state's length) and `copies` of its continuation (`gap_continuation`) where the rule
-    acts otherwise on the compact call; [] elsewhere."""
-    flat_state = example[0][:example[1]]
-    c, f = expert.action_text(compact_state), expert.action_text(flat_state)
-    if c == f:
-        return []
-    cont = _continuation(expert, flat_state, c, f)
-    return [example] * copies + ([cont] * copies if cont is not None else [])
+    Episodes are drawn from the `split` stream (held out from "eval") until there are
+    enough calls, then exactly `calls_per_k` calls are sampled. Raises if the expert
+    misses any answer (`expert_rollouts`). The examples come policy by policy, in the
+    order of `policies`; `stats["calls_by_policy"]` says how many each has; the view
+    `FLATTEN_VIEW` holds the calls of compact-memory episodes as the flatten layout shows
+    them (`flattened_prompt`), labelled by the expert on that state.
+    """
+    expert = make_expert("scripted", env.tokenizer, world.config)
+    rng = random.Random(f"sft-{seed}")
+    examples: list[tuple[list[int], int]] = []
+    stats: dict[str, Any] = {"episodes": 0, "calls": 0, "calls_by_policy": {}, "expert": "scripted"}
+    for view in list(policies) or [env.config.policy]:
+        play, first = view_env(env, view), len(examples)
+        for k in ks:
+            pool: list[tuple[list[int], int]] = []
+            rnd = 0
+            while len(pool) < calls_per_k:
+                tasks = world.sample_tasks(k, episodes_per_round(k, calls_per_k), split=split, seed=seed * 1000 + rnd)
+                trajs = expert_rollouts(play, expert, tasks, "scripted")
+                pool += [call[0] for call in view_calls(trajs, view, expert)]
+                stats["episodes"] += len(trajs)
+                rnd += 1
+            # sampling indices draws exactly what sampling the pool itself would
+            examples += [pool[i] for i in rng.sample(range(len(pool)), calls_per_k)]
+        stats["calls_by_policy"][view] = len(examples) - first
+    return examples, data_stats(examples, stats)
 
 
 def copy_warmup_examples(vocab_size: int, n: int, *, first_id: int, max_len: int = 20, max_gap: int = 40,
@@ -693,10 +583,14 @@ CHECKPOINT_VERSION = 2
 # any other field is newer and defaults as above.
 _PRE_EXISTING = {
     "world": {"seed", "n_entities", "attributes", "relations", "distractors_per_entity", "two_hop_frac"},
-    "sft_config": {f for f in SFTConfig.__dataclass_fields__
-                   if f not in ("policies", "balance_policies", "expert", "perturb_frac", "redraw_values", "state_players",
-                                "gap_copies")},
+    "sft_config": {f for f in SFTConfig.__dataclass_fields__ if f not in ("policies", "balance_policies")},
 }
+# Fields that checkpoints recorded for every recipe while the SFT recipe held the
+# info-gap experiment's data options (now `InfoGapSFTConfig`, trainer/experiments/infogap_sft.py),
+# at the values that mean the plain recipe: a config without them reads them so, and so
+# does a checkpoint, so neither a plain nor an info-gap cache is retrained for the move.
+_RECIPE_NEUTRAL = {"expert": "scripted", "perturb_frac": 0.0, "redraw_values": False, "state_players": [],
+                   "gap_copies": 0}
 
 
 def _cache_mismatch(path: str, job: dict[str, Any]) -> list[str]:
@@ -713,6 +607,8 @@ def _cache_mismatch(path: str, job: dict[str, Any]) -> list[str]:
         have = meta.get(key, {})
         if key in defaults:
             have = {**{f: v for f, v in defaults[key].items() if f not in _PRE_EXISTING[key]}, **have}
+        if key == "sft_config":
+            have, want = {**_RECIPE_NEUTRAL, **have}, {**_RECIPE_NEUTRAL, **want}
         for name in sorted(set(want) | set(have)):
             if key == "sft_config" and name in ("threads",):
                 continue  # how it ran, not what it learned
@@ -757,8 +653,7 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
             print(*a, **k)
     world_config = WorldConfig.from_json(job["world"])
     env_config = EnvConfig(**job["env"])
-    cfg = SFTConfig(**{**job["sft"], "ks": tuple(job["sft"]["ks"]), "policies": tuple(job["sft"].get("policies", ())),
-                       "state_players": tuple(job["sft"].get("state_players", ()))})
+    cfg = recipe_class(job.get("recipe", SFTConfig().recipe_name())).from_json(job["sft"])
     spec = ModelSpec(**job["spec"])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -766,10 +661,7 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
     world = World.generate(world_config)
     tokenizer = build_tokenizer(world.vocabulary_texts(), kind="word")
     env = QAEnv.from_world(world, tokenizer, env_config)
-    examples, dstats = expert_examples(world, env, cfg.ks, cfg.calls_per_k, seed=cfg.seed, policies=cfg.policies,
-                                       expert=cfg.expert, perturb_frac=cfg.perturb_frac,
-                                       redraw_values=cfg.redraw_values, state_players=cfg.state_players,
-                                       gap_copies=cfg.gap_copies)
+    examples, dstats = cfg.build_examples(world, env)
     if dstats["longest"] > spec.max_position_embeddings:
         raise DataError(f"{role}: an SFT example has {dstats['longest']} tokens, beyond the model's "
                         f"{spec.max_position_embeddings} positions")
@@ -781,15 +673,14 @@ def _train_role(job: dict[str, Any]) -> dict[str, Any]:
         f"{cfg.steps} SFT steps of {cfg.batch_tokens} tokens", flush=True)
     # a killed build resumes each phase where its last state left it (`train_sft`); the key
     # is everything that decides the training, so a state of other settings is not used
-    resume_key = json.dumps({k: job[k] for k in ("role", "world", "env", "sft", "spec")}, sort_keys=True,
-                            default=str)
+    resume_key = json.dumps({**{k: job[k] for k in ("role", "world", "env", "spec")},
+                             "sft": {**_RECIPE_NEUTRAL, **job["sft"]}}, sort_keys=True, default=str)
     resume_files = {phase: f"{out}.resume-{phase}.pt" for phase in ("warmup", "sft")}
     warm = None
     if cfg.warmup_copy_steps > 0:
         wex = copy_warmup_examples(len(tokenizer), 20000, first_id=len(SPECIAL_TOKENS), max_len=cfg.warmup_copy_len,
                                    seed=cfg.seed, bos_id=tokenizer.bos_token_id)
-        wcfg = SFTConfig(**{**cfg.to_json(), "ks": cfg.ks, "policies": cfg.policies, "state_players": cfg.state_players,
-                            "steps": cfg.warmup_copy_steps})
+        wcfg = replace(cfg, steps=cfg.warmup_copy_steps)
         warm = train_sft(model, wex, wcfg, pad_id=tokenizer.pad_token_id, progress=job["progress"],
                          desc=f"copy warm-up {role}", position=job.get("position"),
                          resume_file=resume_files["warmup"], resume_key=resume_key)
@@ -896,7 +787,8 @@ def _build_or_reuse(out_dir, roles, force, world_config, env_config, specs, cfgs
     todo = []
     jobs_by_role = {
         r: {"role": r, "out": os.path.join(out_dir, r), "world": world_config.to_json(), "env": asdict(env_config),
-            "sft": cfgs[r].to_json(), "spec": asdict(specs[r]), "progress": progress, "verbose": log is print}
+            "sft": cfgs[r].to_json(), "recipe": cfgs[r].recipe_name(), "spec": asdict(specs[r]), "progress": progress,
+            "verbose": log is print}
         for r in roles
     }
     for r in roles:

@@ -217,7 +217,7 @@ class World:
         sets, by `seed`) and whose corpus states them; names, relations and held-out facts stay,
         so each split asks the same questions (the linked pairs of its sets follow the copy's
         own searches). SFT data played in such copies cannot be answered from a memorised
-        fact, only from what the context shows (`SFTConfig.redraw_values`)."""
+        fact, only from what the context shows (the info-gap SFT recipe's `redraw_values`)."""
         rng = random.Random(f"memopd-redraw-{self.config.seed}-{seed}")
         facts = dict(self.facts)
         for x in self.entities:
