@@ -34,7 +34,7 @@ def test_actor_loss_fused_equals_reference(seed):
     adv = torch.randn(A, generator=g)
     tmask = torch.rand(A, generator=g) > 0.3
     alpha, lam, eps, n_act, n_t = 0.01, 0.7, 0.2, A + 5.0, float(tmask.sum()) + 2.0
-    ppo = PPOInputs(logp_old, adv, tmask, clip_eps=eps, entropy_coef=alpha, kl_coef=lam, normalizer=n_act,
+    ppo = PPOInputs(logp_old, adv, tmask, clip_eps=eps, entropy_coef=alpha, teacher_kl_coef=lam, normalizer=n_act,
                     kl_normalizer=n_t)
 
     actor = Actor(student)
