@@ -217,11 +217,14 @@ def _signed(x: float) -> str:
 
 
 def format_report(rep: dict) -> str:
+    from ..config import migrate_config
+
     ks = rep["ks"]
+    cfg = migrate_config(rep["config"], strict=False)  # a report of either config form
     lines = [f"# Replication: {rep['protocol']} protocol ({rep['budget_name']})", "",
-             f"World `{rep['config']['world']}`, RL on Q{'/Q'.join(map(str, rep['config']['train_k']))} only, "
-             f"{rep['config']['steps']} steps, seeds {rep['budget']['seeds']}, greedy evaluation on "
-             f"{rep['config']['eval_tasks']} held-out sets per k. Wall time {rep['wall_s'] / 60:.1f} min "
+             f"World `{cfg['env']['world']}`, RL on Q{'/Q'.join(map(str, cfg['train_k']))} only, "
+             f"{cfg['steps']} steps, seeds {rep['budget']['seeds']}, greedy evaluation on "
+             f"{cfg['eval_tasks']} held-out sets per k. Wall time {rep['wall_s'] / 60:.1f} min "
              + (f"(SFT {rep['sft_wall_s'] / 60:.1f} min)." if rep["sft_wall_s"] >= SFT_REUSED_S else
                 "(SFT models reused from the cache).") + f" Student: `{rep['student']}`.", "",
              "## EM and F1 (mean ± std over seeds)", "",
@@ -363,7 +366,7 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     refuse_earlier_runs(args, seeds)
     t0 = time.time()
     # the SFT is built once here, before the parallel runs that would race for its cache
-    bundle = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    bundle = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"}), log)
     world, student_dir = bundle.tasks, bundle.student_dir
     sft_wall = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
@@ -641,7 +644,7 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     from memopd.files import atomic_write_text
 
     from ..arms import refuse_earlier_runs, run_all
-    from ..config import TrainConfig
+    from ..config import TrainConfig, migrate_config
     from ..loop import prepare
     from ..plot import plot_protocol_curves
     from .manipulation import format_check, manipulation_check
@@ -654,7 +657,7 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     t0 = time.time()
     log("[info-gap] endpoints, stated before the run:\n  primary: " + ENDPOINTS["primary"]
         + "".join(f"\n  secondary: {s}" for s in ENDPOINTS["secondary"]) + "\n  controls: " + ENDPOINTS["controls"])
-    bundle = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    bundle = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"}), log)
     world, student_dir = bundle.tasks, bundle.student_dir
     sft_wall = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
@@ -678,14 +681,15 @@ def run_infogap_protocol(args, user_overrides: list[str], log=print) -> int:
     else:
         if not check["gate"]["passed"]:
             log("[info-gap] the gate failed; --force-arms: running the arms anyway")
-        user_coef = any(o.split("=", 1)[0].strip() == "opd_coef" for o in user_overrides)
+        user_coef = any(migrate_config({o.split("=", 1)[0].strip(): None}, strict=False).get("ppo", {}).keys()
+                        == {"teacher_kl_coef"} for o in user_overrides)
         lam = check["opd_coef_matched"]
         if user_coef or lam is None:
-            rep["opd_coef"], rep["opd_coef_source"] = cfg.opd_coef, "given" if user_coef else "default (no PPO gradient)"
+            rep["opd_coef"], rep["opd_coef_source"] = cfg.ppo.teacher_kl_coef, "given" if user_coef else "default (no PPO gradient)"
             overrides = budget.overrides() + list(user_overrides)
         else:
             rep["opd_coef"], rep["opd_coef_source"] = float(f"{lam:.4g}"), "gradient-norm matched at step 0"
-            overrides = budget.overrides() + [f"opd_coef={lam:.4g}"] + list(user_overrides)
+            overrides = budget.overrides() + [f"ppo.teacher_kl_coef={lam:.4g}"] + list(user_overrides)
         cfg = TrainConfig.load(None, overrides)
         ks = list(cfg.eval_k)
         greedy_ks = list(budget.final_greedy_k)
