@@ -119,7 +119,7 @@ def _bundle(student, teacher, **over):
     from memopd.trainer.config import TrainConfig
     from memopd.trainer.loop import prepare
 
-    cfg = TrainConfig(student=student, teacher=teacher, arm="memopd", group_size=2, **over).validate()
+    cfg = TrainConfig.from_dict(dict(student=student, teacher=teacher, arm="memopd", group_size=2, **over))
     return cfg, prepare(cfg, log=lambda *_: None)
 
 
