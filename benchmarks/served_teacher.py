@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         out = {}
         for name, extra, transport in transports:
             if transport is None:
-                cfg = TrainConfig(**base, teacher=args.teacher).validate()
+                cfg = TrainConfig.from_dict({**base, "teacher": args.teacher})
                 client = None
             else:
-                cfg = TrainConfig(**base, teacher_url=url, teacher_transport=transport, **extra).validate()
+                cfg = TrainConfig.from_dict({**base, "teacher_url": url, "teacher_transport": transport, **extra})
                 client = ServedTeacher(url, transport=transport)
                 client.server_pid = server.pid
             rows = _run(cfg, args.student, args.teacher, client, args.steps)

@@ -50,6 +50,7 @@ def make_models():
 def run_scenario(name: str, out: str, action_domain: str) -> None:
     from memopd.trainer.config import TrainConfig
     from memopd.trainer.loop import Trainer
+    from memopd.trainer.settings import PPOSettings
 
     ds = ""
     if SCENARIOS[name] is not None:
@@ -57,7 +58,7 @@ def run_scenario(name: str, out: str, action_domain: str) -> None:
         with open(ds, "w") as f:
             json.dump(SCENARIOS[name], f)
     cfg = TrainConfig(arm="memopd", steps=1, ppo_epochs=2, minibatches=1, tasks_per_step=N_TRAJ, group_size=1,
-                      kl_coef=0.05, entropy_coef=0.01, warmup_steps=0, actor_lr=1e-2, critic_lr=1e-2,
+                      ppo=PPOSettings(ref_kl_coef=0.05, entropy_coef=0.01), warmup_steps=0, actor_lr=1e-2, critic_lr=1e-2,
                       checkpoint_every=0, progress=False, deepspeed=ds, run_dir=os.path.join(out, name),
                       action_domain=action_domain).validate()
 

@@ -3,7 +3,7 @@
 The main names load on first use (they import transformers):
 `TrainConfig` (config.py), `Trainer` / `train` / `prepare` (loop.py), `make_backend` /
 `TrainBackend` (backend.py), `init_distributed` / `shutdown_distributed`
-(collectives.py), `Actor` / `Critic` / `Scoring` (modules.py), `score` / `Scored`
+(collectives.py), `Actor` / `Critic` / `Scoring` (modules.py), `PPOSettings` / `ActorLossCoefs` (settings.py), `score` / `Scored`
 (update.py), `gae` / `policy_loss` / `value_loss` / `token_rewards` / `whiten` (ppo.py),
 `plot_run` (plot.py).
 """
@@ -21,7 +21,7 @@ _LAZY = {
     "Trainer": "loop", "train": "loop", "prepare": "loop",
     "make_backend": "backend", "TrainBackend": "backend",
     "init_distributed": "collectives", "shutdown_distributed": "collectives",
-    "Actor": "modules", "ActorLossCoefs": "modules", "Critic": "modules", "Scoring": "modules",
+    "Actor": "modules", "ActorLossCoefs": "settings", "PPOSettings": "settings", "Critic": "modules", "Scoring": "modules",
     "score": "update", "Scored": "update", "PPOInputs": "modules",
     "gae": "ppo", "policy_loss": "ppo", "value_loss": "ppo", "token_rewards": "ppo", "whiten": "ppo",
     "plot_run": "plot",

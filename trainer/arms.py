@@ -130,6 +130,7 @@ def finished_row(spec: str, seed: int, out: str, overrides: list[str]) -> dict |
     the keys a resume may change), else None."""
     import yaml
 
+    from .config import comparable_config
     from .rundir import config_differences
 
     run_dir = arm_run_dir(out, spec, seed)
@@ -141,7 +142,8 @@ def finished_row(spec: str, seed: int, out: str, overrides: list[str]) -> dict |
         return None
     if not isinstance(stored, dict) or not os.path.isfile(os.path.join(run_dir, "final", "config.json")):
         return None
-    diffs = config_differences(stored, _child_config(spec, seed, out, overrides), TrainConfig().to_dict())
+    diffs = config_differences(comparable_config(stored), comparable_config(_child_config(spec, seed, out, overrides)),
+                               comparable_config(TrainConfig().to_dict()))
     return None if [d for d in diffs if d[0] not in ("progress", "cpu_threads")] else row
 
 

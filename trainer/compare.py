@@ -115,7 +115,7 @@ def compare_main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     # build (or check) the SFT cache once, before parallel runs would race for it
-    student_dir = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate()).student_dir
+    student_dir = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"})).student_dir
     os.makedirs(args.out, exist_ok=True)
     print(f"[memopd compare] baseline: SFT student {student_dir}", flush=True)
     base = evaluate_dir(student_dir, ks=cfg.eval_k, n=cfg.eval_tasks)

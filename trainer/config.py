@@ -4,15 +4,20 @@
 file, then applies `key=value` overrides (values parsed as YAML scalars), and checks
 every field. Unknown keys are errors, not silently ignored.
 
-The environment and its data are one nested section, `TrainConfig.env`
-(`memopd.env.build.EnvSpec`: world, world_seed, corpus, tasks, eval_tasks_file,
-tokenizer, policy, policy_kwargs), which `memopd.env.build.build_environment` turns into
-the run's models and environment. A config file gives it as an `env:` mapping, an
-override as `env.policy=full`; the flat names (`policy=full`, `world: replication`) are
-accepted everywhere as short forms of the same keys, and `cfg.policy` reads `cfg.env.policy`.
-`to_dict()` stays flat (one level, the environment's keys among the others): the format
-of every stored config.yaml, checkpoint manifest and report, so a run directory written
-before the section existed resumes and compares unchanged.
+The config has one shape, nested: two sections beside the run's own keys. `env`
+(`memopd.env.build.EnvSpec`: kind, world, world_seed, corpus, tasks, eval_tasks_file,
+tokenizer, policy, policy_kwargs) is what `memopd.env.build.build_environment` turns into
+the run's models and environment; `ppo` (`trainer.settings.PPOSettings`: clip_eps,
+value_clip, gamma, lam, ref_kl_coef, entropy_coef, teacher_kl_coef) is what the update and
+its loss read. A config file gives them as `env:` / `ppo:` mappings, an override as
+`env.policy=full` / `ppo.clip_eps=0.3`; `to_dict()` writes this nested form (config.yaml,
+checkpoint manifests, reports).
+
+`migrate_config` is the one place that reads the older flat form (every key at the top,
+`kl_coef` for `ppo.ref_kl_coef`, `opd_coef` for `ppo.teacher_kl_coef`): config files,
+stored config.yaml files and manifests, and `policy=full`-style overrides all go through
+it, so a run directory written before the sections resumes, and `comparable_config` puts
+an old flat config and the same config in the nested form in one comparable shape.
 """
 from __future__ import annotations
 
@@ -23,11 +28,14 @@ from typing import Any
 
 import yaml
 
-from memopd.env.build import ENV_SPEC_FIELDS, EnvSpec
+from memopd.env.build import EnvSpec
 from memopd.errors import ConfigError, UserError
 from memopd.packing import ACTION_DOMAINS
 
-__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "world_config", "check_requirements", "check_user_data"]
+from .settings import PPOSettings
+
+__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "migrate_config", "comparable_config", "world_config",
+           "check_requirements", "check_user_data"]
 
 
 class Arm(str, enum.Enum):
@@ -116,13 +124,9 @@ class TrainConfig:
     critic_lr: float = 5e-4
     warmup_steps: int = 2
     max_grad_norm: float = 1.0
-    clip_eps: float = 0.2
-    value_clip: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.02  # reference-KL penalty folded into the rewards (not the teacher weight: opd_coef)
-    entropy_coef: float = 0.001  # alpha
-    opd_coef: float = 1.0  # lambda: the weight of KL(student || teacher), the op's teacher_kl_coef (0 in the ppo arm)
+    # the loss hyperparameters (trainer/settings.py): clip ranges, gamma and lambda, the
+    # reference-KL reward penalty ref_kl_coef, the entropy bonus and the teacher-KL weight
+    ppo: PPOSettings = field(default_factory=PPOSettings)
     max_tokens: int = 4096  # token budget of one micro-batch
     # run management
     checkpoint_every: int = 10
@@ -150,6 +154,13 @@ class TrainConfig:
     mismatch_flatten: bool = False  # also the mismatch with the trainer's log-probs in the flatten layout (one more forward)
     rollout_is: str = "none"  # none | tis (truncated importance weights, min(rho, cap)) | mask (rho outside [1/cap, cap])
     rollout_is_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        # every config its own environment section (EnvSpec is mutable): dataclasses.replace
+        # and TrainConfig(env=spec) copies do not share it
+        import copy
+
+        self.env = copy.deepcopy(self.env)
 
     @property
     def arm_spec(self) -> Arm:
@@ -182,10 +193,10 @@ class TrainConfig:
                               "ratio and KL would be of another policy; lower the temperature instead")
         if self.vocab_size < 0:
             raise ConfigError(f"vocab_size must be >= 0 (0: the tokenizer's size), got {self.vocab_size}")
-        if not 0 < self.clip_eps < 1:
-            raise ConfigError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ConfigError("gamma and lam must be in [0, 1]")
+        if not 0 < self.ppo.clip_eps < 1:
+            raise ConfigError(f"ppo.clip_eps must be in (0, 1), got {self.ppo.clip_eps}")
+        if not (0 <= self.ppo.gamma <= 1 and 0 <= self.ppo.lam <= 1):
+            raise ConfigError("ppo.gamma and ppo.lam must be in [0, 1]")
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("checkpoint_every and eval_every must be >= 0")
         if not (isinstance(self.eval_temperature, (int, float)) and self.eval_temperature >= 0):
@@ -230,60 +241,27 @@ class TrainConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as one flat mapping (the environment's keys among the others, in the
-        order they had before the nested section): what config.yaml, checkpoint manifests
-        and reports store; `from_dict` and `TrainConfig(**d)` read it back."""
-        d = dataclasses.asdict(self)
-        env = d.pop("env")
-        flat = {}
-        for k, v in d.items():
-            flat[k] = v
-            if k == "cache_dir":
-                flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_CACHE_DIR)
-            elif k == "eval_tasks":
-                flat.update((n, env[n]) for n in _ENV_KEYS_AFTER_EVAL_TASKS)
-                flat.update((n, env[n]) for n, default in _ENV_KEYS_NOT_DEFAULT.items() if env[n] != default)
-        return flat
+        """The config in its one (nested) form: the run's keys, with `env` and `ppo` as
+        mappings. What config.yaml, checkpoint manifests and reports store; `from_dict`
+        reads it back (and the older flat form, through `migrate_config`)."""
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str | None = None) -> "TrainConfig":
-        """A checked config from a mapping of field values (e.g. a parsed YAML file);
-        `source` (a file name) is named in the errors."""
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source or 'config'}: must be a mapping of keys to values, got {type(d).__name__}")
+        """A checked config from a mapping (a parsed YAML file, a stored config.yaml or
+        manifest: nested or of the older flat form); `source` (a file name) is named in the errors."""
+        nested = migrate_config(d, source=source)
         hints = _field_hints(cls)
-        unknown = sorted(k for k in d if not (k in hints or k in _ENV_HINTS or _env_key(k) in _ENV_HINTS))
-        if unknown:
-            where = f"{source}: " if source else ""
-            raise ConfigError(f"{where}unknown config keys {unknown}; known: {_known_keys()}")
-        top: dict[str, Any] = {}
-        env: dict[str, Any] = {}
-        for k, v in d.items():
-            if k == "env":
-                env.update(_section_items(v, where=source))
-            elif k in _ENV_HINTS or _env_key(k) in _ENV_HINTS:
-                name = _env_key(k) or k
-                env[name] = _coerce(name, v, _ENV_HINTS[name], where=source)
-            else:
-                top[k] = _coerce(k, v, hints[k], where=source)
-        return cls(**top, env=EnvSpec(**env)).validate()
+        top = {k: _coerce(k, v, hints[k], where=source) for k, v in nested.items()}
+        return cls(**top).validate()
 
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] | None = None) -> "TrainConfig":
         """Read an optional YAML file, then apply `key=value` overrides (values parsed as YAML
         scalars); every value is type-checked where it comes from (file or override), then
         the whole config is validated. Nothing is loaded or built here."""
-        hints = {k: v for k, v in _field_hints(cls).items() if k != "env"}
+        hints = _field_hints(cls)
         d: dict[str, Any] = {}
-        env: dict[str, Any] = {}  # the environment section, from flat or nested keys alike
-
-        def put(key: str, value: Any, where: str, raw: str | None = None) -> None:
-            name = _env_key(key) or (key if key in _ENV_HINTS else None)
-            if name is not None:
-                env[name] = _coerce(name, value, _ENV_HINTS[name], where=where, raw=raw)
-            else:
-                d[key] = _coerce(key, value, hints[key], where=where, raw=raw)
-
         if path:
             try:
                 with open(path) as f:
@@ -295,34 +273,31 @@ class TrainConfig:
             loaded = {} if loaded is None else loaded
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: a config file must hold a mapping of keys to values")
-            section = loaded.pop("env", None)
-            if section is not None:
-                if not isinstance(section, dict):
-                    raise ConfigError(f"{path}: env must be a mapping of {', '.join(ENV_SPEC_FIELDS)}, "
-                                      f"got {section!r}")
-                loaded.update({f"env.{k}": v for k, v in section.items()})
-            unknown = sorted(k for k in loaded if not _known_key(k, hints))
-            if unknown:
-                raise ConfigError(f"{path}: unknown config keys {unknown}; known: {_known_keys()}")
-            given = [_env_key(k) or k for k in loaded]
-            twice = sorted({k for k in given if given.count(k) > 1})
-            if twice:
-                raise ConfigError(f"{path}: {', '.join(twice)} given both flat and under env:; keep one")
-            for k, v in loaded.items():
-                put(k, v, path)
+            d = migrate_config(loaded, source=path)
+            for k, v in d.items():  # checked here, so that the error names the file
+                d[k] = _coerce(k, v, hints[k], where=path)
+                if k in _SECTIONS:
+                    d[k] = {n: x for n, x in dataclasses.asdict(d[k]).items() if n in v}
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value")
             key, raw = item.split("=", 1)
             key = key.strip().replace("-", "_")
-            if not _known_key(key, hints):
+            place = _place_of(key)
+            if place is None:
                 raise ConfigError(f"unknown config key {key!r} in override {item!r}; known: {_known_keys()}")
             try:
                 value = yaml.load(raw, Loader=_NoAliasLoader) if raw != "" else ""  # noqa: S506
             except yaml.YAMLError:
                 value = raw  # e.g. an unbalanced bracket: keep the text, the type check decides
-            put(key, value, f"override {item!r}", raw)
-        return cls.from_dict({**d, "env": env})
+            section, name = place
+            tp = _SECTION_HINTS[section][name] if section else hints[name]
+            value = _coerce(name, value, tp, where=f"override {item!r}", raw=raw)
+            if section:
+                d.setdefault(section, {})[name] = value
+            else:
+                d[name] = value
+        return cls.from_dict(d)
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -337,76 +312,113 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-# Where a flat config lists the environment's keys: where they were before the section existed.
-_ENV_KEYS_AFTER_CACHE_DIR = ("corpus", "tasks", "eval_tasks_file", "tokenizer", "world", "world_seed")
-_ENV_KEYS_AFTER_EVAL_TASKS = ("policy", "policy_kwargs")
-# `kind` came later: stored only when it is not the default "qa", after policy_kwargs, so the
-# stored format of a QA run is as it was (and a config without it is a QA run's)
-_ENV_KEYS_NOT_DEFAULT = {"kind": "qa"}
-assert sorted(_ENV_KEYS_AFTER_CACHE_DIR + _ENV_KEYS_AFTER_EVAL_TASKS + tuple(_ENV_KEYS_NOT_DEFAULT)) == sorted(ENV_SPEC_FIELDS)
+# The config's sections: the key of each in a config, and its dataclass.
+_SECTIONS = {"env": EnvSpec, "ppo": PPOSettings}
 
 
-def _env_hints() -> dict[str, Any]:
+def _section_hints() -> dict[str, dict[str, Any]]:
     import typing
 
-    hints = typing.get_type_hints(EnvSpec)
-    return {name: hints[name] for name in ENV_SPEC_FIELDS}
+    return {name: {f.name: typing.get_type_hints(tp)[f.name] for f in dataclasses.fields(tp)}
+            for name, tp in _SECTIONS.items()}
 
 
-_ENV_HINTS = _env_hints()
+_SECTION_HINTS = _section_hints()
+_TOP_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.name not in _SECTIONS)
+# keys of the older flat form whose name changed when they moved into a section
+_RENAMED = {"kl_coef": ("ppo", "ref_kl_coef"), "opd_coef": ("ppo", "teacher_kl_coef")}
 
 
-def _env_key(key: str) -> str | None:
-    """"env.policy" -> "policy"; None for a key outside the environment section."""
-    return key[4:] if key.startswith("env.") and key[4:] in _ENV_HINTS else None
+def _place_of(key: str) -> tuple[str | None, str] | None:
+    """Where key `key` of any form lives: (section or None, name), None for an unknown key.
+    "env.policy" and "policy" are (env, policy); "kl_coef" (its flat, older name) is
+    (ppo, ref_kl_coef); "steps" is (None, steps)."""
+    section, dot, name = key.partition(".")
+    if dot:
+        return (section, name) if name in _SECTION_HINTS.get(section, {}) else None
+    if key in _RENAMED:
+        return _RENAMED[key]
+    if key in _TOP_KEYS:
+        return None, key
+    for section, hints in _SECTION_HINTS.items():  # a section's key given flat: its short form
+        if key in hints:
+            return section, key
+    return None
 
 
-def _known_key(key: str, hints: dict[str, Any]) -> bool:
-    return key in hints or key in _ENV_HINTS or _env_key(key) is not None
+def migrate_config(d: Any, *, source: str | None = None, strict: bool = True) -> dict[str, Any]:
+    """The nested form of config mapping `d`, which may be nested, of the older flat form
+    (every key at the top, `kl_coef`, `opd_coef`), or a mix (`policy: full` beside
+    `env: {...}`, `env.policy` keys): the one reader of old configs. Only the keys given are
+    in the result (values unchecked: `TrainConfig.from_dict` checks them). A key given twice
+    (flat and in its section) or, with `strict`, an unknown key is a `ConfigError` naming
+    `source`; without `strict`, unknown keys stay at the top as they are (to be compared)."""
+    where = f"{source}: " if source else ""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source or 'config'}: must be a mapping of keys to values, got {type(d).__name__}")
+    out: dict[str, Any] = {}
+    given: dict[tuple[str | None, str], str] = {}
+    unknown = []
+
+    def put(key: str, place, value) -> None:
+        if place in given:
+            raise ConfigError(f"{where}{given[place]} and {key} are the same key given twice; keep one")
+        given[place] = key
+        section, name = place
+        if section:
+            out.setdefault(section, {})[name] = value
+        else:
+            out[name] = value
+
+    for key, value in d.items():
+        key = str(key)
+        if key in _SECTIONS:
+            if isinstance(value, EnvSpec | PPOSettings):
+                value = dataclasses.asdict(value)
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{key} must be a mapping of {', '.join(_SECTION_HINTS[key])}, got {value!r}")
+            for name, v in value.items():
+                place = (key, str(name)) if str(name) in _SECTION_HINTS[key] else None
+                if place is None:
+                    if strict:
+                        raise ConfigError(f"{where}unknown {key} keys [{str(name)!r}]; known: "
+                                          f"{', '.join(_SECTION_HINTS[key])}")
+                    out.setdefault(key, {})[str(name)] = v
+                    continue
+                put(f"{key}.{name}", place, v)
+            out.setdefault(key, {})
+            continue
+        place = _place_of(key)
+        if place is None:
+            unknown.append(key)
+            if not strict:
+                out[key] = value
+            continue
+        put(key, place, value)
+    if unknown and strict:
+        raise ConfigError(f"{where}unknown config keys {sorted(unknown)}; known: {_known_keys()}")
+    return out
+
+
+def comparable_config(d: dict[str, Any]) -> dict[str, Any]:
+    """Config mapping `d` (nested or of the older flat form) as one flat mapping with the
+    sections' keys as "env.policy", "ppo.clip_eps": the shape in which a stored config and
+    a new one are compared (trainer/rundir.py), whatever form each was written in."""
+    flat: dict[str, Any] = {}
+    for k, v in migrate_config(d, strict=False).items():
+        if k in _SECTIONS and isinstance(v, dict):
+            flat.update((f"{k}.{n}", x) for n, x in v.items())
+        else:
+            flat[k] = v
+    return flat
 
 
 def _known_keys() -> str:
-    top = sorted(n for n in _field_hints(TrainConfig) if n != "env")
-    return (", ".join(sorted([*top, *ENV_SPEC_FIELDS]))
-            + f" (the environment's {', '.join(ENV_SPEC_FIELDS)} also as env.KEY)")
-
-
-def _alias(name: str) -> property:
-    def get(cfg: "TrainConfig"):
-        return getattr(cfg.env, name)
-
-    def set_(cfg: "TrainConfig", value) -> None:
-        setattr(cfg.env, name, value)
-
-    return property(get, set_, doc=f"`env.{name}` (the flat name of the environment key)")
-
-
-def _init_accepting_flat_keys(generated):
-    """TrainConfig's dataclass __init__, also taking the environment's keys flat
-    (`TrainConfig(policy="full")`, `TrainConfig(**cfg.to_dict())`) and `env` as a mapping;
-    a flat key is applied on top of `env`. Every instance gets its own `EnvSpec`."""
-    import copy
-    import functools
-
-    @functools.wraps(generated)
-    def __init__(self, *args, env: EnvSpec | dict | None = None, **kwargs):
-        flat = {k: kwargs.pop(k) for k in ENV_SPEC_FIELDS if k in kwargs}
-        if isinstance(env, dict):
-            unknown = sorted(set(env) - set(ENV_SPEC_FIELDS))
-            if unknown:
-                raise ConfigError(f"unknown env keys {unknown}; known: {', '.join(ENV_SPEC_FIELDS)}")
-            env = EnvSpec(**env)
-        generated(self, *args, env=copy.deepcopy(env) if env is not None else EnvSpec(), **kwargs)
-        for k, v in flat.items():
-            setattr(self.env, k, v)
-
-    return __init__
-
-
-TrainConfig.__init__ = _init_accepting_flat_keys(TrainConfig.__init__)
-for _name in ENV_SPEC_FIELDS:
-    setattr(TrainConfig, _name, _alias(_name))
-del _name
+    sections = [f"{s}.{n}" for s, hints in _SECTION_HINTS.items() for n in hints]
+    return (", ".join(sorted(_TOP_KEYS)) + "; " + ", ".join(sections)
+            + " (a section's key also without its section: policy=, clip_eps=)")
 
 
 def _check_env_kind(spec: EnvSpec) -> None:
@@ -440,9 +452,10 @@ def check_user_data(cfg: "TrainConfig") -> None:
     and the model directories that data needs named. Cheap: nothing is read."""
     import os
 
-    if not (cfg.corpus or cfg.tasks or cfg.eval_tasks_file):
+    spec = cfg.env
+    if not (spec.corpus or spec.tasks or spec.eval_tasks_file):
         return
-    missing = [k for k in ("corpus", "tasks") if not getattr(cfg, k)]
+    missing = [k for k in ("corpus", "tasks") if not getattr(spec, k)]
     if missing:
         raise ConfigError(f"bring-your-own data needs both corpus=DOCS.jsonl and tasks=SETS.jsonl "
                           f"(missing: {', '.join(missing)}); see memopd/env/qa/data.py for the formats")
@@ -453,7 +466,7 @@ def check_user_data(cfg: "TrainConfig") -> None:
         raise ConfigError(f"arm={cfg.arm} distils from a teacher: give teacher=DIR (a local HF causal-LM "
                           "checkpoint) or teacher_url=http://HOST:PORT (memopd serve-teacher), or use arm=ppo")
     for key in ("corpus", "tasks", "eval_tasks_file"):
-        path = getattr(cfg, key)
+        path = getattr(spec, key)
         if path and not os.path.isfile(path):
             raise ConfigError(f"{key}={path!r}: no such file")
 
@@ -556,8 +569,8 @@ def _coerce(name: str, value: Any, tp: Any, *, where: str | None = None, raw: st
         prefix = f"{where}: " if where else ""
         return ConfigError(f"{prefix}{name} must be {expected}, got {shown!r}")
 
-    if tp is EnvSpec:
-        return EnvSpec(**_section_items(value, where=where))
+    if name in _SECTIONS and tp is _SECTIONS[name]:
+        return tp(**_section_items(name, value, where=where))
     origin = typing.get_origin(tp)
     if origin in (typing.Union, getattr(types, "UnionType", None)):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -617,18 +630,19 @@ def _coerce(name: str, value: Any, tp: Any, *, where: str | None = None, raw: st
     return value
 
 
-def _section_items(value: Any, *, where: str | None = None) -> dict[str, Any]:
-    """The checked keys of an environment section given as an `EnvSpec` (all its keys) or
-    a mapping (the keys it names), or `ConfigError`."""
+def _section_items(section: str, value: Any, *, where: str | None = None) -> dict[str, Any]:
+    """The checked keys of config section `section` given as its dataclass (all its keys)
+    or a mapping (the keys it names), or `ConfigError`."""
     prefix = f"{where}: " if where else ""
-    if isinstance(value, EnvSpec):
+    hints = _SECTION_HINTS[section]
+    if isinstance(value, _SECTIONS[section]):
         value = dataclasses.asdict(value)
     if not isinstance(value, dict):
-        raise ConfigError(f"{prefix}env must be a mapping of {', '.join(ENV_SPEC_FIELDS)}, got {value!r}")
-    unknown = sorted(set(value) - set(ENV_SPEC_FIELDS))
+        raise ConfigError(f"{prefix}{section} must be a mapping of {', '.join(hints)}, got {value!r}")
+    unknown = sorted(set(value) - set(hints))
     if unknown:
-        raise ConfigError(f"{prefix}unknown env keys {unknown}; known: {', '.join(ENV_SPEC_FIELDS)}")
-    return {k: _coerce(k, v, _ENV_HINTS[k], where=where) for k, v in value.items()}
+        raise ConfigError(f"{prefix}unknown {section} keys {unknown}; known: {', '.join(hints)}")
+    return {k: _coerce(k, v, hints[k], where=where) for k, v in value.items()}
 
 
 def _check_fields(cfg: "TrainConfig") -> None:

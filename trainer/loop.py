@@ -22,7 +22,7 @@ from memopd.hf import head_of
 
 from .backend import make_backend
 from .collectives import barrier, init_distributed
-from .config import ConfigError, TrainConfig, check_requirements, check_user_data
+from .config import ConfigError, TrainConfig, check_requirements, check_user_data, comparable_config
 from .device import place_model, resolve_device, resolve_dtype
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
 from .stats import KL_TEACHER, train_metric
@@ -111,7 +111,7 @@ class Trainer:
             h = self.served_teacher.lm_head()
             self._served_head = type(h)(h.weight.to(self.device, dtype), None if h.bias is None else h.bias.to(self.device, dtype),
                                         h.scale)
-        self.ref_lm = copy.deepcopy(student_lm).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.ref_lm = copy.deepcopy(student_lm).eval().requires_grad_(False) if cfg.ppo.ref_kl_coef > 0 else None
         actor = Actor(student_lm, scoring=self.scoring)
         critic = Critic(copy.deepcopy(student_lm)).to(next(student_lm.parameters()).device)  # value head beside the body
         self._views = None
@@ -221,8 +221,8 @@ class Trainer:
         t_roll = time.time() - t0
         teacher_layout = cfg.arm_spec.teacher_layout
         scored = score(actor, critic, self.ref_lm, self.teacher_lm, trajs,
-                       teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, kl_coef=cfg.kl_coef,
-                       gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain,
+                       teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, ppo=cfg.ppo,
+                       action_domain=cfg.action_domain,
                        flatten_logp=cfg.mismatch_flatten, teacher_topk=cfg.teacher_topk)
         self.actor.train()
         self.critic.train()
@@ -412,7 +412,8 @@ class Trainer:
         owned = run is None
         if owned:
             run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=self.rank,
-                              world_size=self.world_size, defaults=TrainConfig().to_dict(), log=self.log)
+                              world_size=self.world_size, defaults=TrainConfig().to_dict(), log=self.log,
+                              comparable=comparable_config)
         try:
             return self._fit_steps(resume, evaluate, stop_after)
         finally:
@@ -556,7 +557,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     sft_needed = not cfg.student or (not (cfg.teacher or cfg.teacher_url) and cfg.arm_spec.uses_teacher)
     extra = ((sft_cache_dir(cfg), "SFT cache directory"),) if sft_needed else ()
     run = RunDir.open(cfg.to_dict(), resume=resume, overwrite=overwrite, rank=info.rank, world_size=info.world_size,
-                      extra_dirs=extra, defaults=TrainConfig().to_dict(), log=log)
+                      extra_dirs=extra, defaults=TrainConfig().to_dict(), log=log, comparable=comparable_config)
     try:
         return _train_in(cfg, run, resume, log, t0, cpu0)
     except BaseException:

@@ -13,7 +13,6 @@ KL term is the top-k reverse KL (`memopd.ops.topk_kl`) added to the teacher-less
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,39 +21,20 @@ from torch import nn
 from memopd.hf import LMHead, head_of, lm_head_of, packed_forward
 from memopd.layout import PackedBatch
 from memopd.ops import DistillOutput, fused_linear_actor_loss, fused_linear_logprob_entropy, fused_linear_reverse_kl
-from memopd.ops._validate import teacher_kl_weight
 
-__all__ = ["Actor", "ActorLossCoefs", "Critic", "PPOInputs", "Scoring", "scored_rows", "token_logprobs", "register_zero3_external_params"]
+from .settings import ActorLossCoefs
+
+__all__ = ["Actor", "Critic", "PPOInputs", "Scoring", "scored_rows", "token_logprobs", "register_zero3_external_params"]
 
 
 @dataclass(frozen=True)
-class ActorLossCoefs:
-    """The coefficients of the actor loss, fixed for one update and shared by all its
-    micro-batches: the PPO clip range, the entropy bonus and the weight of the KL to the
-    teacher (OPD's lambda, `TrainConfig.opd_coef`; not the reference-KL reward penalty
-    `TrainConfig.kl_coef`)."""
-
-    clip_eps: float
-    entropy_coef: float
-    teacher_kl_coef: float
-
-    @classmethod
-    def for_update(cls, *, clip_eps: float, entropy_coef: float, opd_coef: float,
-                   has_teacher: bool) -> "ActorLossCoefs":
-        """The coefficients of an update; the only place where an update without a teacher
-        (the ppo arm) gets teacher weight 0."""
-        return cls(float(clip_eps), float(entropy_coef), float(opd_coef) if has_teacher else 0.0)
-
-
-@dataclass(frozen=True, init=False)
 class PPOInputs:
     """Per-entry inputs of the actor loss for one micro-batch and the update's `coefs`.
 
     `normalizer` and `kl_normalizer` are the global counts (all micro-batches, all ranks)
     divided by the world size, so that summing micro-batches and averaging ranks gives
-    the gradient of one batch (docs/design.md §7.5, docs/deepspeed.md §1). Instead of
-    `coefs`, its fields may be given flat (`clip_eps=`, `entropy_coef=`,
-    `teacher_kl_coef=`; `kl_coef=` is the deprecated old name of `teacher_kl_coef=`)."""
+    the gradient of one batch (docs/design.md §7.5, docs/deepspeed.md §1). `coefs` come
+    from `PPOSettings.loss_coefs` (trainer/settings.py), once per update."""
 
     logp_old: torch.Tensor
     advantages: torch.Tensor
@@ -62,25 +42,6 @@ class PPOInputs:
     coefs: ActorLossCoefs
     normalizer: float
     kl_normalizer: float
-
-    def __init__(self, logp_old: torch.Tensor, advantages: torch.Tensor, kl_mask: torch.Tensor,
-                 coefs: ActorLossCoefs | None = None, *, normalizer: float, kl_normalizer: float, **flat_coefs):
-        if coefs is None:
-            # the deprecated kl_coef= is resolved (warning, both-given error) as the ops do
-            flat_coefs["teacher_kl_coef"] = teacher_kl_weight(flat_coefs.pop("teacher_kl_coef", None),
-                                                              flat_coefs.pop("kl_coef", None), "PPOInputs")
-            coefs = ActorLossCoefs(**flat_coefs)
-        elif flat_coefs:
-            raise TypeError(f"PPOInputs: coefs given, and also {', '.join(sorted(flat_coefs))}; pass one of them")
-        for name, value in (("logp_old", logp_old), ("advantages", advantages), ("kl_mask", kl_mask),
-                            ("coefs", coefs), ("normalizer", normalizer), ("kl_normalizer", kl_normalizer)):
-            object.__setattr__(self, name, value)  # frozen: the dataclass's own way to initialise
-
-    @property
-    def kl_coef(self) -> float:
-        """Deprecated name of `coefs.teacher_kl_coef`."""
-        warnings.warn("PPOInputs.kl_coef is deprecated, use .coefs.teacher_kl_coef", DeprecationWarning, stacklevel=2)
-        return self.coefs.teacher_kl_coef
 
 
 @dataclass(frozen=True)

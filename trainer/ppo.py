@@ -35,9 +35,9 @@ def token_rewards(
     traj_index: torch.Tensor,
     logp_old: torch.Tensor,
     logp_ref: torch.Tensor | None,
-    kl_coef: float,
+    ref_kl_coef: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: `-kl_coef * [logp_old - logp_ref]_+` on every action token, plus
+    """Per-token rewards: `-ref_kl_coef * [logp_old - logp_ref]_+` on every action token, plus
     the trajectory's reward on its final action token.
 
     Returns (rewards [A], kl_penalty [A]). `final_reward` is [B], `traj_index` [A].
@@ -45,11 +45,11 @@ def token_rewards(
     if traj_index.numel() == 0:
         z = torch.zeros(0, dtype=torch.float32, device=traj_index.device)
         return z, z
-    if logp_ref is None or kl_coef == 0:
+    if logp_ref is None or ref_kl_coef == 0:
         pen = torch.zeros_like(logp_old, dtype=torch.float32)
     else:
         _check_same(("logp_old", logp_old), ("logp_ref", logp_ref))
-        pen = kl_coef * (logp_old.float() - logp_ref.float()).clamp(min=0)
+        pen = ref_kl_coef * (logp_old.float() - logp_ref.float()).clamp(min=0)
     r = -pen
     last = torch.ones_like(traj_index, dtype=torch.bool)
     last[:-1] = traj_index[1:] != traj_index[:-1]

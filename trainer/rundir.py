@@ -452,7 +452,10 @@ class RunDir:
     takes the lock, then either refuses a used directory (no --resume / --overwrite),
     deletes its earlier outputs (--overwrite), or compares the stored config (config.yaml
     and the newest checkpoint's manifest) with this run's (--resume), then writes this
-    run's config.yaml. `close()` releases the lock."""
+    run's config.yaml. `comparable` puts a config mapping (the stored ones, this run's,
+    the defaults) in the shape they are compared in: a stored config of an older form
+    and the same config in today's form compare equal (trainer/config.py
+    `comparable_config`). `close()` releases the lock."""
 
     def __init__(self, run_dir: str, rank: int, world_size: int, log: Callable[[str], None]):
         self.run_dir = run_dir
@@ -466,10 +469,12 @@ class RunDir:
     @classmethod
     def open(cls, config: dict, *, resume: bool = False, overwrite: bool = False, rank: int = 0,
              world_size: int = 1, extra_dirs: tuple[tuple[str, str], ...] = (), defaults: dict | None = None,
-             command: str | None = None, log: Callable[[str], None] = print) -> "RunDir":
+             command: str | None = None, log: Callable[[str], None] = print,
+             comparable: Callable[[dict], dict] | None = None) -> "RunDir":
         if resume and overwrite:
             raise UserError("--resume and --overwrite exclude each other: continue the run, or discard it")
         rd = cls(config["run_dir"], rank, world_size, log)
+        rd.comparable = comparable or (lambda d: d)
         rank0_decides(lambda: rd._open(config, resume, overwrite, extra_dirs, defaults, command), rank, world_size)
         return rd
 
@@ -526,8 +531,9 @@ class RunDir:
         if m is not None and isinstance(m.get("config"), dict):
             stored.append((os.path.join(found[1], MANIFEST), m["config"]))
         changed: list[str] = []
+        config, defaults = self.comparable(config), self.comparable(defaults or {})
         for source, cfg in stored:
-            changed = check_resume_config(cfg, config, source=source, defaults=defaults) or changed
+            changed = check_resume_config(self.comparable(cfg), config, source=source, defaults=defaults) or changed
         if changed:
             self.log(f"resume: allowed config changes: {'; '.join(changed)}")
 

@@ -21,8 +21,9 @@ from memopd.hf import LMHead, head_of, packed_forward
 from memopd.packing import pack
 from memopd.records import Trajectory
 
-from .modules import Actor, ActorLossCoefs, Critic, PPOInputs, scored_rows, token_logprobs
+from .modules import Actor, Critic, PPOInputs, scored_rows, token_logprobs
 from .ppo import gae, policy_loss, ratio_stats, rollout_is_weights, token_rewards, value_loss, whiten
+from .settings import PPOSettings
 from .stats import (
     ACTOR_GRAD_NORM,
     APPROX_KL,
@@ -147,9 +148,7 @@ def score(
     *,
     teacher_layout: str | None,
     max_tokens: int,
-    kl_coef: float,
-    gamma: float,
-    lam: float,
+    ppo: PPOSettings,
     action_domain: str = "exact",
     flatten_logp: bool = False,
     teacher_topk: int = 0,
@@ -201,8 +200,8 @@ def score(
             )
     ti = batch.traj_index.to(logp_old.device)
     final = torch.tensor([float(tr.reward) for tr in trajs], device=logp_old.device)
-    rewards, pen = token_rewards(final, ti, logp_old, logp_ref, kl_coef)
-    adv, ret = gae(rewards, values, ti, gamma, lam)
+    rewards, pen = token_rewards(final, ti, logp_old, logp_ref, ppo.ref_kl_coef)
+    adv, ret = gae(rewards, values, ti, ppo.gamma, ppo.lam)
     recorded = batch.sample_logprobs.to(logp_old.device)
     known = ~torch.isnan(recorded)
     sample_dlogp = float((logp_old[known] - recorded[known]).abs().max()) if bool(known.any()) else math.nan
@@ -224,15 +223,13 @@ def teacher_mask_of(scored: Scored, mb, gid: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """The hyperparameters of one PPO + OPD update (`TrainConfig` holds their meaning and defaults)."""
+    """How one PPO + OPD update runs (`TrainConfig` holds their meaning and defaults): the
+    loss hyperparameters `ppo` as the config's section, the epochs, minibatches and packing."""
 
+    ppo: PPOSettings
     ppo_epochs: int
     minibatches: int
     max_tokens: int
-    clip_eps: float
-    value_clip: float
-    entropy_coef: float
-    opd_coef: float
     action_domain: str
     whiten_advantages: bool = True
     rollout_is: str = "none"  # none | tis | mask: the sampler-mismatch correction (ppo.rollout_is_weights)
@@ -241,7 +238,7 @@ class UpdateSettings:
     @classmethod
     def from_config(cls, cfg) -> "UpdateSettings":
         names = {f.name for f in dataclasses.fields(cls)} - {"whiten_advantages"}
-        return cls(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})
+        return cls(**{n: getattr(cfg, n) for n in names})
 
 
 def update(
@@ -256,10 +253,9 @@ def update(
 ) -> dict:
     """PPO epochs over minibatches; returns averaged statistics."""
     ppo_epochs, minibatches, max_tokens = settings.ppo_epochs, settings.minibatches, settings.max_tokens
-    value_clip, whiten_advantages, action_domain = settings.value_clip, settings.whiten_advantages, settings.action_domain
+    value_clip, whiten_advantages, action_domain = settings.ppo.value_clip, settings.whiten_advantages, settings.action_domain
     has_teacher = scored.teacher_hidden is not None or scored.teacher_topk is not None
-    coefs = ActorLossCoefs.for_update(clip_eps=settings.clip_eps, entropy_coef=settings.entropy_coef,
-                                      opd_coef=settings.opd_coef, has_teacher=has_teacher)
+    coefs = settings.ppo.loss_coefs(has_teacher=has_teacher)  # derived once, shared by every micro-batch
     # global statistics: data-parallel ranks normalise as one process with the whole batch
     adv_all = whiten(scored.advantages, reduce_sum=actor_backend.all_reduce_sum) if whiten_advantages else scored.advantages
     is_stats = {}

@@ -378,7 +378,7 @@ def teacher_kl_weight(teacher_kl_coef: Optional[float], kl_coef: Optional[float]
     run its matmuls, report a healthy-looking KL and distil nothing."""
     if teacher_given and teacher_kl_coef is None and kl_coef is None:
         raise ValueError(f"{op}: a teacher is given but no teacher_kl_coef: pass teacher_kl_coef=1.0 to distil "
-                         "(the trainer's opd_coef default), or teacher_kl_coef=0.0 to only measure the KL")
+                         "(the trainer's ppo.teacher_kl_coef default), or teacher_kl_coef=0.0 to only measure the KL")
     if kl_coef is None:
         return 0.0 if teacher_kl_coef is None else float(teacher_kl_coef)
     if teacher_kl_coef is not None:

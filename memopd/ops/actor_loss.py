@@ -193,7 +193,7 @@ def fused_linear_actor_loss(
             negative-advantage tokens at -c A (None: off).
         entropy_coef, teacher_kl_coef: the coefficients of -H and of KL(student || teacher)
             (`kl_coef=` is the deprecated old name of teacher_kl_coef). With a teacher,
-            teacher_kl_coef is required (1.0 distils as the trainer's opd_coef default;
+            teacher_kl_coef is required (1.0 distils as the trainer's ppo.teacher_kl_coef default;
             0.0 only measures the KL); without one it is unused.
         temperature: divides both models' logits (the sampling temperature).
         vocab_size: rows of both heads that form the distributions (the tokenizer's size;

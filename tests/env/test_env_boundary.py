@@ -102,12 +102,13 @@ def test_a_custom_environment_runs_a_rollout():
 
 # ---- the nested env section of TrainConfig
 def test_env_section_nested_and_flat_keys_are_the_same_config(tmp_path):
+    from memopd.env.build import EnvSpec
     from memopd.trainer.config import TrainConfig
 
     nested = TrainConfig.load(None, ["env.policy=full", "env.world_seed=3", "steps=2"])
     flat = TrainConfig.load(None, ["policy=full", "world_seed=3", "steps=2"])
-    assert nested == flat and nested.env.policy == "full" and nested.policy == "full"
-    assert TrainConfig(policy="full", world_seed=3, steps=2) == flat
+    assert nested == flat and nested.env.policy == "full"
+    assert TrainConfig(env=EnvSpec(policy="full", world_seed=3), steps=2) == flat
     f = tmp_path / "c.yaml"
     f.write_text("steps: 2\nenv:\n  policy: full\n  world_seed: 3\n")
     assert TrainConfig.load(str(f)) == flat
@@ -115,38 +116,33 @@ def test_env_section_nested_and_flat_keys_are_the_same_config(tmp_path):
     assert TrainConfig.load(str(f)) == flat
 
 
-def test_env_section_defaults_and_flat_dict_are_unchanged():
-    """to_dict is the stored format (config.yaml, manifests, reports): flat, same keys in the
-    same order as before the section existed, plus policy_kwargs; defaults unchanged."""
+def test_env_section_defaults_and_nested_dict():
+    """to_dict is the stored format (config.yaml, manifests, reports): nested, the
+    environment's keys under env with their defaults unchanged; it reads back equal."""
     from memopd.trainer.config import TrainConfig
 
     d = TrainConfig().to_dict()
-    keys = list(d)
-    assert keys[keys.index("cache_dir") + 1:keys.index("train_k")] == [
-        "corpus", "tasks", "eval_tasks_file", "tokenizer", "world", "world_seed"]
-    assert keys[keys.index("eval_tasks") + 1:keys.index("action_domain")] == ["policy", "policy_kwargs"]
-    assert {k: d[k] for k in ("corpus", "tasks", "eval_tasks_file", "tokenizer", "world", "world_seed", "policy",
-                              "policy_kwargs")} == {
-        "corpus": "", "tasks": "", "eval_tasks_file": "", "tokenizer": "", "world": "default", "world_seed": 0,
-        "policy": "summary", "policy_kwargs": {}}
-    assert "env" not in d
-    assert TrainConfig.from_dict(d) == TrainConfig() == TrainConfig(**d)
+    assert d["env"] == {"corpus": "", "tasks": "", "eval_tasks_file": "", "tokenizer": "", "world": "default",
+                        "world_seed": 0, "policy": "summary", "policy_kwargs": {}, "kind": "qa"}
+    assert not {"policy", "world", "corpus", "kl_coef", "opd_coef", "clip_eps"} & set(d)
+    assert TrainConfig.from_dict(d) == TrainConfig()
 
 
 def test_a_stored_flat_config_resumes_and_compares():
     """A config.yaml written before the section (flat, no policy_kwargs) matches a new run
     of the same settings, and a changed environment key is still reported by its name."""
-    from memopd.trainer.config import TrainConfig
+    from memopd.trainer.config import TrainConfig, comparable_config
     from memopd.trainer.rundir import check_resume_config, config_differences
 
-    old = TrainConfig(policy="full").to_dict()
-    del old["policy_kwargs"]
-    new = TrainConfig.load(None, ["env.policy=full"]).to_dict()
-    defaults = TrainConfig().to_dict()
+    nested = TrainConfig.load(None, ["env.policy=full"]).to_dict()
+    old = {k: v for k, v in nested.items() if k != "env"} | {
+        k: v for k, v in nested["env"].items() if k not in ("policy_kwargs", "kind")}
+    new = comparable_config(nested)
+    old, defaults = comparable_config(old), comparable_config(TrainConfig().to_dict())
     assert config_differences(old, new, defaults) == []
     assert check_resume_config(old, new, source="config.yaml", defaults=defaults) == []
-    changed = TrainConfig.load(None, ["env.policy=summary"]).to_dict()
-    assert config_differences(old, changed, defaults) == [("policy", "full", "summary")]
+    changed = comparable_config(TrainConfig.load(None, ["env.policy=summary"]).to_dict())
+    assert config_differences(old, changed, defaults) == [("env.policy", "full", "summary")]
 
 
 def test_env_section_errors_name_the_key(tmp_path):
@@ -163,7 +159,7 @@ def test_env_section_errors_name_the_key(tmp_path):
     assert TrainConfig.load(None, ["policy=window", "env.policy_kwargs={turns: 3}"]).env.policy_kwargs == {"turns": 3}
     f = tmp_path / "c.yaml"
     f.write_text("policy: full\nenv:\n  policy: summary\n")
-    with pytest.raises(ConfigError, match=r"policy given both flat and under env:"):
+    with pytest.raises(ConfigError, match=r"policy and env.policy are the same key given twice; keep one"):
         TrainConfig.load(str(f))
     f.write_text("env: full\n")
     with pytest.raises(ConfigError, match=r"env must be a mapping of world, world_seed"):
@@ -177,8 +173,8 @@ def test_config_copies_do_not_share_their_env_section():
 
     a = TrainConfig()
     b = dataclasses.replace(a, steps=5)
-    b.policy = "full"
-    assert (a.policy, b.policy, b.env.policy) == ("summary", "full", "full")
+    b.env.policy = "full"
+    assert (a.env.policy, b.env.policy) == ("summary", "full")
 
 
 # ---- the dependency direction

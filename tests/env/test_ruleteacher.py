@@ -14,6 +14,7 @@ from memopd.env.qa.world import world_preset
 from memopd.packing import pack
 from memopd.trainer.experiments.infogap import information_gap_calls
 from memopd.trainer.experiments.ruleteacher import RuleTeacher, beta_for, rule_next_token
+from memopd.trainer.settings import PPOSettings
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +135,8 @@ def test_score_masks_the_silent_positions_out_of_the_opd_term(linked):
                         num_kv_heads=2, max_positions=2048, pad_token_id=0, seed=0)
     actor = Actor(lm, scoring=Scoring(1.0, len(tok)))
     teacher = _teacher(world, tok)
-    sc = score(actor, Critic(lm), None, teacher, trajs, teacher_layout="flatten", max_tokens=4096, kl_coef=0.0,
-               gamma=1.0, lam=1.0)
+    sc = score(actor, Critic(lm), None, teacher, trajs, teacher_layout="flatten", max_tokens=4096,
+               ppo=PPOSettings(ref_kl_coef=0.0, gamma=1.0, lam=1.0))
     ys = teacher.targets(pack_layout(trajs, 4096, layout="flatten"))
     assert sc.teacher_speaks.tolist() == [y is not None for y in ys]
     assert 0 < int(sc.teacher_speaks.sum()) < len(ys)  # silent somewhere, speaking mostly

@@ -130,7 +130,7 @@ def test_policy_loss_teacher_kl_term(verl, seed):
     old = torch.full(responses.shape, -3.0, dtype=torch.float64)
     adv = torch.zeros(responses.shape, dtype=torch.float64)
     loss, metrics = policy_loss(hidden, weight, responses, mask, old, adv, bias=bias, teacher_hidden_states=t_hidden,
-                                teacher_weight=t_weight, kl_coef=0.5, loss_agg_mode="seq-mean-token-mean")
+                                teacher_weight=t_weight, teacher_kl_coef=0.5, loss_agg_mode="seq-mean-token-mean")
     ls = torch.log_softmax(_verl_logits(hidden, weight, bias, 5, 1.0), -1)
     lt = torch.log_softmax(t_hidden[:, -6:-1] @ t_weight.T, -1)
     kl = (ls.exp() * (ls - lt)).sum(-1)  # full-vocabulary reverse KL: memopd's term, verl has no such loss

@@ -64,7 +64,7 @@ def compare(seed, inp, adv, old, teacher=True, val_tol=2e-5, grad_tol=2e-5, fuse
 def test_values_and_grads_vs_float64(seed, teacher):
     inp = make_inputs(seed, N=48, Hs=24, Ht=20, V=301, teacher_bias=True)
     adv, old = ppo_inputs(seed, 48)
-    compare(seed, inp, adv, old, teacher, entropy_coef=0.03, kl_coef=0.7, temperature=1.3, clip_eps=0.2,
+    compare(seed, inp, adv, old, teacher, entropy_coef=0.03, teacher_kl_coef=0.7, temperature=1.3, clip_eps=0.2,
             clip_eps_high=0.28, fused_kw=dict(token_chunk_size=7))
 
 
@@ -72,7 +72,7 @@ def test_float64_inputs_are_exact(seed):
     inp = as64(make_inputs(seed, N=30, V=211, teacher_bias=True))
     adv, old = ppo_inputs(seed, 30)
     compare(seed, inp, adv.double(), old.double(), val_tol=1e-12, grad_tol=1e-12, entropy_coef=0.05,
-            kl_coef=0.4, dual_clip=3.0)
+            teacher_kl_coef=0.4, dual_clip=3.0)
 
 
 def test_ratio_at_and_beyond_both_clip_edges(seed):
@@ -97,8 +97,8 @@ def test_close_distributions(seed):
     """Teacher = student + 1e-3 noise: KL ~1e-6, still accurate in fp32."""
     inp = make_inputs(seed, N=48, Hs=32, Ht=32, V=300, bias=False, teacher="close", scale=0.6)
     adv, old = ppo_inputs(seed, 48)
-    out, _ = compare(seed, inp, adv, old, kl_coef=1.0, val_tol=2e-5, grad_tol=5e-5)
-    ref = call(reference_actor_loss, as64(inp), adv.double(), old.double(), kl_coef=1.0)
+    out, _ = compare(seed, inp, adv, old, teacher_kl_coef=1.0, val_tol=2e-5, grad_tol=5e-5)
+    ref = call(reference_actor_loss, as64(inp), adv.double(), old.double(), teacher_kl_coef=1.0)
     kept = inp["mask"]
     rel = ((out.kl.double() - ref.kl).abs() / ref.kl.abs().clamp_min(1e-12))[kept]
     assert ref.kl[kept].max() < 1e-4 and rel.max() < 1e-2, (rel.max(), ref.kl[kept].max())
@@ -109,7 +109,7 @@ def test_identical_teacher_gives_zero_kl(seed):
     inp = make_inputs(seed, N=20, Hs=16, Ht=16, V=100)
     inp["ht"], inp["wt"], inp["bt"] = inp["hs"].detach(), inp["ws"].detach(), inp["bs"].detach()
     adv, old = ppo_inputs(seed, 20)
-    out = call(fused_linear_actor_loss, inp, adv, old, kl_coef=1.0)
+    out = call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=1.0)
     assert out.kl.abs().max() < 1e-6
 
 
@@ -123,7 +123,7 @@ def test_padded_vocab(seed, pad):
         else:
             inp["wt"][V:] = 30.0
     adv, old = ppo_inputs(seed, 32)
-    _, g = compare(seed, inp, adv, old, vocab_size=V, kl_coef=0.5, entropy_coef=0.01)
+    _, g = compare(seed, inp, adv, old, vocab_size=V, teacher_kl_coef=0.5, entropy_coef=0.01)
     if pad == "student":
         assert g[1][V:].abs().max() == 0 and g[2][V:].abs().max() == 0
 
@@ -132,12 +132,12 @@ def test_all_masked_and_masked_rows(seed):
     inp = make_inputs(seed, N=24, V=90)
     adv, old = ppo_inputs(seed, 24)
     inp["mask"] = torch.zeros(24, dtype=torch.bool)
-    out = call(fused_linear_actor_loss, inp, adv, old, kl_coef=1.0, entropy_coef=0.1)
+    out = call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=1.0, entropy_coef=0.1)
     g = grads(out, inp)
     assert float(out.loss) == 0.0 and all(x.abs().max() == 0 for x in g)
     assert (out.ratio == 1).all() and not out.clipped.any()
     inp = make_inputs(seed, N=24, V=90, mask_p=0.5)
-    out, g = compare(seed, inp, adv, old, kl_coef=1.0, entropy_coef=0.1)
+    out, g = compare(seed, inp, adv, old, teacher_kl_coef=1.0, entropy_coef=0.1)
     dead = ~inp["mask"]
     assert g[0][dead].abs().max() == 0 and out.logprobs[dead].abs().max() == 0
 
@@ -147,14 +147,14 @@ def test_kl_mask_and_normalizers(seed):
     adv, old = ppo_inputs(seed, 40)
     g = torch.Generator().manual_seed(seed)
     klm = torch.rand(40, generator=g) > 0.4
-    compare(seed, inp, adv, old, kl_mask=klm, kl_coef=0.9, entropy_coef=0.02, normalizer=77.0, kl_normalizer=31.0)
+    compare(seed, inp, adv, old, kl_mask=klm, teacher_kl_coef=0.9, entropy_coef=0.02, normalizer=77.0, kl_normalizer=31.0)
 
 
 def test_micro_batches_sum_to_one_batch(seed):
     """Two calls with the global normalisers give the gradient of one call on the batch."""
     inp = make_inputs(seed, N=50, V=160, mask_p=0.2)
     adv, old = ppo_inputs(seed, 50)
-    kw = dict(kl_coef=0.6, entropy_coef=0.02)
+    kw = dict(teacher_kl_coef=0.6, entropy_coef=0.02)
     full = call(fused_linear_actor_loss, inp, adv, old, **kw)
     g_full = grads(full, inp)
     n = float(inp["mask"].sum())
@@ -178,7 +178,7 @@ def test_equals_the_composition_it_replaces(seed):
     inp = make_inputs(seed, N=40, V=250, teacher_bias=True, mask_p=0.0)
     adv, old = ppo_inputs(seed, 40)
     T, alpha, lam, eps = 0.9, 0.01, 0.5, 0.2
-    out = call(fused_linear_actor_loss, inp, adv, old, temperature=T, entropy_coef=alpha, kl_coef=lam, clip_eps=eps)
+    out = call(fused_linear_actor_loss, inp, adv, old, temperature=T, entropy_coef=alpha, teacher_kl_coef=lam, clip_eps=eps)
     g1 = grads(out, inp)
     d = fused_linear_reverse_kl(inp["hs"], inp["ws"], inp["ht"], inp["wt"], inp["y"], student_bias=inp["bs"],
                                 teacher_bias=inp["bt"], temperature=T, reduction="none")
@@ -196,7 +196,7 @@ def test_four_matmuls_three_without_teacher(seed):
     inp = make_inputs(seed, N=40, V=300, Hs=24, Ht=24)
     adv, old = ppo_inputs(seed, 40)
     with CountMatmuls() as m:  # one token block: the count is per block
-        out = call(fused_linear_actor_loss, inp, adv, old, kl_coef=1.0, token_chunk_size=64)
+        out = call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=1.0, token_chunk_size=64)
         grads(out, inp)
     assert m.n == 4, m.n
     with CountMatmuls() as m:
@@ -204,7 +204,7 @@ def test_four_matmuls_three_without_teacher(seed):
         grads(out, inp)
     assert m.n == 3, m.n
     with torch.no_grad(), CountMatmuls() as m:  # scoring only: the logits matmuls
-        call(fused_linear_actor_loss, inp, adv, old, kl_coef=1.0, token_chunk_size=64)
+        call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=1.0, token_chunk_size=64)
     assert m.n == 2, m.n
 
 
@@ -213,21 +213,21 @@ def test_never_materialises_tokens_by_vocab(seed):
     inp = make_inputs(seed, N=N, Hs=H, Ht=H, V=V, mask_p=0.1)
     adv, old = ppo_inputs(seed, N)
     with LargestTensor() as mode:
-        out = call(fused_linear_actor_loss, inp, adv, old, kl_coef=1.0, entropy_coef=0.1, token_chunk_size=32)
+        out = call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=1.0, entropy_coef=0.1, token_chunk_size=32)
         grads(out, inp)
     assert mode.inner_ops > 50
     assert mode.largest <= max(V * H, 32 * V), (mode.largest, mode.op)
     with LargestTensor() as ref_mode:
-        call(reference_actor_loss, inp, adv, old, kl_coef=1.0)
+        call(reference_actor_loss, inp, adv, old, teacher_kl_coef=1.0)
     assert ref_mode.largest >= N * V
 
 
 def test_no_grad_matches_and_keeps_nothing(seed):
     inp = make_inputs(seed, N=30, V=120)
     adv, old = ppo_inputs(seed, 30)
-    out = call(fused_linear_actor_loss, inp, adv, old, kl_coef=0.3)
+    out = call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=0.3)
     with torch.no_grad():
-        ng = call(fused_linear_actor_loss, inp, adv, old, kl_coef=0.3)
+        ng = call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=0.3)
     assert ng.loss.grad_fn is None
     for name in FIELDS:
         assert torch.equal(getattr(ng, name), getattr(out, name))
@@ -240,7 +240,7 @@ def test_torch_compile_matches_eager(seed):
 
     def f(hs, ws, bs):
         o = fused_linear_actor_loss(hs, ws, inp["y"], adv, old, student_bias=bs, mask=inp["mask"],
-                                    teacher_hidden=inp["ht"], teacher_weight=inp["wt"], kl_coef=0.5,
+                                    teacher_hidden=inp["ht"], teacher_weight=inp["wt"], teacher_kl_coef=0.5,
                                     normalizer=24.0, kl_normalizer=24.0)
         return o.loss
 
@@ -293,7 +293,7 @@ def test_compiled_triton_on_cuda(seed, dtype):
     inp = {k: (v.detach().cuda().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
            for k, v in inp.items()}
     adv, old = (x.cuda() for x in ppo_inputs(seed, 300))
-    kw = dict(kl_coef=0.7, entropy_coef=0.02, temperature=1.1, vocab_size=5003, dual_clip=3.0)
+    kw = dict(teacher_kl_coef=0.7, entropy_coef=0.02, temperature=1.1, vocab_size=5003, dual_clip=3.0)
     out = call(fused_linear_actor_loss, inp, adv, old, backend="triton", token_chunk_size=128, **kw)
     g = grads(out, inp)
     i64 = as64(inp)
@@ -328,7 +328,7 @@ def test_weight_gradient_is_allocated_once(seed):
     inp = make_inputs(seed, N=64, Hs=32, Ht=24, V=500, bias=False)  # teacher weight of another size
     adv, old = ppo_inputs(seed, 64)
     with WeightSized(inp["ws"]) as mode:
-        out = call(fused_linear_actor_loss, inp, adv, old, kl_coef=0.5)
+        out = call(fused_linear_actor_loss, inp, adv, old, teacher_kl_coef=0.5)
         out.loss.backward()
     assert len(mode.storages) == 1, len(mode.storages)
     assert inp["ws"].grad.untyped_storage().data_ptr() in mode.storages
@@ -362,24 +362,23 @@ def test_backend_rule(seed, monkeypatch):
         call(fused_linear_actor_loss, inp, adv, old)
 
 
-@pytest.mark.parametrize("fn", [fused_linear_actor_loss, reference_actor_loss])
-def test_kl_coef_is_a_deprecated_alias_of_teacher_kl_coef(seed, fn):
-    """`kl_coef=` (the old name of the teacher-KL weight) warns, naming the new name, and
-    gives the loss of `teacher_kl_coef=`; passing both is refused."""
+def test_kl_coef_is_a_deprecated_alias_of_teacher_kl_coef(seed):
+    """`kl_coef=` (the old name of the teacher-KL weight) still works in the ops and in the
+    verl hook: it warns, naming the new name, and gives the loss of `teacher_kl_coef=`;
+    passing both is refused. The one test of the alias: every other test uses the new name."""
+    from memopd.integrations.verl import policy_loss as verl_policy_loss
+
     inp = make_inputs(seed, N=16, V=60)
     adv, old = ppo_inputs(seed, 16)
-    new = call(fn, inp, adv, old, teacher_kl_coef=0.7, entropy_coef=0.02)
-    with pytest.warns(DeprecationWarning, match="teacher_kl_coef"):
-        old_name = call(fn, inp, adv, old, kl_coef=0.7, entropy_coef=0.02)
-    assert torch.equal(new.loss, old_name.loss)
-    none = call(fn, inp, adv, old, entropy_coef=0.02)
-    assert not torch.equal(new.loss, none.loss)  # the weight reached the loss
-    with pytest.raises(TypeError, match="both"):
-        call(fn, inp, adv, old, teacher_kl_coef=0.7, kl_coef=0.7)
-
-
-def test_verl_policy_loss_kl_coef_alias(seed):
-    from memopd.integrations.verl import policy_loss as verl_policy_loss
+    for fn in (fused_linear_actor_loss, reference_actor_loss):
+        new = call(fn, inp, adv, old, teacher_kl_coef=0.7, entropy_coef=0.02)
+        with pytest.warns(DeprecationWarning, match="teacher_kl_coef"):
+            old_name = call(fn, inp, adv, old, kl_coef=0.7, entropy_coef=0.02)
+        assert torch.equal(new.loss, old_name.loss)
+        none = call(fn, inp, adv, old, entropy_coef=0.02)
+        assert not torch.equal(new.loss, none.loss)  # the weight reached the loss
+        with pytest.raises(TypeError, match="both"):
+            call(fn, inp, adv, old, teacher_kl_coef=0.7, kl_coef=0.7)
 
     g = torch.Generator().manual_seed(seed)
     B, L, R, H, V = 2, 7, 4, 8, 30

@@ -39,7 +39,7 @@ def test_interpreter_suite_in_subprocess():
 
 
 def _run(fn, inp, adv, old, teacher=True, **kw):
-    if teacher and "kl_coef" not in kw:  # the ops require a weight with a teacher; 0 measures the KL only
+    if teacher:  # the ops require a weight with a teacher; 0 measures the KL only
         kw.setdefault("teacher_kl_coef", 0.0)
     out = fn(inp["hs"], inp["ws"], inp["y"], adv, old, student_bias=inp["bs"], mask=inp["mask"],
              teacher_hidden=inp["ht"] if teacher else None, teacher_weight=inp["wt"] if teacher else None,
@@ -71,21 +71,21 @@ def test_values_and_grads_vs_float64(seed, teacher):
     inp = make_inputs(seed, N=40, Hs=24, Ht=20, V=150, Vt=157, teacher_bias=True)
     with torch.no_grad():
         inp["wt"][150:] = 40.0  # padded teacher rows never enter
-    _check(seed, inp, teacher, vocab_size=150, temperature=1.3, entropy_coef=0.05, kl_coef=0.8, clip_eps=0.2,
+    _check(seed, inp, teacher, vocab_size=150, temperature=1.3, entropy_coef=0.05, teacher_kl_coef=0.8, clip_eps=0.2,
            clip_eps_high=0.3, dual_clip=2.0, token_chunk_size=16)
 
 
 @inproc
 def test_close_distributions(seed):
     inp = make_inputs(seed, N=32, Hs=32, Ht=32, V=130, bias=False, teacher="close", scale=0.6)
-    out, _ = _check(seed, inp, kl_coef=1.0)
+    out, _ = _check(seed, inp, teacher_kl_coef=1.0)
     assert (out.kl >= 0).all() and out.kl.max() < 1e-4
 
 
 @inproc
 def test_bf16_inputs(seed):
     inp = make_inputs(seed, N=24, Hs=32, Ht=32, V=100, dtype=torch.bfloat16)
-    _check(seed, inp, tol=2e-2, gtol=3e-2, kl_coef=0.5, entropy_coef=0.01)
+    _check(seed, inp, tol=2e-2, gtol=3e-2, teacher_kl_coef=0.5, entropy_coef=0.01)
 
 
 @inproc
@@ -93,7 +93,7 @@ def test_all_masked(seed):
     inp = make_inputs(seed, N=20, V=70)
     inp["mask"] = torch.zeros(20, dtype=torch.bool)
     adv, old = torch.randn(20), -torch.rand(20)
-    out, g = _run(fused_linear_actor_loss, inp, adv, old, backend="triton", kl_coef=1.0)
+    out, g = _run(fused_linear_actor_loss, inp, adv, old, backend="triton", teacher_kl_coef=1.0)
     assert float(out.loss) == 0.0 and all(x.abs().max() == 0 for x in g) and (out.ratio == 1).all()
 
 
@@ -101,8 +101,8 @@ def test_all_masked(seed):
 def test_matches_torch_path(seed):
     inp = make_inputs(seed, N=30, V=120, teacher_bias=True)
     adv, old = torch.randn(30), -torch.rand(30) * 3
-    a, ga = _run(fused_linear_actor_loss, inp, adv, old, backend="triton", kl_coef=0.4, entropy_coef=0.02)
-    b, gb = _run(fused_linear_actor_loss, inp, adv, old, backend="torch", kl_coef=0.4, entropy_coef=0.02)
+    a, ga = _run(fused_linear_actor_loss, inp, adv, old, backend="triton", teacher_kl_coef=0.4, entropy_coef=0.02)
+    b, gb = _run(fused_linear_actor_loss, inp, adv, old, backend="torch", teacher_kl_coef=0.4, entropy_coef=0.02)
     for name in ("loss", "logprobs", "entropy", "kl", "ratio"):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6)
     for x, y_ in zip(ga, gb):
@@ -120,7 +120,7 @@ def test_bf16_without_bias_rounds_the_grad_scratch(seed, teacher):
     assert tiles.grad_scratch_dtype(torch.bfloat16, need_db=True) == torch.float32
     assert tiles.grad_scratch_dtype(torch.float32, need_db=False) == torch.float32
     inp = make_inputs(seed, N=24, Hs=32, Ht=32, V=100, dtype=torch.bfloat16, bias=False)
-    _check(seed, inp, teacher, tol=2e-2, gtol=3e-2, kl_coef=0.5 if teacher else 0.0, entropy_coef=0.01)
+    _check(seed, inp, teacher, tol=2e-2, gtol=3e-2, teacher_kl_coef=0.5 if teacher else 0.0, entropy_coef=0.01)
 
 
 @inproc
@@ -132,7 +132,7 @@ def test_dh_split_over_the_vocabulary(seed, bias, monkeypatch):
     import memopd.kernels.lm_head_tiles as tiles
 
     inp = make_inputs(seed, N=40, Hs=24, Ht=20, V=150, bias=bias, teacher_bias=True)
-    kw = dict(vocab_size=150, kl_coef=0.8, entropy_coef=0.05, token_chunk_size=16)
+    kw = dict(vocab_size=150, teacher_kl_coef=0.8, entropy_coef=0.05, token_chunk_size=16)
     _, unsplit = _check(seed, inp, **kw)
     plans = []
     monkeypatch.setattr(tiles, "dh_split_plan", lambda n, H, V, meta, dev: plans.append(n) or 3)
@@ -160,14 +160,14 @@ def test_online_maxima_rising_along_the_row(seed, case):
             h[:, 0] = 1.0
         inp["ws"][:, 0] = ramp
         inp["wt"][:, 0] = ramp if case == "close" else 1.5 * ramp
-    out, _ = _check(seed, inp, kl_coef=1.0, entropy_coef=0.02)
+    out, _ = _check(seed, inp, teacher_kl_coef=1.0, entropy_coef=0.02)
     keep = inp["mask"]
     if case == "close":
         # relative precision of a KL of 1e-9..1e-5 (the three-sweep kernel reached 2.2e-3
         # on such rows; the limit is the fp32 logits themselves)
         g = torch.Generator().manual_seed(seed)
         adv, old = torch.randn(24, generator=g), -torch.rand(24, generator=g) * 4 - 0.5
-        (ref, _) = _run(reference_actor_loss, as64(inp), adv.double(), old.double(), kl_coef=1.0, entropy_coef=0.02)
+        (ref, _) = _run(reference_actor_loss, as64(inp), adv.double(), old.double(), teacher_kl_coef=1.0, entropy_coef=0.02)
         assert (out.kl >= 0).all() and out.kl.max() < 1e-3
         assert ((out.kl.double() - ref.kl)[keep].abs() / ref.kl[keep]).max() < 1e-2
     else:

@@ -218,6 +218,14 @@ def test_config_types_checked_for_every_field():
             with pytest.raises(ConfigError, match=rf"\b{f.name} must be"):
                 TrainConfig(**{f.name: wrong[hints[f.name]]}).validate()
             checked += 1
+    for section in (TrainConfig().env, TrainConfig().ppo):  # the sections' fields, as `section: {key: value}`
+        name = {"EnvSpec": "env", "PPOSettings": "ppo"}[type(section).__name__]
+        inner = typing.get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            if inner[f.name] in wrong:
+                with pytest.raises(ConfigError, match=rf"\b{f.name} must be"):
+                    TrainConfig.from_dict({name: {f.name: wrong[inner[f.name]]}})
+                checked += 1
     assert checked >= 30  # all of today's fields but a few are of these types
 
 

@@ -258,7 +258,7 @@ def test_prepare_refuses_clearly(byo, tmp_path):
 
     def refuse(match, **kw):
         with pytest.raises(UserError, match=match):
-            prepare(TrainConfig(**{**base, **kw}).validate(), log=lambda *_: None)
+            prepare(TrainConfig.from_dict({**base, **kw}), log=lambda *_: None)
 
     refuse("not a memopd checkpoint of the generated world.*corpus=")  # a generic model, no data
     refuse("needs both corpus=.*missing: tasks", corpus=byo["corpus"])
@@ -267,8 +267,8 @@ def test_prepare_refuses_clearly(byo, tmp_path):
     refuse("train_k=.*too few", corpus=byo["corpus"], tasks=byo["train"], train_k=[40])
     refuse("only used with your own data", tokenizer=byo["student"])
     refuse("holds no tokenizer", corpus=byo["corpus"], tasks=byo["train"], tokenizer=str(tmp_path))
-    out = prepare(TrainConfig(**{**base, "corpus": byo["corpus"], "tasks": byo["train"], "arm": "ppo",
-                                 "teacher": ""}).validate(), log=lambda *_: None)
+    out = prepare(TrainConfig.from_dict({**base, "corpus": byo["corpus"], "tasks": byo["train"], "arm": "ppo",
+                                         "teacher": ""}), log=lambda *_: None)
     student, teacher, env, world, tokenizer, sdir, _ = out
     assert teacher is None and isinstance(world, UserTasks) and len(tokenizer) == len(byo["tok"])
     assert env.tokens == byo["env"].tokens and sdir == byo["student"]

@@ -175,13 +175,19 @@ def test_an_unknown_kind_is_one_line_naming_the_known_ones():
 
 
 def test_stored_configs_without_a_kind_are_qa_runs():
-    """The stored format of a QA run is unchanged (no `kind` key), and a stored config of
-    before the key reads back as a QA run equal to a new one."""
-    from memopd.trainer.config import TrainConfig
+    """A stored config of before the key (no `kind`, in the nested or the old flat form)
+    reads back as a QA run equal to a new one, and compares equal to it."""
+    from memopd.trainer.config import TrainConfig, comparable_config
     from memopd.trainer.rundir import config_differences
 
     d = TrainConfig().to_dict()
-    assert "kind" not in d
+    assert d["env"]["kind"] == "qa"
     assert TrainConfig.load(None, ["env.kind=qa"]).to_dict() == d
+    del d["env"]["kind"]
     assert TrainConfig.from_dict(d).env.kind == "qa"
-    assert config_differences(d, TrainConfig.load(None, ["kind=qa"]).to_dict(), d) == []
+    flat = {k: v for k, v in d.items() if k != "env"} | d["env"]
+    assert TrainConfig.from_dict(flat).env.kind == "qa"
+    new = comparable_config(TrainConfig.load(None, ["kind=qa"]).to_dict())
+    defaults = comparable_config(TrainConfig().to_dict())
+    assert config_differences(comparable_config(d), new, defaults) == []
+    assert config_differences(comparable_config(flat), new, defaults) == []

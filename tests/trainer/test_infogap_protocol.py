@@ -119,7 +119,7 @@ def _bundle(student, teacher, **over):
     from memopd.trainer.config import TrainConfig
     from memopd.trainer.loop import prepare
 
-    cfg = TrainConfig(student=student, teacher=teacher, arm="memopd", group_size=2, **over).validate()
+    cfg = TrainConfig.from_dict(dict(student=student, teacher=teacher, arm="memopd", group_size=2, **over))
     return cfg, prepare(cfg, log=lambda *_: None)
 
 
@@ -234,8 +234,9 @@ def test_protocol_stops_at_the_gate_and_the_flag_forces_the_arms(sft_dirs, tmp_p
     rep = json.loads((forced / "infogap_quick.json").read_text())
     assert rep["arms_run"] and rep["forced"] and rep["opd_coef_source"] == "gradient-norm matched at step 0"
     assert "**Forced**" in (forced / "infogap_quick.md").read_text()
-    assert all(f"opd_coef={rep['opd_coef']:.4g}" in o or not o.startswith("opd_coef") for o in rep["overrides"])
-    assert rep["config"]["opd_coef"] == pytest.approx(rep["opd_coef"])
+    assert all(f"ppo.teacher_kl_coef={rep['opd_coef']:.4g}" in o or not o.startswith("ppo.teacher_kl_coef")
+               for o in rep["overrides"])
+    assert rep["config"]["ppo"]["teacher_kl_coef"] == pytest.approx(rep["opd_coef"])
     for arm in arms:
         runs = rep["runs"][arm]
         assert [r["seed"] for r in runs] == [0, 1]

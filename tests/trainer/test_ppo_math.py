@@ -11,7 +11,7 @@ def test_token_rewards_final_token_and_kl_penalty():
     ti = torch.tensor([0, 0, 0, 1, 1])
     old = torch.tensor([-1.0, -2.0, -0.5, -1.0, -1.0])
     ref = torch.tensor([-1.5, -1.0, -0.5, -2.0, -0.2])
-    r, pen = token_rewards(torch.tensor([1.0, -0.5]), ti, old, ref, kl_coef=0.1)
+    r, pen = token_rewards(torch.tensor([1.0, -0.5]), ti, old, ref, ref_kl_coef=0.1)
     # penalties: [0.05, 0 (negative clipped), 0, 0.1, 0]
     torch.testing.assert_close(pen, torch.tensor([0.05, 0.0, 0.0, 0.1, 0.0]))
     torch.testing.assert_close(r, torch.tensor([-0.05, 0.0, 1.0, -0.1, -0.5]))

@@ -25,6 +25,7 @@ from memopd import pack
 from memopd.errors import UserError
 from memopd.hf import HeadError, head_of, packed_forward
 from memopd.trainer.config import ConfigError, TrainConfig
+from memopd.trainer.settings import PPOSettings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -125,7 +126,7 @@ def test_mismatched_heads_temperature_bias_and_scale(tmp_path, extra):
     teacher = _teacher(vocab + extra[1], vocab)
     student0 = copy.deepcopy(student)
     cfg = TrainConfig(arm="memopd", steps=1, tasks_per_step=3, group_size=2, train_k=[1], ppo_epochs=1,
-                      minibatches=1, temperature=TEMPERATURE, kl_coef=0.05, checkpoint_every=0, progress=False,
+                      minibatches=1, temperature=TEMPERATURE, ppo=PPOSettings(ref_kl_coef=0.05), checkpoint_every=0, progress=False,
                       run_dir=str(tmp_path)).validate()
     seen = {}
 
@@ -171,7 +172,7 @@ def test_temperature_mismatch_is_refused_or_measured(tmp_path):
     with torch.no_grad():
         trajs = rollout(env, HFEngine(student, pad_id=env.tokens.pad, vocab_size=vocab), tasks, group_size=2,
                         temperature=TEMPERATURE, seed=0)
-    kw = dict(teacher_layout=None, max_tokens=4096, kl_coef=0.0, gamma=1.0, lam=0.95)
+    kw = dict(teacher_layout=None, max_tokens=4096, ppo=PPOSettings(ref_kl_coef=0.0, gamma=1.0, lam=0.95))
     critic = Critic(copy.deepcopy(student))
     at = lambda t: Actor(student, scoring=Scoring(t, vocab))  # noqa: E731
     assert score(at(TEMPERATURE), critic, None, None, trajs, **kw).sample_dlogp < 1e-5
@@ -197,7 +198,7 @@ def test_sampled_id_outside_the_scored_vocabulary_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"trajectory 1 .*call 0: sampled id\(s\) \[95\] outside the scored "
                                         r"vocabulary \[0, 90\)"):
         score(Actor(student, scoring=Scoring(1.0, 90)), Critic(student), None, None, trajs, teacher_layout=None,
-              max_tokens=4096, kl_coef=0.0, gamma=1.0, lam=0.95)
+              max_tokens=4096, ppo=PPOSettings(ref_kl_coef=0.0, gamma=1.0, lam=0.95))
 
 
 def test_vocab_larger_than_a_head_is_a_config_error():

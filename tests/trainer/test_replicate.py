@@ -87,7 +87,7 @@ def test_quick_protocol_end_to_end_on_the_default_world(sft_dirs, tmp_path):
     assert compare_main(["--protocol", "paper", "--quick", "--arms", *arms, "--seeds", "0", "1", "--jobs", "2",
                          "--out", str(out), *tiny]) == 0
     rep = json.loads((out / "replication_quick.json").read_text())
-    assert rep["config"]["train_k"] == [2] and rep["config"]["world"] == "default"
+    assert rep["config"]["train_k"] == [2] and rep["config"]["env"]["world"] == "default"
     assert list(rep["summary"]) == ["sft student", *arms]
     for arm in arms:
         runs = rep["runs"][arm]
@@ -125,8 +125,8 @@ def test_world_preset_is_checked_and_selects_its_sft_cache(tmp_path):
     from memopd.trainer.loop import sft_cache_dir
 
     base = {"cache_dir": str(tmp_path)}
-    assert sft_cache_dir(TrainConfig(**base).validate()) == str(tmp_path / "sft")  # today's path, unchanged
-    assert sft_cache_dir(TrainConfig(world="replication", **base).validate()) == str(tmp_path / "sft-replication")
+    assert sft_cache_dir(TrainConfig.from_dict(base)) == str(tmp_path / "sft")  # today's path, unchanged
+    assert sft_cache_dir(TrainConfig.from_dict({**base, "env": {"world": "replication"}})) == str(tmp_path / "sft-replication")
     with pytest.raises(ConfigError, match="world"):
         TrainConfig.load(None, ["world=atlantis"])
 

@@ -22,7 +22,7 @@ def _cfg(student, teacher, run_dir, **kw):
     base = dict(steps=1, checkpoint_every=1, run_dir=str(run_dir), student=student, teacher=teacher, tasks_per_step=2,
                 group_size=2, train_k=[1], eval_k=[1], eval_tasks=2, ppo_epochs=1, minibatches=2, progress=False)
     base.update(kw)
-    return TrainConfig(**base).validate()
+    return TrainConfig.from_dict(base)
 
 
 def _perturb(model_dir):

@@ -11,6 +11,7 @@ The reference is one uninterrupted 4-step run (checkpoints at 2 and 4) of the ti
 SFT'd models; `steps` may change on resume, so shorter runs compare with its first steps.
 """
 import copy
+import dataclasses
 import io
 import json
 import os
@@ -40,7 +41,7 @@ def _cfg(sft_dirs, run_dir, **kw):
                 tasks_per_step=2, group_size=2, train_k=[1], eval_k=[1], eval_tasks=2, ppo_epochs=1, minibatches=2,
                 progress=False)
     base.update(kw)
-    return TrainConfig(**base).validate()
+    return TrainConfig.from_dict(base)
 
 
 @pytest.fixture(scope="module")
@@ -496,3 +497,50 @@ def test_atomic_directory_swaps_whole_directories(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
     assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
     assert oct(target.stat().st_mode & 0o777) == oct(0o755)
+
+
+# ----------------------------------------------------------------- 13: run directories of the older (flat) config form
+
+FLAT_CONFIG = REPO / "tests" / "trainer" / "data" / "config_flat.yaml"  # written by `memopd train` of that version
+# where the flat form's keys live in the nested config (written out here, not taken from the code under test)
+ENV_KEYS = ("corpus", "tasks", "eval_tasks_file", "tokenizer", "world", "world_seed", "policy", "policy_kwargs")
+PPO_KEYS = {"clip_eps": "clip_eps", "value_clip": "value_clip", "gamma": "gamma", "lam": "lam",
+            "kl_coef": "ref_kl_coef", "entropy_coef": "entropy_coef", "opd_coef": "teacher_kl_coef"}
+
+
+def _flat_form(nested: dict, keys: list) -> dict:
+    """`nested` (a config's to_dict()) written in the flat form, with the flat form's keys in its order."""
+    out = {}
+    for k in keys:
+        out[k] = nested["env"][k] if k in ENV_KEYS else nested["ppo"][PPO_KEYS[k]] if k in PPO_KEYS else nested[k]
+    return out
+
+
+def test_a_run_stored_in_the_flat_config_form_resumes_exactly(parts, sft_dirs, ref, tmp_path):
+    """A run directory whose config.yaml and checkpoint manifest hold the config in the flat
+    form (as every run before the nested config wrote it) resumes: the stored flat config
+    compares equal to the same config in today's form, the steps continue exactly as the
+    uninterrupted run's, and a changed key is still refused, named in today's form."""
+    import yaml
+
+    keys = list(yaml.safe_load(FLAT_CONFIG.read_text()))
+    assert "kl_coef" in keys and "policy" in keys and "env" not in keys and "ppo" not in keys  # the old form
+    d = _copy(ref, tmp_path / "run")
+    shutil.rmtree(d / "checkpoints" / "step_4")
+    cfg = _cfg(sft_dirs, d)
+    flat = _flat_form(cfg.to_dict(), keys)
+    (d / "config.yaml").write_text(yaml.safe_dump(flat, sort_keys=False))
+    step2 = d / "checkpoints" / "step_2"
+    manifest = json.loads((step2 / MANIFEST).read_text())
+    manifest["config"] = flat
+    (step2 / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_manifest(step2) == []
+    stored = (d / "config.yaml").read_text()
+    with pytest.raises(RunDirError, match=r"ppo.ref_kl_coef: 0.02 -> 0.05"):
+        _trainer(parts, _cfg(sft_dirs, d, ppo=dataclasses.replace(cfg.ppo, ref_kl_coef=0.05))).fit(resume=True)
+    assert (d / "config.yaml").read_text() == stored
+    hist, said = _resume(parts, cfg)
+    assert "allowed config changes" not in said  # the flat form and today's are the same config
+    assert [m["step"] for m in hist] == [3, 4]
+    _assert_matches(d, ref)
+    assert yaml.safe_load((d / "config.yaml").read_text()) == cfg.to_dict()  # rewritten in today's form

@@ -40,14 +40,15 @@ def tiny_server(tiny_models):
 def _loss_and_grads(student, teacher_lm, trajs, layout, head):
     """score() with `teacher_lm` (in process or served), then the fused actor loss of every
     micro-batch, backward: (teacher hidden, teacher mask, loss, KL sum, student grads)."""
-    from memopd.trainer.modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
+    from memopd.trainer.modules import Actor, Critic, PPOInputs, Scoring
+    from memopd.trainer.settings import ActorLossCoefs, PPOSettings
     from memopd.trainer.update import pack_layout, score
 
     student.zero_grad(set_to_none=True)
     actor = Actor(student, scoring=Scoring(1.0, 128))
     critic = Critic(student)
-    scored = score(actor, critic, None, teacher_lm, trajs, teacher_layout=layout, max_tokens=256, kl_coef=0.0,
-                   gamma=1.0, lam=0.95)
+    scored = score(actor, critic, None, teacher_lm, trajs, teacher_layout=layout, max_tokens=256,
+                   ppo=PPOSettings(ref_kl_coef=0.0, gamma=1.0, lam=0.95))
     batch = pack_layout(trajs, 256)
     coefs = ActorLossCoefs(0.2, 0.001, 1.0)
     n_t = float(batch.teacher_mask.sum())
@@ -220,7 +221,7 @@ def _cfg(sft_dirs, run_dir, **kw):
     base = dict(steps=2, run_dir=str(run_dir), student=sft_dirs[0], tasks_per_step=2, group_size=2, train_k=[1],
                 eval_k=[1], eval_tasks=2, ppo_epochs=1, minibatches=2, checkpoint_every=1, progress=False, seed=4)
     base.update(kw)
-    return TrainConfig(**base).validate()
+    return TrainConfig.from_dict(base)
 
 
 def _train_lines(run_dir):

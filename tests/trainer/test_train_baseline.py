@@ -25,7 +25,7 @@ def _cfg(sft_dirs, run_dir, **kw):
                 group_size=2, train_k=[1], eval_k=[1, 2], eval_tasks=2, ppo_epochs=1, minibatches=2,
                 checkpoint_every=0, progress=False)
     base.update(kw)
-    return TrainConfig(**base).validate()
+    return TrainConfig.from_dict(base)
 
 
 def test_train_reports_the_starting_student_next_to_the_trained_one(sft_dirs, tmp_path):

@@ -23,6 +23,7 @@ from memopd.cli import main
 from memopd.models import tiny_causal_lm
 from memopd.trainer.backend import make_backend
 from memopd.trainer.config import ConfigError, TrainConfig
+from memopd.trainer.settings import PPOSettings
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA device")
 
@@ -32,7 +33,8 @@ def _trainer(monkeypatch, device: str, dtype: str, **kw):
 
     if device == "meta":  # the resolved device only: every placement after it is the trainer's own
         monkeypatch.setattr(loop, "resolve_device", lambda *a, **k: torch.device("meta"))
-    cfg = TrainConfig(steps=1, dtype=dtype, device="cpu", arm="memopd", kl_coef=0.05, progress=False, **kw).validate()
+    cfg = TrainConfig(steps=1, dtype=dtype, device="cpu", arm="memopd", ppo=PPOSettings(ref_kl_coef=0.05),
+                      progress=False, **kw).validate()
     student = tiny_causal_lm(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=1)
     teacher = tiny_causal_lm(vocab_size=64, hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=1, seed=2)
     return loop.Trainer(cfg, student_lm=student, teacher_lm=teacher, env=None, tasks=None, log=lambda *_: None)

@@ -13,7 +13,7 @@ def _cfg(sft_dirs, run_dir, **kw):
                 group_size=2, train_k=[1], eval_k=[1], eval_tasks=2, ppo_epochs=1, minibatches=2,
                 checkpoint_every=0, progress=False)
     base.update(kw)
-    return TrainConfig(**base).validate()
+    return TrainConfig.from_dict(base)
 
 
 @pytest.mark.parametrize("arm", ["ppo", "persistent", "memopd"])

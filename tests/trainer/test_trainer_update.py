@@ -8,6 +8,7 @@ from memopd.models import tiny_causal_lm
 from memopd.ops import reference_linear_reverse_kl
 from memopd.trainer.modules import Actor, Critic, PPOInputs
 from memopd.trainer.ppo import policy_loss
+from memopd.trainer.settings import ActorLossCoefs, PPOSettings
 from memopd.trainer.update import entry_offsets
 
 
@@ -34,8 +35,8 @@ def test_actor_loss_fused_equals_reference(seed):
     adv = torch.randn(A, generator=g)
     tmask = torch.rand(A, generator=g) > 0.3
     alpha, lam, eps, n_act, n_t = 0.01, 0.7, 0.2, A + 5.0, float(tmask.sum()) + 2.0
-    ppo = PPOInputs(logp_old, adv, tmask, clip_eps=eps, entropy_coef=alpha, kl_coef=lam, normalizer=n_act,
-                    kl_normalizer=n_t)
+    ppo = PPOInputs(logp_old, adv, tmask, ActorLossCoefs(clip_eps=eps, entropy_coef=alpha, teacher_kl_coef=lam),
+                    normalizer=n_act, kl_normalizer=n_t)
 
     actor = Actor(student)
     student.zero_grad()
@@ -133,28 +134,9 @@ def test_clip_stats_follow_the_ops_dual_clip(seed):
 
 
 def test_no_teacher_means_teacher_weight_zero_in_one_place():
-    from memopd.trainer.modules import ActorLossCoefs
-
-    kw = dict(clip_eps=0.2, entropy_coef=0.01, opd_coef=0.7)
-    assert ActorLossCoefs.for_update(**kw, has_teacher=True) == ActorLossCoefs(0.2, 0.01, 0.7)
-    assert ActorLossCoefs.for_update(**kw, has_teacher=False) == ActorLossCoefs(0.2, 0.01, 0.0)
-
-
-def test_ppo_inputs_kl_coef_is_a_deprecated_name_of_teacher_kl_coef():
-    from memopd.trainer.modules import ActorLossCoefs
-
-    t = torch.zeros(3)
-    with pytest.warns(DeprecationWarning, match="teacher_kl_coef"):
-        old = PPOInputs(t, t, t, clip_eps=0.2, entropy_coef=0.0, kl_coef=0.5, normalizer=3.0, kl_normalizer=3.0)
-    new = PPOInputs(t, t, t, ActorLossCoefs(0.2, 0.0, 0.5), normalizer=3.0, kl_normalizer=3.0)
-    assert old.coefs == new.coefs
-    with pytest.warns(DeprecationWarning):
-        assert new.kl_coef == 0.5
-    with pytest.raises(TypeError, match="teacher_kl_coef= only"):
-        PPOInputs(t, t, t, clip_eps=0.2, entropy_coef=0.0, kl_coef=0.5, teacher_kl_coef=0.5, normalizer=3.0,
-                  kl_normalizer=3.0)
-    with pytest.raises(TypeError, match="coefs given"):
-        PPOInputs(t, t, t, new.coefs, clip_eps=0.2, normalizer=3.0, kl_normalizer=3.0)
+    settings = PPOSettings(clip_eps=0.2, entropy_coef=0.01, teacher_kl_coef=0.7)
+    assert settings.loss_coefs(has_teacher=True) == ActorLossCoefs(0.2, 0.01, 0.7)
+    assert settings.loss_coefs(has_teacher=False) == ActorLossCoefs(0.2, 0.01, 0.0)
 
 
 def test_update_returns_the_named_statistics(seed):
@@ -168,11 +150,11 @@ def test_update_returns_the_named_statistics(seed):
     actor, critic = Actor(student), Critic(tiny_causal_lm("qwen2", vocab_size=96, hidden_size=32, seed=3))
     ab = make_backend(actor, lr=1e-3, total_steps=4)
     cb = make_backend(critic, lr=1e-3, total_steps=4)
-    settings = UpdateSettings(ppo_epochs=1, minibatches=2, max_tokens=4096, clip_eps=0.2, value_clip=0.2,
-                              entropy_coef=0.01, opd_coef=1.0, action_domain="exact")
+    settings = UpdateSettings(PPOSettings(clip_eps=0.2, value_clip=0.2, entropy_coef=0.01, teacher_kl_coef=1.0),
+                              ppo_epochs=1, minibatches=2, max_tokens=4096, action_domain="exact")
     for teacher_lm in (teacher, None):
         scored = score(actor, critic, None, teacher_lm, trajs, teacher_layout="flatten" if teacher_lm else None,
-                       max_tokens=4096, kl_coef=0.0, gamma=1.0, lam=0.95)
+                       max_tokens=4096, ppo=PPOSettings(ref_kl_coef=0.0, gamma=1.0, lam=0.95))
         got = update(ab, cb, trajs, scored, settings, teacher_head=head_of(teacher) if teacher_lm else None,
                      generator=torch.Generator().manual_seed(seed))
         assert list(got) == [*S.LOSS_STATS, *S.STEP_STATS, S.OPTIMIZER_STEPS, S.FIRST_RATIO_MAXDEV]

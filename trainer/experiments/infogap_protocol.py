@@ -271,7 +271,7 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     t0 = time.time()
     log("[info-gap] endpoints, stated before the run:\n  primary: " + ENDPOINTS["primary"]
         + "".join(f"\n  secondary: {s}" for s in ENDPOINTS["secondary"]) + "\n  controls: " + ENDPOINTS["controls"])
-    bundle = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    bundle = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"}), log)
     bundle_world, student_dir = bundle.tasks, bundle.student_dir
     sft_wall = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
@@ -316,18 +316,19 @@ def _run_arms(args, cfg, budget, check, user_overrides: list[str], seeds: list[i
     from memopd.env.qa.evaluate import evaluate
 
     from ..arms import run_all
-    from ..config import TrainConfig
+    from ..config import TrainConfig, migrate_config
     from ..plot import plot_protocol_curves
 
     budget_name = rep["budget_name"]
-    user_coef = any(o.split("=", 1)[0].strip() == "opd_coef" for o in user_overrides)
+    user_coef = any(migrate_config({o.split("=", 1)[0].strip(): None}, strict=False).get("ppo", {}).keys()
+                    == {"teacher_kl_coef"} for o in user_overrides)
     lam = check["opd_coef_matched"]
     if user_coef or lam is None:
-        rep["opd_coef"], rep["opd_coef_source"] = cfg.opd_coef, "given" if user_coef else "default (no PPO gradient)"
+        rep["opd_coef"], rep["opd_coef_source"] = cfg.ppo.teacher_kl_coef, "given" if user_coef else "default (no PPO gradient)"
         overrides = budget.overrides() + list(user_overrides)
     else:
         rep["opd_coef"], rep["opd_coef_source"] = float(f"{lam:.4g}"), "gradient-norm matched at step 0"
-        overrides = budget.overrides() + [f"opd_coef={lam:.4g}"] + list(user_overrides)
+        overrides = budget.overrides() + [f"ppo.teacher_kl_coef={lam:.4g}"] + list(user_overrides)
     cfg = TrainConfig.load(None, overrides)
     ks = list(cfg.eval_k)
     greedy_ks = list(budget.final_greedy_k)

@@ -117,8 +117,9 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
     from memopd.hf import head_of
 
     from ..loop import resolve_vocab_size
-    from ..modules import Actor, ActorLossCoefs, Critic, PPOInputs, Scoring
+    from ..modules import Actor, Critic, PPOInputs, Scoring
     from ..ppo import whiten
+    from ..settings import ActorLossCoefs
     from ..update import pack_layout, score, teacher_mask_of
     from .infogap import ROLES, action_token_roles, information_gap_calls, view_disagreement_ceiling
 
@@ -137,9 +138,9 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
                            temperature=cfg.temperature, seed=seed)
     actor = Actor(student, scoring=scoring)
     critic = Critic(copy.deepcopy(student))
-    ref = copy.deepcopy(student).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    ref = copy.deepcopy(student).eval().requires_grad_(False) if cfg.ppo.ref_kl_coef > 0 else None
     scored = {name: score(actor, critic, ref, teacher, trajs, teacher_layout=layout, max_tokens=cfg.max_tokens,
-                          kl_coef=cfg.kl_coef, gamma=cfg.gamma, lam=cfg.lam, action_domain=cfg.action_domain)
+                          ppo=cfg.ppo, action_domain=cfg.action_domain)
               for name, layout in SCORED_VIEWS}
     batch = pack_layout(trajs, cfg.max_tokens, cfg.action_domain)
     tb, tt, tk = batch.traj_index, batch.call_index, batch.token_index
@@ -211,11 +212,11 @@ def manipulation_check(cfg, bundle, *, k: int = 2, tasks: int = 16, seed: int = 
                     tm = tm & teacher_mask_of(scored[which.removesuffix("_gap")], mb, gid)
                 logp_old = scored["aligned"].logp_old[gid]
                 if which == "ppo":
-                    coefs = ActorLossCoefs(cfg.clip_eps, cfg.entropy_coef, 0.0)
+                    coefs = ActorLossCoefs(cfg.ppo.clip_eps, cfg.ppo.entropy_coef, 0.0)
                     ppo = PPOInputs(logp_old, adv[gid], tm, coefs, normalizer=max(n_act, 1.0), kl_normalizer=max(n_t, 1.0))
                     out = actor(mb, None, None, ppo=ppo)
                 else:
-                    coefs = ActorLossCoefs(cfg.clip_eps, 0.0, 1.0)
+                    coefs = ActorLossCoefs(cfg.ppo.clip_eps, 0.0, 1.0)
                     view = which.removesuffix("_gap")
                     ppo = PPOInputs(logp_old, torch.zeros_like(logp_old), tm, coefs, normalizer=max(n_act, 1.0),
                                     kl_normalizer=max(n_view[view], 1.0))

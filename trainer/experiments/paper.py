@@ -98,11 +98,14 @@ def audit_student(model_dir: str, ks=(2, 8), n: int = 16, *, temperature: float 
 
 
 def format_report(rep: dict) -> str:
+    from ..config import migrate_config
+
     ks = rep["ks"]
+    cfg = migrate_config(rep["config"], strict=False)  # a report of either config form
     lines = [f"# Replication: {rep['protocol']} protocol ({rep['budget_name']})", "",
-             f"World `{rep['config']['world']}`, RL on Q{'/Q'.join(map(str, rep['config']['train_k']))} only, "
-             f"{rep['config']['steps']} steps, seeds {rep['budget']['seeds']}, greedy evaluation on "
-             f"{rep['config']['eval_tasks']} held-out sets per k. Wall time {rep['wall_s'] / 60:.1f} min "
+             f"World `{cfg['env']['world']}`, RL on Q{'/Q'.join(map(str, cfg['train_k']))} only, "
+             f"{cfg['steps']} steps, seeds {rep['budget']['seeds']}, greedy evaluation on "
+             f"{cfg['eval_tasks']} held-out sets per k. Wall time {rep['wall_s'] / 60:.1f} min "
              + (f"(SFT {rep['sft_wall_s'] / 60:.1f} min)." if rep["sft_wall_s"] >= SFT_REUSED_S else
                 "(SFT models reused from the cache).") + f" Student: `{rep['student']}`.", "",
              "## EM and F1 (mean ± std over seeds)", "",
@@ -206,7 +209,7 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     refuse_earlier_runs(args, seeds)
     t0 = time.time()
     # the SFT is built once here, before the parallel runs that would race for its cache
-    bundle = prepare(TrainConfig(**{**cfg.to_dict(), "arm": "memopd"}).validate(), log)
+    bundle = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"}), log)
     world, student_dir = bundle.tasks, bundle.student_dir
     sft_wall = time.time() - t0
     os.makedirs(args.out, exist_ok=True)

@@ -243,7 +243,7 @@ def _cfg(arm: str, seed: int, student: str, steps: int, opd_coef: float):
     from ..config import TrainConfig
 
     return TrainConfig.load(None, ["world=info-gap", "train_k=[2]", "eval_k=[2]", f"arm={arm}", f"seed={seed}",
-                                   f"steps={steps}", f"opd_coef={opd_coef}", f"student={student}", "cpu_threads=1",
+                                   f"steps={steps}", f"ppo.teacher_kl_coef={opd_coef}", f"student={student}", "cpu_threads=1",
                                    "checkpoint_every=0", "progress=false"])
 
 
