@@ -1,6 +1,6 @@
 """The C++ core's CPU kernels for one [rows, chunk] block of float32 logits
 (csrc/logit_chunks.cpp), as the PyTorch path of the fused losses calls them: the forward's
-softmax sums in one pass and dL/ds in one more, in place of about ten elementwise PyTorch
+softmax sums in one pass and dL/ds in one more (and the JSD's weight pass in one), in place of about ten elementwise PyTorch
 passes and their temporaries (docs/design.md §6.2).
 
 It also holds the core's bfloat16 GEMM with float32 accumulation and output
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["usable", "softmax_sums", "dlogits", "MODE_NONE", "MODE_DIFF", "MODE_GIVEN", "MODE_FORWARD_KL",
-           "has_forward_kl", "has_bf16_gemm", "bf16_gemm_usable", "bf16_matmul"]
+           "has_forward_kl", "has_jsd_weights", "jsd_weights", "has_bf16_gemm", "bf16_gemm_usable", "bf16_matmul"]
 
 MODE_NONE, MODE_DIFF, MODE_GIVEN, MODE_FORWARD_KL = 0, 1, 2, 3  # X of dlogits: none, s - t, t, (q - p)/p
 
@@ -30,10 +30,11 @@ try:
 
     _HAVE = hasattr(_C, "softmax_sums") and hasattr(_C, "dlogits")
     _HAVE_FKL = _HAVE and "lse_t" in (_C.dlogits.__doc__ or "")  # a core built before MODE_FORWARD_KL lacks it
+    _HAVE_JSD = _HAVE and hasattr(_C, "jsd_weights")
     _HAVE_BF16 = hasattr(_C, "bf16_gemm") and bool(_C.bf16_gemm_available())
 except ImportError:  # a source tree whose core is not built: the PyTorch ops do the work
     _C = None
-    _HAVE = _HAVE_FKL = _HAVE_BF16 = False
+    _HAVE = _HAVE_FKL = _HAVE_JSD = _HAVE_BF16 = False
 
 
 def usable(*tensors: Optional[Tensor]) -> bool:
@@ -90,6 +91,26 @@ def dlogits(s: Tensor, t: Optional[Tensor], lse_s: Tensor, a: Tensor, b: Optiona
     _C.dlogits(s.data_ptr(), 0 if t is None else t.data_ptr(), n, c, _ptr(lse_s, n), _ptr(a, n), _ptr(b, n),
                _ptr(d, n), int(mode), torch.get_num_threads(), _ptr(lse_t, n), _ptr(dlse, n))
     return s
+
+
+def has_jsd_weights() -> bool:
+    """Whether the built core has `jsd_weights` (else the PyTorch ops compute the JSD weight)."""
+    return _HAVE_JSD
+
+
+def jsd_weights(s: Tensor, t: Tensor, lse_s: Tensor, lse_t: Tensor, dlse: Tensor, beta: float, sp: Tensor,
+                sq: Tensor) -> Tensor:
+    """In place over the [n, c] teacher block t, returned: the JSD weight -(δ - u) = log(β q/p
+    + 1 - β) of each entry in nats, δ = (s - t) - dlse, p = e^{s - lse_s}, q = e^{t - lse_t};
+    adds Σ p w to sp and Σ q w to sq ([n] each). Absolute precision ~1e-7 (fp32 roundoff of a
+    weight that is not small: the caller takes it where p and q are not close), no overflow
+    however far q is above p; beta in (0, 1]."""
+    n, c = _block(s, t)
+    if not 0.0 < beta <= 1.0:
+        raise ValueError(f"native chunk kernel: the JSD weight needs beta in (0, 1], got {beta}")
+    _C.jsd_weights(s.data_ptr(), t.data_ptr(), n, c, _ptr(lse_s, n), _ptr(lse_t, n), _ptr(dlse, n), float(beta),
+                   _ptr(sp, n), _ptr(sq, n), torch.get_num_threads())
+    return t
 
 
 def has_bf16_gemm() -> bool:

@@ -590,6 +590,13 @@ def _forward_resident(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, di
             negw = _jsd_negw(torch.sub(dlse[:, None], torch.sub(S[k], T[k], out=T[k]), out=T[k]), beta)
             kl_pm -= p.mul_(negw).sum(1)
             kl_qm -= q.mul_(negw).sum(1)
+    elif native and _native_chunks.has_jsd_weights() and 0.0 < beta <= 1.0:  # one pass per chunk in the C++ core
+        sp, sq = torch.zeros(n, **f), torch.zeros(n, **f)
+        args = lse_s.contiguous(), lse_t.contiguous(), dlse.contiguous()
+        for k in range(len(spans)):
+            _native_chunks.jsd_weights(S[k], T[k], *args, beta, sp, sq)
+        kl_pm -= sp
+        kl_qm -= sq
     else:
         for k, (v0, v1) in enumerate(spans):
             c = v1 - v0
