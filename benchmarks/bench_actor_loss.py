@@ -29,6 +29,10 @@ weight), in four groups, each with its own naive baseline and peer:
 The actor loss is compared with liger_rkl too: it does the reverse KL's work plus PPO
 and entropy.
 
+  before: fused_<op>_before (the op from --before-tree, an earlier source tree) and
+    fused_<op>_rows256 (resident token blocks planned without the machine's share: 256 rows at
+    the benchmark shapes), to measure a change before and after in one run
+
   GEMM floor: the four [N, H] x [H, V]-sized matmuls of a fused loss with a teacher and its
     gradients taken in the forward (student and teacher logits, dH, dW), unchunked, no
     elementwise work: gemm_floor (fp32), gemm_floor_bf16 (torch's bf16 matmul, bf16 output:
@@ -84,13 +88,24 @@ GROUPS = {
     "reverse_kl": ("naive_rkl", ("fused_rkl", "fused_rkl_recompute", "fused_rkl_plain_ops", "liger_rkl"), "liger_rkl"),
     "forward_kl": ("naive_fkl", ("fused_fkl", "liger_fkl"), "liger_fkl"),
     "jsd": ("naive_jsd", ("fused_jsd", "liger_jsd"), "liger_jsd"),
+    "before": (None, ("fused_actor_before", "fused_rkl_before", "fused_fkl_before", "fused_jsd_before",
+                      "fused_actor_rows256", "fused_rkl_rows256", "fused_fkl_rows256", "fused_jsd_rows256"), None),
     "floor": ("gemm_floor", ("gemm_floor_bf16",), None),
 }
 _BF16 = [n + "_bf16" for _, names, _ in GROUPS.values() for n in names if n.startswith(("fused", "liger"))]
-CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names)) + tuple(_BF16)
-BASELINE = {n: base for base, names, _ in GROUPS.values() for n in (base, *names)}
+_BF16 = [n for n in _BF16 if not n.endswith(("_before_bf16", "_rows256_bf16"))]
+CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names) if n) + tuple(_BF16)
+BASELINE = {n: base for base, names, _ in GROUPS.values() for n in (base, *names) if n}
 BASELINE.update({n: BASELINE[n[: -len("_bf16")]] for n in _BF16})
-PEER = {n: peer for _, names, peer in GROUPS.values() for n in names if n.startswith(("fused", "composed"))}
+# the "before" group: the same ops from another source tree (--before-tree, e.g. the
+# commit before a change: fresh processes with that tree first on PYTHONPATH), or with
+# the resident token blocks planned without the machine's share (`_rows256`: the 256-row
+# blocks of the benchmark shapes before they were sized by the machine)
+_VARIANT_OF = {n: n.rsplit("_", 1)[0] for n in GROUPS["before"][1]}
+_PEER_OF_OP = {"fused_actor": "liger_rkl", "fused_rkl": "liger_rkl", "fused_fkl": "liger_fkl", "fused_jsd": "liger_jsd"}
+BASELINE.update({n: {"fused_actor": "naive"}.get(op, "naive_" + op.split("_")[1]) for n, op in _VARIANT_OF.items()})
+PEER = {n: peer for _, names, peer in GROUPS.values() for n in names if n.startswith(("fused", "composed")) and peer}
+PEER.update({n: _PEER_OF_OP[op] for n, op in _VARIANT_OF.items()})
 PEER.update({n: PEER[n[: -len("_bf16")]] + "_bf16" for n in _BF16 if n[: -len("_bf16")] in PEER})
 FLOOR = {n: "gemm_floor_bf16" if n.endswith("_bf16") else "gemm_floor"
          for n in CONTENDERS if n.startswith(("fused_rkl", "fused_actor", "fused_fkl", "fused_jsd", "liger_rkl",
@@ -125,6 +140,9 @@ def step_fn(name, loss_out=None):
     from memopd.ops import fused_linear_actor_loss, fused_linear_reverse_kl, reference_actor_loss
 
     name = name.removesuffix("_bf16")  # the dtype is the inputs' (`measure`)
+    if name.endswith("_rows256"):  # read at each call (memopd.ops.distill_torch._resident_machine_bytes)
+        os.environ["MEMOPD_RESIDENT_MACHINE_BYTES"] = "0"
+    name = _VARIANT_OF.get(name, name)  # a _before run differs only in its PYTHONPATH (`run_subprocess`)
     keep = (lambda x: x) if loss_out is None else (lambda x: loss_out.append(x.detach()) or x)
     if name.startswith("gemm_floor"):
         def run(hs, ws, ht, wt, y, adv, old):
@@ -207,7 +225,10 @@ def measure(name, shape):
         run(*_inputs(name, N=SEQ_LEN, H=64, V=512, seed=1))
     inputs = _inputs(name, **s)
     _, m = measure_call(lambda: run(*inputs))
-    return {"contender": name, "shape": shape, "cpu_s": m["cpu_s"], "wall_s": m["wall_s"], "peak_mb": m["peak_kb"] / 1024}
+    import memopd
+
+    return {"contender": name, "shape": shape, "cpu_s": m["cpu_s"], "wall_s": m["wall_s"], "peak_mb": m["peak_kb"] / 1024,
+            "memopd": os.path.dirname(os.path.dirname(os.path.abspath(memopd.__file__)))}
 
 
 def precision(name, shape):
@@ -235,8 +256,13 @@ def precision(name, shape):
     return {"contender": name, "shape": shape, "rows": s["N"], "loss_rel_err": loss_err, "dw_rel_err": dw_err}
 
 
+BEFORE_TREE = os.environ.get("MEMOPD_BENCH_BEFORE_TREE", "")  # --before-tree
+
+
 def run_subprocess(name, shape, timeout=1800, mode="--measure"):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    if name.endswith("_before"):
+        env["PYTHONPATH"] = os.pathsep.join([BEFORE_TREE] + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, os.path.abspath(__file__), mode, name, shape]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0:
@@ -247,6 +273,8 @@ def run_subprocess(name, shape, timeout=1800, mode="--measure"):
 
 def available(name) -> str | None:
     """None if the contender can run here, else why not."""
+    if name.endswith("_before") and not BEFORE_TREE:
+        return "no --before-tree given"
     if name.startswith("liger"):
         try:
             import liger_kernel.chunked_loss  # noqa: F401
@@ -335,6 +363,7 @@ def format_table(rows):
 
 
 def main(argv=None):
+    global BEFORE_TREE
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--measure", nargs=2, metavar=("CONTENDER", "SHAPE"), help=argparse.SUPPRESS)
     p.add_argument("--precision-of", nargs=2, metavar=("CONTENDER", "SHAPE"), help=argparse.SUPPRESS)
@@ -343,9 +372,13 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["small", "small2k", "qwen"], choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
+    p.add_argument("--before-tree", default=BEFORE_TREE,
+                   help="a source tree whose memopd the *_before contenders import (e.g. a `git archive` of an "
+                        "earlier commit with its built core)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "actor_loss_cpu.json"))
     args = p.parse_args(argv)
+    BEFORE_TREE = os.path.abspath(args.before_tree) if args.before_tree else ""
     if args.measure:
         print(json.dumps(measure(*args.measure)))
         return 0
@@ -371,7 +404,7 @@ def main(argv=None):
             print(f"{r['shape']:<8}{r['contender']:<26} loss rel. err {r['loss_rel_err']:.2e}  "
                   f"dW rel. err {r['dw_rel_err']:.2e}  (first {r['rows']} tokens vs float64)")
     meta = {"clock": "process CPU time of one torch thread (fresh subprocess per measurement)",
-            "rounds": args.rounds, "torch": torch.__version__, "skipped": skipped,
+            "rounds": args.rounds, "torch": torch.__version__, "skipped": skipped, "before_tree": BEFORE_TREE,
             "shapes": {k: SHAPES[k] for k in args.shapes}, "started": started[0], "loadavg_at_start": started[1],
             "ended": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "loadavg_at_end": os.getloadavg()}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

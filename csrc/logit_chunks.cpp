@@ -14,6 +14,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -65,11 +66,20 @@ void row_sums(const float* s, const float* t, int64_t c, float ms, float mt, boo
   base::row_sums(s, t, c, ms, mt, weight_teacher, out);
 }
 
-void row_dlogits(float* s, const float* t, int64_t c, float lse, float a, float b, float d, int mode) {
+void row_dlogits(float* s, const float* t, int64_t c, float lse, float a, float b, float d, int mode, float lse_t,
+                 float dlse) {
 #ifdef MEMOPD_HAVE_AVX2
-  if (cpu_has_avx2()) return avx2::row_dlogits(s, t, c, lse, a, b, d, mode);
+  if (cpu_has_avx2()) return avx2::row_dlogits(s, t, c, lse, a, b, d, mode, lse_t, dlse);
 #endif
-  base::row_dlogits(s, t, c, lse, a, b, d, mode);
+  base::row_dlogits(s, t, c, lse, a, b, d, mode, lse_t, dlse);
+}
+
+void row_jsd_weights(const float* s, float* t, int64_t c, float lse_s, float lse_t, float dlse, float log2_beta,
+                     float one_minus_beta, double* out) {
+#ifdef MEMOPD_HAVE_AVX2
+  if (cpu_has_avx2()) return avx2::row_jsd_weights(s, t, c, lse_s, lse_t, dlse, log2_beta, one_minus_beta, out);
+#endif
+  base::row_jsd_weights(s, t, c, lse_s, lse_t, dlse, log2_beta, one_minus_beta, out);
 }
 
 // Runs body(r0, r1) over row ranges on up to `threads` threads.
@@ -114,17 +124,40 @@ void softmax_sums(uintptr_t s, uintptr_t t, int64_t n, int64_t c, uintptr_t m_s,
   });
 }
 
-// In place over s [n, c]: dL/ds with per-row coefficients a, b, d ([n] each, b/d may be 0).
+// In place over s [n, c]: dL/ds with per-row coefficients a, b, d ([n] each, b/d may be 0);
+// mode 3 (forward KL) also reads the per-row lse_t and dlse.
 void dlogits(uintptr_t s, uintptr_t t, int64_t n, int64_t c, uintptr_t lse_s, uintptr_t a, uintptr_t b,
-             uintptr_t d, int mode, int threads) {
+             uintptr_t d, int mode, int threads, uintptr_t lse_t, uintptr_t dlse) {
   if (s == 0 || lse_s == 0 || a == 0) throw std::invalid_argument("dlogits: null buffer");
-  if (mode < 0 || mode > 2) throw std::invalid_argument("dlogits: mode must be 0, 1 or 2");
-  if (mode != 0 && (t == 0 || d == 0)) throw std::invalid_argument("dlogits: mode 1/2 needs t and d");
+  if (mode < 0 || mode > 3) throw std::invalid_argument("dlogits: mode must be 0, 1, 2 or 3");
+  if (mode != 0 && (t == 0 || d == 0)) throw std::invalid_argument("dlogits: modes 1-3 need t and d");
+  if (mode == 3 && (lse_t == 0 || dlse == 0)) throw std::invalid_argument("dlogits: mode 3 needs lse_t and dlse");
   py::gil_scoped_release release;
   for_rows(n, c, threads, [=](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       row_dlogits(reinterpret_cast<float*>(s) + r * c, t ? fptr(t) + r * c : nullptr, c, fptr(lse_s)[r],
-                  fptr(a)[r], b ? fptr(b)[r] : 0.0f, d ? fptr(d)[r] : 0.0f, mode);
+                  fptr(a)[r], b ? fptr(b)[r] : 0.0f, d ? fptr(d)[r] : 0.0f, mode,
+                  mode == 3 ? fptr(lse_t)[r] : 0.0f, mode == 3 ? fptr(dlse)[r] : 0.0f);
+    }
+  });
+}
+
+// In place over t [n, c]: the JSD weight -(δ - u) of each entry (nats); sp, sq ([n]) += Σ p w, Σ q w.
+void jsd_weights(uintptr_t s, uintptr_t t, int64_t n, int64_t c, uintptr_t lse_s, uintptr_t lse_t, uintptr_t dlse,
+                 double beta, uintptr_t sp, uintptr_t sq, int threads) {
+  if (s == 0 || t == 0 || lse_s == 0 || lse_t == 0 || dlse == 0 || sp == 0 || sq == 0)
+    throw std::invalid_argument("jsd_weights: null buffer");
+  if (!(beta > 0.0 && beta <= 1.0)) throw std::invalid_argument("jsd_weights: beta must be in (0, 1]");
+  const float log2_beta = static_cast<float>(std::log2(beta));
+  const float omb = static_cast<float>(1.0 - beta);
+  py::gil_scoped_release release;
+  for_rows(n, c, threads, [=](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double acc[2] = {0, 0};
+      row_jsd_weights(fptr(s) + r * c, reinterpret_cast<float*>(t) + r * c, c, fptr(lse_s)[r], fptr(lse_t)[r],
+                      fptr(dlse)[r], log2_beta, omb, acc);
+      reinterpret_cast<float*>(sp)[r] += static_cast<float>(acc[0]);
+      reinterpret_cast<float*>(sq)[r] += static_cast<float>(acc[1]);
     }
   });
 }
@@ -141,8 +174,13 @@ void register_logit_chunks(py::module_& m) {
         "Forward sums of one [n, c] float32 logit block (data pointers): z_s += Σ e^{s-m_s}, a_s += Σ "
         "log2e (s-m_s) e^{s-m_s}; with a teacher block t also z_t += Σ e^{t-m_t} and e_d += Σ w (s-t), "
         "w = e^{t-m_t} if weight_teacher else e^{s-m_s}. t = 0: student only.");
+  m.def("jsd_weights", &jsd_weights, py::arg("s"), py::arg("t"), py::arg("n"), py::arg("c"), py::arg("lse_s"),
+        py::arg("lse_t"), py::arg("dlse"), py::arg("beta"), py::arg("sp"), py::arg("sq"), py::arg("threads"),
+        "In place over the [n, c] float32 teacher block t: the JSD weight -(δ - u) = log(β q/p + 1 - β) "
+        "(nats), δ = (s - t) - dlse; sp += Σ p w, sq += Σ q w per row, p = e^{s-lse_s}, q = e^{t-lse_t}.");
   m.def("dlogits", &dlogits, py::arg("s"), py::arg("t"), py::arg("n"), py::arg("c"), py::arg("lse_s"), py::arg("a"),
-        py::arg("b"), py::arg("d"), py::arg("mode"), py::arg("threads"),
+        py::arg("b"), py::arg("d"), py::arg("mode"), py::arg("threads"), py::arg("lse_t") = 0, py::arg("dlse") = 0,
         "In place over the [n, c] float32 block s: p (a + b log2 p + d X), p = e^{s - lse_s}, X = 0 (mode "
-        "0), s - t (1) or t (2); a, b, d per row (b, d may be 0).");
+        "0), s - t (1), t (2) or (q - p)/p with q = e^{t - lse_t}, -δ = dlse - (s - t) (3, the forward KL); "
+        "a, b, d per row (b, d may be 0; lse_t, dlse per row, mode 3 only).");
 }

@@ -1,6 +1,6 @@
 """The C++ core's CPU kernels for one [rows, chunk] block of float32 logits
 (csrc/logit_chunks.cpp), as the PyTorch path of the fused losses calls them: the forward's
-softmax sums in one pass and dL/ds in one more, in place of about ten elementwise PyTorch
+softmax sums in one pass and dL/ds in one more (and the JSD's weight pass in one), in place of about ten elementwise PyTorch
 passes and their temporaries (docs/design.md §6.2).
 
 It also holds the core's bfloat16 GEMM with float32 accumulation and output
@@ -20,19 +20,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["usable", "softmax_sums", "dlogits", "MODE_NONE", "MODE_DIFF", "MODE_GIVEN", "has_bf16_gemm",
-           "bf16_gemm_usable", "bf16_matmul"]
+__all__ = ["usable", "softmax_sums", "dlogits", "MODE_NONE", "MODE_DIFF", "MODE_GIVEN", "MODE_FORWARD_KL",
+           "has_forward_kl", "has_jsd_weights", "jsd_weights", "has_bf16_gemm", "bf16_gemm_usable", "bf16_matmul"]
 
-MODE_NONE, MODE_DIFF, MODE_GIVEN = 0, 1, 2  # X of dlogits: none, s - t, t itself
+MODE_NONE, MODE_DIFF, MODE_GIVEN, MODE_FORWARD_KL = 0, 1, 2, 3  # X of dlogits: none, s - t, t, (q - p)/p
 
 try:
     from memopd import _C
 
     _HAVE = hasattr(_C, "softmax_sums") and hasattr(_C, "dlogits")
+    _HAVE_FKL = _HAVE and "lse_t" in (_C.dlogits.__doc__ or "")  # a core built before MODE_FORWARD_KL lacks it
+    _HAVE_JSD = _HAVE and hasattr(_C, "jsd_weights")
     _HAVE_BF16 = hasattr(_C, "bf16_gemm") and bool(_C.bf16_gemm_available())
 except ImportError:  # a source tree whose core is not built: the PyTorch ops do the work
     _C = None
-    _HAVE = _HAVE_BF16 = False
+    _HAVE = _HAVE_FKL = _HAVE_JSD = _HAVE_BF16 = False
 
 
 def usable(*tensors: Optional[Tensor]) -> bool:
@@ -40,6 +42,11 @@ def usable(*tensors: Optional[Tensor]) -> bool:
         return False
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
                for t in tensors)
+
+
+def has_forward_kl() -> bool:
+    """Whether the built core's `dlogits` takes MODE_FORWARD_KL (else the PyTorch ops do that mode)."""
+    return _HAVE_FKL
 
 
 def _ptr(t: Optional[Tensor], n: int) -> int:
@@ -71,15 +78,39 @@ def softmax_sums(s: Tensor, t: Optional[Tensor], m_s: Tensor, m_t: Optional[Tens
 
 
 def dlogits(s: Tensor, t: Optional[Tensor], lse_s: Tensor, a: Tensor, b: Optional[Tensor], d: Optional[Tensor],
-            mode: int) -> Tensor:
+            mode: int, lse_t: Optional[Tensor] = None, dlse: Optional[Tensor] = None) -> Tensor:
     """In place over the [n, c] block s, returned: p (a + b log2 p + d X) with p = e^{s -
-    lse_s} and X none (MODE_NONE), s - t (MODE_DIFF) or t (MODE_GIVEN); a, b, d per row."""
+    lse_s} and X none (MODE_NONE), s - t (MODE_DIFF), t (MODE_GIVEN) or, for the forward KL
+    (MODE_FORWARD_KL), (q - p)/p with q = e^{t - lse_t} and -δ = dlse - (s - t): p X is
+    p expm1(-δ) where -δ <= 1/2 and q - p beyond; a, b, d (and lse_t, dlse) per row."""
     n, c = _block(s, t)
     if (mode == MODE_NONE) != (t is None and d is None):
         raise ValueError("native chunk kernel: t and d go with a mode that has X, and only with one")
+    if (mode == MODE_FORWARD_KL) != (lse_t is not None and dlse is not None):
+        raise ValueError("native chunk kernel: lse_t and dlse go with MODE_FORWARD_KL, and only with it")
     _C.dlogits(s.data_ptr(), 0 if t is None else t.data_ptr(), n, c, _ptr(lse_s, n), _ptr(a, n), _ptr(b, n),
-               _ptr(d, n), int(mode), torch.get_num_threads())
+               _ptr(d, n), int(mode), torch.get_num_threads(), _ptr(lse_t, n), _ptr(dlse, n))
     return s
+
+
+def has_jsd_weights() -> bool:
+    """Whether the built core has `jsd_weights` (else the PyTorch ops compute the JSD weight)."""
+    return _HAVE_JSD
+
+
+def jsd_weights(s: Tensor, t: Tensor, lse_s: Tensor, lse_t: Tensor, dlse: Tensor, beta: float, sp: Tensor,
+                sq: Tensor) -> Tensor:
+    """In place over the [n, c] teacher block t, returned: the JSD weight -(δ - u) = log(β q/p
+    + 1 - β) of each entry in nats, δ = (s - t) - dlse, p = e^{s - lse_s}, q = e^{t - lse_t};
+    adds Σ p w to sp and Σ q w to sq ([n] each). Absolute precision ~1e-7 (fp32 roundoff of a
+    weight that is not small: the caller takes it where p and q are not close), no overflow
+    however far q is above p; beta in (0, 1]."""
+    n, c = _block(s, t)
+    if not 0.0 < beta <= 1.0:
+        raise ValueError(f"native chunk kernel: the JSD weight needs beta in (0, 1], got {beta}")
+    _C.jsd_weights(s.data_ptr(), t.data_ptr(), n, c, _ptr(lse_s, n), _ptr(lse_t, n), _ptr(dlse, n), float(beta),
+                   _ptr(sp, n), _ptr(sq, n), torch.get_num_threads())
+    return t
 
 
 def has_bf16_gemm() -> bool:

@@ -9,6 +9,7 @@ are in docs/design.md §6.2.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Optional
 
 import torch
@@ -26,6 +27,8 @@ _TORCH_ROW_ELEMS = 1 << 23  # elements of one [rows, V] block in full-row mode (
 _TORCH_MIN_ROWS = 64  # ... but at least this many rows (GEMM efficiency)
 _TORCH_CONVERT_ROWS = 4096  # full-row mode: a bf16/fp16 weight is converted this many rows at a time
 _RESIDENT_MIN_BYTES = 64 << 20  # forward with gradients: resident logits may always take this much
+_RESIDENT_ROWS = 512  # ... and as many rows as this where the machine's share allows (`_resident_plan`)
+_RESIDENT_MACHINE_SHARE = 32  # ... the share: 1/32 of the machine's (or accelerator's) memory
 _NEG = -1.0e30
 
 
@@ -587,6 +590,13 @@ def _forward_resident(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y, V, di
             negw = _jsd_negw(torch.sub(dlse[:, None], torch.sub(S[k], T[k], out=T[k]), out=T[k]), beta)
             kl_pm -= p.mul_(negw).sum(1)
             kl_qm -= q.mul_(negw).sum(1)
+    elif native and _native_chunks.has_jsd_weights() and 0.0 < beta <= 1.0:  # one pass per chunk in the C++ core
+        sp, sq = torch.zeros(n, **f), torch.zeros(n, **f)
+        args = lse_s.contiguous(), lse_t.contiguous(), dlse.contiguous()
+        for k in range(len(spans)):
+            _native_chunks.jsd_weights(S[k], T[k], *args, beta, sp, sq)
+        kl_pm -= sp
+        kl_qm -= sq
     else:
         for k, (v0, v1) in enumerate(spans):
             c = v1 - v0
@@ -698,14 +708,18 @@ def _chunk_dlogits(s: Tensor, t: Optional[Tensor], y: Tensor, v0: int, v1: int, 
     A, B, D, glp = coef
     lse_s, lse_t, dlse = st[DistillStat.LSE_S], st[DistillStat.LSE_T], st[DistillStat.DLSE]
     n, c = s.shape
-    mode = None  # the C++ core takes the reverse KL, a given JSD weight, and no divergence term
+    mode = None  # the C++ core takes the reverse and forward KL, a given JSD weight, no divergence term
     if D is None:
         mode = _native_chunks.MODE_NONE
     elif t_is_jsd_weight or div_code == Divergence.REVERSE_KL:
         mode = _native_chunks.MODE_GIVEN if t_is_jsd_weight else _native_chunks.MODE_DIFF
+    elif div_code == Divergence.FORWARD_KL and _native_chunks.has_forward_kl():
+        mode = _native_chunks.MODE_FORWARD_KL
     if mode is not None and _native_chunks.usable(s, None if D is None else t, lse_s):
+        fkl = mode == _native_chunks.MODE_FORWARD_KL
         ds = _native_chunks.dlogits(s, None if D is None else t, lse_s.contiguous(), _row_vector(A.expand(n, 1)),
-                                    _row_vector(B), _row_vector(D), mode)
+                                    _row_vector(B), _row_vector(D), mode, lse_t.contiguous() if fkl else None,
+                                    dlse.contiguous() if fkl else None)
         return _add_target_term(ds, y, v0, v1, glp)
     X = q = None
     if D is not None and t_is_jsd_weight:
@@ -844,21 +858,48 @@ def torch_backward(grads: tuple, student: LinearHead, teacher: Optional[LinearHe
     return (dh,) + _finish_gradients(ws, bs, dw32, db32, inv_t)
 
 
+def _machine_bytes(device) -> int:
+    """The memory of the machine (CPU) or accelerator a call runs on, in bytes (0 if unknown)."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return 0
+
+
+def _resident_machine_bytes(device) -> int:
+    """`_machine_bytes`, or MEMOPD_RESIDENT_MACHINE_BYTES where set (0 gives the plan
+    without the machine's share: the benchmarks' before/after switch)."""
+    env = os.environ.get("MEMOPD_RESIDENT_MACHINE_BYTES")
+    return int(env) if env else _machine_bytes(device)
+
+
 def _resident_plan(n_rows: int, V: int, H: int, n_heads: int, elem: int, chunk_size: int,
-                   token_chunk: int) -> tuple[int, int]:
+                   token_chunk: int, machine_bytes: int = 0) -> tuple[int, int]:
     """(rows per token block, vocabulary columns per chunk) of the forward that keeps its
     logits for the gradient.
 
-    The block's resident logits (`n_heads` × rows × V) get at most half the bytes of the
-    weight gradient that the call returns anyway, and at least _RESIDENT_MIN_BYTES, and a
-    block holds at most a quarter of the kept tokens: the peak above the inputs is then
-    dW plus a bounded number of rows whatever N is, and never the batch's [N, V] logits.
-    Rows are clamped to [_TORCH_MIN_ROWS / 2, _TORCH_TOKEN_CHUNK] and split evenly over
-    the kept tokens; an explicit `token_chunk_size` / `chunk_size` takes precedence.
+    The block's resident logits (`n_heads` × rows × V) may take the largest of: half the
+    bytes of the weight gradient that the call returns anyway, _RESIDENT_MIN_BYTES, and
+    the machine's share (1/_RESIDENT_MACHINE_SHARE of `machine_bytes`, up to what
+    _RESIDENT_ROWS rows need: blocks that short make the logits GEMMs ~15% slower than
+    unchunked on CPU, 512-row ones a few percent). A block holds at most a quarter of the
+    kept tokens, or half of them where half is _RESIDENT_ROWS or more: the peak above the
+    inputs is then dW plus a bounded number of rows whatever N is, and never the batch's
+    [N, V] logits. Rows are clamped to [_TORCH_MIN_ROWS / 2, _TORCH_TOKEN_CHUNK] and split
+    evenly over the kept tokens; an explicit `token_chunk_size` / `chunk_size` takes
+    precedence.
     """
     if token_chunk <= 0:
-        budget = max(_RESIDENT_MIN_BYTES, V * H * elem // 2)
-        cap = min(_TORCH_TOKEN_CHUNK, budget // (n_heads * V * elem), -(-n_rows // 4))
+        row_bytes = n_heads * V * elem
+        machine = min(_RESIDENT_ROWS * row_bytes, machine_bytes // _RESIDENT_MACHINE_SHARE)
+        budget = max(_RESIDENT_MIN_BYTES, V * H * elem // 2, machine)
+        half = -(-n_rows // 2)
+        share = half if half >= _RESIDENT_ROWS else -(-n_rows // 4)
+        cap = min(_TORCH_TOKEN_CHUNK, budget // row_bytes, share)
         cap = max(_TORCH_MIN_ROWS // 2, cap)
         n_blocks = -(-n_rows // cap)
         token_chunk = -(-n_rows // n_blocks)
@@ -910,7 +951,8 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
         n_heads = 1 if ht is None else 2
         elem = torch.empty((), dtype=cdt).element_size()
         rows_per_block, vchunk = _resident_plan(n_kept, V, ws.shape[1], n_heads, elem,
-                                                int(params.chunk_size or 0), int(params.token_chunk or 0))
+                                                int(params.chunk_size or 0), int(params.token_chunk or 0),
+                                                _resident_machine_bytes(hs.device))
         wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
         res_s = torch.empty(rows_per_block * V, **f)
         res_t = None if ht is None else torch.empty(rows_per_block * V, **f)

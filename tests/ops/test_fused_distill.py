@@ -1136,3 +1136,23 @@ def test_a_frozen_lm_head(seed, gradients):
                                             gradients=gradients)
     res.loss.backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+def test_resident_block_is_sized_by_the_machine_and_flat_in_n():
+    """The resident block of the gradients-in-forward path: 512 rows where the machine's
+    share (1/32 of its memory) holds them, the old half-the-weight-gradient budget where it
+    does not, and never more rows as N grows (the peak stays flat in N)."""
+    from memopd.ops.distill_torch import _resident_plan
+
+    big, none = 64 << 30, 0
+    for V, H in ((32000, 512), (151936, 1024)):
+        rows = [_resident_plan(n, V, H, 2, 4, 0, 0, big)[0] for n in (1024, 4096, 16384, 1 << 20)]
+        assert rows == [512] * 4, (V, H, rows)
+        # without the machine's share: half the weight gradient's bytes (256 rows here)
+        old = [_resident_plan(n, V, H, 2, 4, 0, 0, none)[0] for n in (4096, 1 << 20)]
+        assert all(r <= max(64 << 20, V * H * 2) // (2 * V * 4) for r in old) and max(old) < 512, old
+    # a machine too small for 512 rows: its share bounds the block
+    small_machine = 32 * 2 * 151936 * 4 * 300  # room for 300 rows
+    assert _resident_plan(1 << 16, 151936, 1024, 2, 4, 0, 0, small_machine)[0] <= 300
+    # a small batch keeps a quarter of its tokens per block (half is under 512 rows)
+    assert _resident_plan(1000, 32000, 512, 2, 4, 0, 0, big)[0] == 250

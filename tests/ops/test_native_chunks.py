@@ -79,6 +79,75 @@ def test_dlogits_match_float64(isa, seed, n, c, mode):
         assert (out[:, -1] == 0).all(), "a column 300 nats below the max got a gradient"
 
 
+@pytest.mark.parametrize("n,c", SHAPES)
+@pytest.mark.parametrize("gap", [2.0, 1e-3, 60.0])
+def test_forward_kl_dlogits_match_float64(isa, seed, n, c, gap):
+    """MODE_FORWARD_KL: p (a + b log2 p) + d (q - p), with q - p to relative precision where
+    q ~ p (gap 1e-3), and exact where the teacher puts far more mass (gap 60: q/p up to e^200)."""
+    if not nc.has_forward_kl():
+        pytest.skip("memopd._C was built without MODE_FORWARD_KL")
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, c, generator=g) * 4
+    t = s + torch.randn(n, c, generator=g) * gap
+    if c > 2:  # both distributions put nothing there
+        s[:, -1] = s.amax(1) - 300.0
+        t[:, -1] = t.amax(1) - 300.0
+    lse_s64, lse_t64 = torch.logsumexp(s.double(), 1), torch.logsumexp(t.double(), 1)
+    lse, lse_t, dlse = lse_s64.float(), lse_t64.float(), (lse_s64 - lse_t64).float()
+    a, b, d = (torch.randn(n, generator=g) for _ in range(3))
+    s64, t64 = s.double(), t.double()
+    l = s64 - lse.double()[:, None]
+    p = torch.exp(l)
+    # q as the kernel defines it from its inputs: e^{t - lse_t} where -δ > 1/2, else p e^{-δ}
+    nd = dlse.double()[:, None] - (s64 - t64)
+    q_minus_p = torch.where(nd > 0.5, torch.exp(t64 - lse_t.double()[:, None]) - p, p * torch.expm1(nd))
+    for coef in ((a, b, d), (torch.zeros(n), torch.zeros(n), torch.ones(n))):  # the full form; q - p alone
+        A, B, D = (x.double()[:, None] for x in coef)
+        ref = p * (A + B * LOG2E * l) + D * q_minus_p
+        out = nc.dlogits(s.clone(), t, lse, *coef, nc.MODE_FORWARD_KL, lse_t=lse_t, dlse=dlse)
+        err = (out.double() - ref).abs().max().item()
+        # fp32 roundoff, plus that of t - lse_t itself where the logits are large (gap 60)
+        rel = 2e-6 + 2 * 2.0 ** -24 * t.abs().max().item()
+        assert err <= rel * ref.abs().max().item() + 1e-30, f"[{isa}] {n}x{c} gap {gap}: err {err:.2e} (seed={seed})"
+        assert torch.isfinite(out).all()
+    if c > 2:
+        assert (out[:, -1] == 0).all(), "a column 300 nats below both maxima got a gradient"
+    with pytest.raises(ValueError, match="MODE_FORWARD_KL"):
+        nc.dlogits(s.clone(), t, lse, a, b, d, nc.MODE_FORWARD_KL)
+
+
+@pytest.mark.parametrize("n,c", SHAPES)
+@pytest.mark.parametrize("gap,beta", [(2.0, 0.5), (2.0, 0.1), (60.0, 0.5), (2.0, 1.0)])
+def test_jsd_weights_match_float64(isa, seed, n, c, gap, beta):
+    """The JSD weight log(β q/p + 1 - β) written over t, and Σ p w, Σ q w, against float64:
+    absolute precision, finite however far q is above p (gap 60: q/p up to e^200)."""
+    if not nc.has_jsd_weights():
+        pytest.skip("memopd._C was built without jsd_weights")
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, c, generator=g) * 4
+    t = s + torch.randn(n, c, generator=g) * gap
+    lse_s64, lse_t64 = torch.logsumexp(s.double(), 1), torch.logsumexp(t.double(), 1)
+    lse_s, lse_t, dlse = lse_s64.float(), lse_t64.float(), (lse_s64 - lse_t64).float()
+    s64, t64 = s.double(), t.double()
+    x = math.log(beta) + dlse.double()[:, None] - (s64 - t64)  # log(β q/p)
+    w_ref = x if beta == 1.0 else torch.logaddexp(x, torch.full_like(x, math.log1p(-beta)))
+    p = torch.exp(s64 - lse_s.double()[:, None])
+    q = torch.exp(t64 - lse_t.double()[:, None])
+    sp, sq = torch.full((n,), 0.5), torch.full((n,), 0.5)  # the kernel adds to what is there
+    w = t.clone()
+    assert nc.jsd_weights(s, w, lse_s, lse_t, dlse, beta, sp, sq) is w, "jsd_weights works in place over t"
+    # fp32 roundoff of the weight, and that of s - t itself where the logits are large
+    tol = 2e-6 * (1.0 + w_ref.abs()) + 4 * 2.0 ** -24 * torch.maximum(s64.abs(), t64.abs())
+    bad = ((w.double() - w_ref).abs() > tol)
+    assert not bad.any() and torch.isfinite(w).all(), f"[{isa}] {n}x{c} gap {gap} beta {beta}: weight off (seed={seed})"
+    for name, got, wt in (("sum p w", sp, p), ("sum q w", sq, q)):
+        ref = (wt * w_ref).sum(1)
+        err = ((got.double() - 0.5) - ref).abs()
+        assert (err <= (wt * tol).sum(1) + 2e-6 * (1.0 + ref.abs())).all(), f"{name} [{isa}] {n}x{c}: {err.max():.2e}"
+    with pytest.raises(ValueError, match="beta"):
+        nc.jsd_weights(s, t.clone(), lse_s, lse_t, dlse, 0.0, sp, sq)
+
+
 def test_threads_split_rows_without_changing_a_bit(seed):
     s, t = _block(seed, 300, 2048)
     m_s, m_t = s.amax(1), t.amax(1)
