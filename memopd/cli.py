@@ -150,8 +150,8 @@ def _own_samples(args) -> list[tuple[str, list]]:
     """The model's own rollouts, one set per k: held-out sets of the world it was trained
     in (its memopd_env.json), or of the user's --corpus / --questions, each played once at
     --temperature (the sampling state a trainer would record)."""
-    from .env.evaluate import evaluate
-    from .env.sft import ENV_META_FILE
+    from .env.qa.evaluate import evaluate
+    from .env.qa.sft import ENV_META_FILE
     from .errors import UserError
 
     played: list = []

@@ -62,8 +62,8 @@ def build(spec: EnvSpec, *, student: str = "", teacher: str = "", load_teacher: 
         if sft_dir is None:
             raise ValueError(f"build_environment: no {' or '.join(need)} directory and no sft_dir to build it in")
         if builds_sft:
-            from .qa.sft import run_sft
-            from .qa.world import world_preset
+            from .sft import run_sft
+            from .world import world_preset
 
             run_sft(sft_dir, roles=need, world_config=world_preset(spec.world, seed=spec.world_seed),
                     progress=progress, log=log)
