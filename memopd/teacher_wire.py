@@ -11,7 +11,8 @@ A scoring request carries the same `memopd.layout.PackedBatch` the in-process te
 the token stream (ids, restored positions), the rows, the segment-level attention metadata
 (`cu_seqlens`, `prefix_segment`, `segment_kind`; the receiver derives and validates the
 token-level arrays with `AttentionMeta.from_segments`, so it never trusts them) and the
-per-action arrays. `batch_to_wire` / `batch_from_wire` are the two directions.
+per-action arrays. `batch_to_wire` / `batch_from_wire` are the two directions. A top-k answer
+carries int32 ids and fp32 log-probs; `topk_answer_problem` is the client's check of one.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import torch
 from .errors import UserError
 from .layout import AttentionMeta, PackedBatch
 
-__all__ = ["WireError", "encode", "decode", "batch_to_wire", "batch_from_wire", "MAX_HEADER_BYTES", "TRANSPORT_DTYPES"]
+__all__ = ["WireError", "encode", "decode", "batch_to_wire", "batch_from_wire", "MAX_HEADER_BYTES", "TRANSPORT_DTYPES",
+           "topk_answer_problem"]
 
 MAX_HEADER_BYTES = 1 << 20  # a scoring request's header is a few KiB
 TRANSPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -131,3 +133,20 @@ def batch_from_wire(tensors: dict[str, torch.Tensor], meta: dict) -> PackedBatch
     kw = {f.name: tensors[f.name] for f in fields(PackedBatch) if f.name in tensors}
     return PackedBatch(layout=layout, attn=attn, num_trajectories=int(meta.get("num_trajectories", 0)),
                        pad_id=int(meta.get("pad_id", 0)), **kw)
+
+
+def topk_answer_problem(ids, logprobs, rows: int, k: int, vocab_size: int) -> str | None:
+    """What is wrong with a top-k answer for `rows` positions (None if nothing): both tensors
+    present and [rows, k], integer ids in [0, vocab_size), floating log-probs, finite and <= 0
+    (a log-probability; a little rounding above 0 is allowed)."""
+    if ids is None or logprobs is None:
+        return "no topk_ids / topk_logprobs tensors"
+    if tuple(ids.shape) != (rows, k) or tuple(logprobs.shape) != (rows, k):
+        return f"shapes {tuple(ids.shape)} and {tuple(logprobs.shape)} for {rows} positions"
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or not logprobs.dtype.is_floating_point:
+        return f"dtypes {ids.dtype} (ids) and {logprobs.dtype} (log-probs)"
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        return f"token ids outside [0, {vocab_size}) (from {int(ids.min())} to {int(ids.max())})"
+    if logprobs.numel() and not (bool(torch.isfinite(logprobs).all()) and float(logprobs.max()) <= 1e-4):
+        return "log-probs that are not finite numbers <= 0"
+    return None

@@ -129,6 +129,25 @@ def test_topk_and_bf16_answers(tiny_models, tiny_server):
     assert torch.equal(h16[mask], ref_h[mask].to(torch.bfloat16).float())
 
 
+def test_topk_answer_check_refuses_what_a_broken_server_could_send():
+    """The client's check of a top-k answer: ids must be integers inside the vocabulary and
+    log-probs finite and <= 0, in [rows, k]; the good answer (int32 ids, as the server sends)
+    passes."""
+    from memopd.teacher_wire import topk_answer_problem
+
+    ids = torch.tensor([[3, 0], [9, 1]], dtype=torch.int32)
+    lps = torch.tensor([[-0.1, -2.0], [-0.5, -0.9]])
+    assert topk_answer_problem(ids, lps, 2, 2, 10) is None
+    assert topk_answer_problem(ids.long(), lps, 2, 2, 10) is None
+    assert "outside [0, 9)" in topk_answer_problem(ids, lps, 2, 2, 9)
+    assert "outside" in topk_answer_problem(ids - 1, lps, 2, 2, 10)
+    assert "shapes" in topk_answer_problem(ids, lps, 3, 2, 10)
+    assert "dtypes" in topk_answer_problem(ids.float(), lps, 2, 2, 10)
+    assert "not finite" in topk_answer_problem(ids, lps.clone().fill_(float("nan")), 2, 2, 10)
+    assert "not finite" in topk_answer_problem(ids, -lps, 2, 2, 10)
+    assert "no topk_ids" in topk_answer_problem(None, lps, 2, 2, 10)
+
+
 def test_bad_requests_limits_and_secret(tiny_models, tmp_path):
     """One error answer each (400, 401, 413, 429), and the server keeps serving."""
     import http.client
