@@ -190,7 +190,14 @@ class ServedTeacher:
                            vocab_size=vocab_size or self.head_rows).result()
 
     def _score_body(self, body: bytes) -> dict:
-        return decode(self._request("POST", "/score", body))[0]
+        tensors, meta = decode(self._request("POST", "/score", body))
+        want = self.info["fingerprint"]["sha256"]
+        got = meta.get("weights")
+        if got != want:  # the server was restarted with other weights since this client connected
+            raise PeerError(f"the teacher server at {self.url} now answers with weights {str(got)[:16]}, but this "
+                            f"run connected to weights {want[:16]}; scores of two teachers would be mixed, so nothing "
+                            "of this step was written: serve the first teacher again and continue with --resume")
+        return tensors
 
     def _gather(self, batch: PackedBatch, parts, output: str, k: int, vocab_size: int):
         A = batch.num_actions

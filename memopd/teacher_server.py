@@ -174,7 +174,7 @@ class TeacherService:
                 dtype = req.get("dtype", "fp32")
                 if dtype not in TRANSPORT_DTYPES:
                     raise WireError(f"request.dtype {dtype!r}: choose one of {', '.join(TRANSPORT_DTYPES)}")
-                return encode({"hidden": h.to(TRANSPORT_DTYPES[dtype])}, {"rows": int(rows.numel())})
+                return encode({"hidden": h.to(TRANSPORT_DTYPES[dtype])}, self._answer_meta(rows))
             k, temperature, vocab = req.get("k"), req.get("temperature", 1.0), req.get("vocab_size")
             V = int(self.head.weight.shape[0])
             if not (isinstance(k, int) and 0 < k and isinstance(vocab, int) and k <= vocab <= V
@@ -184,7 +184,13 @@ class TeacherService:
             z = self.head.logits(h)[:, :vocab].float()
             lp = torch.log_softmax(z / float(temperature), dim=-1)
             top = lp.topk(k, dim=-1)
-            return encode({"topk_ids": top.indices.to(torch.int32), "topk_logprobs": top.values}, {"rows": int(rows.numel())})
+            return encode({"topk_ids": top.indices.to(torch.int32), "topk_logprobs": top.values},
+                          self._answer_meta(rows))
+
+    def _answer_meta(self, rows: torch.Tensor) -> dict:
+        """The JSON of a /score answer: its row count and the weights that computed it (the
+        client refuses an answer from other weights than it connected to)."""
+        return {"rows": int(rows.numel()), "weights": self.fingerprint["sha256"]}
 
 
 class _TooLarge(ValueError):

@@ -129,6 +129,36 @@ def test_topk_and_bf16_answers(tiny_models, tiny_server):
     assert torch.equal(h16[mask], ref_h[mask].to(torch.bfloat16).float())
 
 
+def test_a_server_restarted_with_other_weights_mid_run_is_refused(tiny_models, tmp_path):
+    """A client connected to one teacher refuses the answers of another served later at the
+    same address (a restart between steps would otherwise mix two teachers in one run):
+    one PeerError naming both fingerprints; a restart with the same weights is fine."""
+    import socket
+
+    from memopd.errors import EXIT_PEER_FAILED, PeerError
+    from memopd.memory import random_trajectories
+    from memopd.packing import pack
+    from memopd.teacher_client import ServedTeacher
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    batch = pack(random_trajectories("summary", 2, seed=3, vocab_size=128), layout="aligned")
+    with served(tiny_models[0], port=port) as (_, url):
+        client = ServedTeacher(url, retries=3, backoff=0.2)
+        first = client.hidden_states(batch)
+    try:
+        with served(tiny_models[0], port=port):  # the same weights again: answered as before
+            assert torch.equal(client.hidden_states(batch), first)
+        tiny_models[1].save_pretrained(tmp_path / "other")
+        with served(tmp_path / "other", port=port):  # other weights at the same address
+            with pytest.raises(PeerError, match="now answers with weights") as e:
+                client.hidden_states(batch)
+        assert client.fingerprint["sha256"][:16] in str(e.value) and e.value.exit_code == EXIT_PEER_FAILED
+    finally:
+        client.close()
+
+
 def test_topk_answer_check_refuses_what_a_broken_server_could_send():
     """The client's check of a top-k answer: ids must be integers inside the vocabulary and
     log-probs finite and <= 0, in [rows, k]; the good answer (int32 ids, as the server sends)
