@@ -589,16 +589,23 @@ def _train_in(cfg: TrainConfig, run, resume: bool, log: Callable[[str], None], t
     from memopd.files import atomic_write_json
 
     set_seed(cfg.seed)
-    bundle = prepare(cfg, log)
-    student_dir, teacher_dir = bundle.student_dir, bundle.teacher_dir
-    teacher_lm = bundle.teacher
-    if cfg.teacher_url and cfg.arm_spec.uses_teacher:  # the served teacher: connected (and checked) before any step
+    served_lm = None
+    if cfg.teacher_url and cfg.arm_spec.uses_teacher:  # the served teacher: connected before any model is loaded
         from memopd.teacher_client import ServedTeacher
 
-        teacher_lm = ServedTeacher(cfg.teacher_url, secret_file=cfg.teacher_secret_file or None, timeout=cfg.teacher_timeout,
-                                   retries=cfg.teacher_retries, transport=cfg.teacher_transport,
-                                   head_dir=cfg.teacher_head_dir or None)
-        teacher_dir = cfg.teacher_url
+        served_lm = ServedTeacher(cfg.teacher_url, secret_file=cfg.teacher_secret_file or None, timeout=cfg.teacher_timeout,
+                                  retries=cfg.teacher_retries, transport=cfg.teacher_transport,
+                                  head_dir=cfg.teacher_head_dir or None)
+    try:
+        bundle = prepare(cfg, log)
+    except BaseException:
+        if served_lm is not None:
+            served_lm.close()
+        raise
+    student_dir, teacher_dir = bundle.student_dir, bundle.teacher_dir
+    teacher_lm = bundle.teacher
+    if served_lm is not None:
+        teacher_lm, teacher_dir = served_lm, cfg.teacher_url
     trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=teacher_lm, env=bundle.env, tasks=bundle.tasks,
                       log=log)
     served = trainer.served_teacher is not None

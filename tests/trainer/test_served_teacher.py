@@ -289,6 +289,26 @@ def teacher_port():
     return port
 
 
+def test_train_connects_to_the_served_teacher_before_building_any_model(tmp_path, teacher_port):
+    """No server at teacher_url: `train` stops with the PeerError before it loads or SFTs
+    a model (no student given, so the default models would be built first otherwise): the
+    SFT cache stays empty and the fresh run directory unused."""
+    from memopd.trainer.config import TrainConfig
+    from memopd.trainer.loop import train
+
+    cfg = TrainConfig.from_dict(dict(steps=1, run_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+                                     teacher_url=f"http://127.0.0.1:{teacher_port}", teacher_retries=0,
+                                     progress=False))
+    with pytest.raises(PeerError, match="did not answer GET /info") as e:
+        train(cfg, log=lambda _: None)
+    assert e.value.exit_code == EXIT_PEER_FAILED
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not any(cache.rglob("*.safetensors"))
+    from memopd.trainer.rundir import previous_outputs
+
+    assert not previous_outputs(str(tmp_path / "run"))  # nothing but the lock: the same command can run again
+
+
 def test_train_with_served_teacher_equals_in_process(sft_dirs, tmp_path, teacher_port):
     from memopd.trainer.loop import train
     from memopd.trainer.rundir import read_manifest
