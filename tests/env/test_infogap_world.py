@@ -526,3 +526,22 @@ def test_each_presets_teacher_data_is_the_recorded_one(preset):
     cfg = replace(role_presets(wc)[1]["teacher"], ks=ks, calls_per_k=60, seed=3)
     examples, _ = cfg.build_examples(world, env)
     assert hashlib.sha256(json.dumps(examples).encode()).hexdigest() == digest
+
+
+# sha256 of the info-gap world's task streams (ids, questions, answers, support and meta:
+# linked pairs and turn budgets) at two shares of linked sets, recorded from the world as
+# it was before its fields moved out of `WorldConfig`: moving code must not change a set
+RECORDED_STREAMS = {0.5: "b3c3cfae4cc37828eb55b6f1b2f51cef429a702d0442ec9f2ef39fdd2de80537",
+                    1.0: "f381c2943de0e80c295bda900bc4ac33059609c53767bfb02031f5544b41cc6c"}
+
+
+@pytest.mark.parametrize("linked_frac", sorted(RECORDED_STREAMS))
+def test_the_info_gap_task_streams_are_the_recorded_ones(linked_frac):
+    import hashlib
+    import json
+
+    world = World.generate(replace(world_preset("info-gap"), linked_frac=linked_frac))
+    sets = [[t.task_id, t.questions, t.answers, t.support, t.meta] for split in ("train", "eval") for k in (2, 4)
+            for t in world.sample_tasks(k, 25, split=split, seed=1)]
+    assert sum(t[4]["linked"] for t in sets) >= 25 * linked_frac  # the streams hold linked sets
+    assert hashlib.sha256(json.dumps(sets).encode()).hexdigest() == RECORDED_STREAMS[linked_frac]
