@@ -27,6 +27,7 @@ from memopd.trainer.experiments.infogap_sft import (
     gap_continuation,
     perturbed_state,
 )
+from memopd.trainer.experiments.infogap_world import InfoGapWorld, InfoGapWorldConfig
 
 # The share of the plain (scripted) expert's calls on held-out Q2 sets that are
 # information-gap calls: 10.9% measured on 100 sets of seed 0; the range leaves room for
@@ -57,9 +58,42 @@ def test_preset_keeps_the_replication_sets_and_adds_links_in_their_own_stream(in
         a, b = rep.sample_tasks(k, 30, split="train", seed=4), plain.sample_tasks(k, 30, split="train", seed=4)
         assert [t.questions for t in a] == [t.questions for t in b]
     with pytest.raises(ValueError, match="linked_frac"):
-        WorldConfig(linked_frac=1.5)
+        InfoGapWorldConfig(linked_frac=1.5)
     with pytest.raises(ValueError, match="turn_budget must be one of default, efficient"):
-        WorldConfig(turn_budget="tight")
+        InfoGapWorldConfig(turn_budget="tight")
+
+
+def test_the_product_world_holds_no_info_gap_field_and_stored_configs_still_load(tmp_path):
+    """The info-gap fields live in the experiment's config class; a config stored when
+    `WorldConfig` held them loads as before: the info-gap preset's as its class (and world),
+    a plain preset's, which recorded them at their plain values, as `WorldConfig`, and its
+    SFT checkpoint is reused by a plain job."""
+    import json
+
+    from memopd.env.qa import sft
+
+    assert not {"linked_frac", "turn_budget"} & set(WorldConfig.__dataclass_fields__)
+    ig = world_preset("info-gap")
+    assert type(ig) is InfoGapWorldConfig and (ig.linked_frac, ig.turn_budget) == (0.5, "efficient")
+    loaded = WorldConfig.from_json(ig.to_json())
+    assert loaded == ig and isinstance(World.generate(loaded), InfoGapWorld)
+    assert type(World.generate(loaded).with_redrawn_values("a")) is InfoGapWorld
+    # as a plain replication config was recorded while WorldConfig held the fields
+    old_plain = {**world_preset("replication").to_json(), "linked_frac": 0.0, "turn_budget": "default"}
+    assert list(old_plain)[-2:] == list(ig.to_json())[-2:]  # the fields' place in the JSON is unchanged
+    assert WorldConfig.from_json(old_plain) == world_preset("replication")
+    assert type(World.generate(world_preset("replication"))) is World
+    # a plain preset with a field set to a value that is not plain is refused, not dropped
+    with pytest.raises(ValueError, match=r"unknown fields \['linked_frac'\]"):
+        WorldConfig.from_json({**old_plain, "linked_frac": 0.5})
+    meta = {"version": sft.CHECKPOINT_VERSION, "world": old_plain, "env": {}, "sft_config": SFTConfig().to_json(),
+            "model_spec": {"hidden_size": 64}}
+    (tmp_path / sft.ENV_META_FILE).write_text(json.dumps(meta))
+    job = {"world": world_preset("replication").to_json(), "env": {}, "sft": SFTConfig().to_json(),
+           "spec": {"hidden_size": 64}}
+    assert sft._cache_mismatch(str(tmp_path), job) == []
+    assert sft._cache_mismatch(str(tmp_path), {**job, "world": ig.to_json()}) == [
+        "world.linked_frac None -> 0.5", "world.preset 'replication' -> 'info-gap'", "world.turn_budget None -> 'efficient'"]
 
 
 def test_linked_sets_share_an_entity_whose_fact_the_first_search_shows(infogap):
@@ -492,3 +526,22 @@ def test_each_presets_teacher_data_is_the_recorded_one(preset):
     cfg = replace(role_presets(wc)[1]["teacher"], ks=ks, calls_per_k=60, seed=3)
     examples, _ = cfg.build_examples(world, env)
     assert hashlib.sha256(json.dumps(examples).encode()).hexdigest() == digest
+
+
+# sha256 of the info-gap world's task streams (ids, questions, answers, support and meta:
+# linked pairs and turn budgets) at two shares of linked sets, recorded from the world as
+# it was before its fields moved out of `WorldConfig`: moving code must not change a set
+RECORDED_STREAMS = {0.5: "b3c3cfae4cc37828eb55b6f1b2f51cef429a702d0442ec9f2ef39fdd2de80537",
+                    1.0: "f381c2943de0e80c295bda900bc4ac33059609c53767bfb02031f5544b41cc6c"}
+
+
+@pytest.mark.parametrize("linked_frac", sorted(RECORDED_STREAMS))
+def test_the_info_gap_task_streams_are_the_recorded_ones(linked_frac):
+    import hashlib
+    import json
+
+    world = World.generate(replace(world_preset("info-gap"), linked_frac=linked_frac))
+    sets = [[t.task_id, t.questions, t.answers, t.support, t.meta] for split in ("train", "eval") for k in (2, 4)
+            for t in world.sample_tasks(k, 25, split=split, seed=1)]
+    assert sum(t[4]["linked"] for t in sets) >= 25 * linked_frac  # the streams hold linked sets
+    assert hashlib.sha256(json.dumps(sets).encode()).hexdigest() == RECORDED_STREAMS[linked_frac]

@@ -134,7 +134,7 @@ def test_the_walk_reads_every_product_module_and_sees_real_edges():
             "memopd.trainer.experiments.paper",
             "memopd.trainer.experiments.infogap_protocol", "memopd.trainer.experiments.runs"} <= set(graph)
     assert "memopd.env.qa.notes" in graph["memopd.env.qa.world"]
-    assert "memopd.env.qa.expert" in graph["memopd.env.qa.world"]  # the lazy import of the turn budget counts
+    assert "memopd.env.qa.retriever" in graph["memopd.env.qa.world"]  # the lazy import of the search index counts
     assert "memopd.trainer.loop" in graph["memopd.trainer.experiments.rulegap"]
     # the walk finds a cycle when there is one
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

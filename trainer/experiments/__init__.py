@@ -9,6 +9,8 @@ They import the trainer and the environment; nothing outside this folder imports
   detectable effect, curve areas);
 - `manipulation`: the info-gap manipulation check (does the teacher's view change its
   top-1?), `python -m memopd.trainer.experiments.manipulation`;
+- `infogap_world`: the info-gap world (`InfoGapWorldConfig`: information-gap sets and
+  per-set turn budgets), the "info-gap" world preset, which the product reads by name;
 - `infogap_sft`: the info-gap teacher's SFT recipe (`InfoGapSFTConfig`, a `memopd sft`
   recipe) and the info-gap world's role presets, which `memopd sft --world info-gap` reads;
 - `infogap`: the info-gap measures (information-gap calls, the views' disagreement ceiling,

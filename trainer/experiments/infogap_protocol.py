@@ -34,8 +34,8 @@ from .runs import (
     mean_std,
     per_set_scores,
     pm,
+    protocol_setup,
     publish_results,
-    results_dir_of,
     run_costs,
     run_curve,
     signed,
@@ -253,28 +253,17 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol info-gap`: the manipulation check, then (if its gate
     passes, or `--force-arms`) the arms with a gradient-matched opd_coef, and the
     pre-stated endpoints. Outputs OUT/infogap_{full,quick}.{json,md,png}."""
-    if args.arms is None:
-        args.arms = list(INFOGAP_ARMS)
-    results_dir = results_dir_of(args.publish)
     from memopd.files import atomic_write_text
 
-    from ..arms import refuse_earlier_runs
-    from ..config import TrainConfig
-    from ..loop import prepare
     from .manipulation import format_check, manipulation_check
 
-    name = "quick" if args.quick else "full"
-    budget = INFOGAP_BUDGETS[name]
-    seeds = list(args.seeds) if args.seeds else list(budget.seeds)
-    cfg = TrainConfig.load(None, budget.overrides() + list(user_overrides))
-    refuse_earlier_runs(args, seeds)
-    t0 = time.time()
-    log("[info-gap] endpoints, stated before the run:\n  primary: " + ENDPOINTS["primary"]
-        + "".join(f"\n  secondary: {s}" for s in ENDPOINTS["secondary"]) + "\n  controls: " + ENDPOINTS["controls"])
-    bundle = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"}), log)
+    endpoints = ("[info-gap] endpoints, stated before the run:\n  primary: " + ENDPOINTS["primary"]
+                 + "".join(f"\n  secondary: {s}" for s in ENDPOINTS["secondary"]) + "\n  controls: "
+                 + ENDPOINTS["controls"])
+    start, bundle = protocol_setup(args, INFOGAP_BUDGETS, user_overrides, INFOGAP_ARMS, log, before_sft=endpoints)
+    name, budget, seeds, cfg = start.name, start.budget, start.seeds, start.cfg
+    results_dir, t0, sft_wall = start.results_dir, start.t0, start.sft_wall
     bundle_world, student_dir = bundle.tasks, bundle.student_dir
-    sft_wall = time.time() - t0
-    os.makedirs(args.out, exist_ok=True)
     check = manipulation_check(cfg, bundle, k=2, tasks=budget.check_tasks, seed=0)
     log("[info-gap] " + format_check(check))
     del bundle

@@ -34,7 +34,7 @@ from .intervals import (
     paired_bootstrap,
     relative_change,
 )
-from .runs import band, per_set_scores, pm, publish_results, results_dir_of, run_costs, run_curve, signed, summary_by_arm
+from .runs import band, per_set_scores, pm, protocol_setup, publish_results, run_costs, run_curve, signed, summary_by_arm
 
 __all__ = ["Budget", "BUDGETS", "AUDIT_VARIANTS", "PAPER_AUDIT", "audit_student", "format_report", "run_protocol"]
 
@@ -188,31 +188,17 @@ def run_protocol(args, user_overrides: list[str], log=print) -> int:
     """`memopd compare --protocol paper`: see the module doc. `args`: compare's parsed
     arguments (arms, seeds, jobs, out, overwrite, resume, quick, publish); `--protocol
     info-gap` is trainer/experiments/infogap_protocol.py's."""
-    if args.arms is None:
-        from ..compare import DEFAULT_ARMS
-
-        args.arms = list(DEFAULT_ARMS)
-    results_dir = results_dir_of(args.publish)
     from memopd.env.qa.evaluate import evaluate
     from memopd.files import atomic_write_text
 
-    from ..arms import arm_run_dir, refuse_earlier_runs, run_all
-    from ..config import TrainConfig
-    from ..loop import prepare
+    from ..arms import arm_run_dir, run_all
+    from ..compare import DEFAULT_ARMS
     from ..plot import plot_protocol_curves
 
-    name = "quick" if args.quick else "full"
-    budget = BUDGETS[name]
-    seeds = list(args.seeds) if args.seeds else list(budget.seeds)
-    overrides = budget.overrides() + list(user_overrides)
-    cfg = TrainConfig.load(None, overrides)
-    refuse_earlier_runs(args, seeds)
-    t0 = time.time()
-    # the SFT is built once here, before the parallel runs that would race for its cache
-    bundle = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"}), log)
+    start, bundle = protocol_setup(args, BUDGETS, user_overrides, DEFAULT_ARMS, log)
+    name, budget, seeds, overrides, cfg = start.name, start.budget, start.seeds, start.overrides, start.cfg
+    results_dir, t0, sft_wall = start.results_dir, start.t0, start.sft_wall
     world, student_dir = bundle.tasks, bundle.student_dir
-    sft_wall = time.time() - t0
-    os.makedirs(args.out, exist_ok=True)
     ks = list(cfg.eval_k)
     log(f"[replication] SFT student {student_dir} ({sft_wall:.0f} s); evaluating it on {cfg.eval_tasks} sets per k")
     base = per_set_scores(evaluate(student_dir, ks=ks, n=cfg.eval_tasks)["results"], world, cfg.eval_tasks)

@@ -1,21 +1,74 @@
-"""Reading the runs of `memopd compare` for the protocols (paper.py, infogap_protocol.py):
-per-set scores of a final model, a run's costs and learning curve, their mean ± std over
-seeds, the clipped-step fraction, the text helpers of the reports, and where `--publish`
-copies the results (`results_dir_of`, `publish_results`).
+"""The runs of `memopd compare` for the protocols (paper.py, infogap_protocol.py): the
+setup both make before their own stages (`protocol_setup`: arms, budget, seeds, config,
+the refusal of earlier runs, the SFT built once), and the reading of the runs: per-set
+scores of a final model, a run's costs and learning curve, their mean ± std over seeds,
+the clipped-step fraction, the text helpers of the reports, and where `--publish` copies
+the results (`results_dir_of`, `publish_results`).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["DEFAULT_RESULTS_DIR", "mean_std", "per_set_scores", "run_costs", "run_curve", "band", "summary_by_arm",
+__all__ = ["DEFAULT_RESULTS_DIR", "ProtocolStart", "protocol_setup",
+           "mean_std", "per_set_scores", "run_costs", "run_curve", "band", "summary_by_arm",
            "clipped_step_fraction", "pm", "signed", "results_dir_of", "publish_results"]
 
 
 # where a bare `--publish` copies results: the benchmarks/results/ folder of the source checkout run from
 # its root (an installed package has none of its own: `--publish DIR` names the folder)
 DEFAULT_RESULTS_DIR = os.path.join("benchmarks", "results")
+
+
+# ----------------------------------------------------------------------------------
+# the setup of a protocol run
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProtocolStart:
+    """What `protocol_setup` settled for a protocol run."""
+
+    name: str  # the budget's name: "quick" (`--quick`) or "full"
+    budget: Any  # the protocol's budget of that name
+    seeds: list[int]  # `--seeds`, else the budget's
+    overrides: list[str]  # the budget's `memopd train` settings, then the user's (which win)
+    cfg: Any  # the `TrainConfig` they give
+    results_dir: str | None  # where `--publish` copies the results (`results_dir_of`)
+    t0: float  # wall clock once the earlier runs were checked
+    sft_wall: float  # wall seconds of the SFT stage
+
+
+def protocol_setup(args, budgets: dict, user_overrides: list[str], default_arms, log,
+                   *, before_sft: str | None = None) -> tuple[ProtocolStart, Any]:
+    """The start both protocols share: `args.arms` defaults to `default_arms`; the budget
+    `budgets["quick" or "full"]`, its seeds unless `args.seeds`, the config of its
+    overrides and `user_overrides`; earlier runs under `args.out` refused unless asked
+    (`arms.refuse_earlier_runs`); `before_sft` logged; then the SFT models built once,
+    before the parallel runs that would race for its cache (`loop.prepare` of the memopd
+    arm), and `args.out` made. Returns (the settings, prepare's bundle)."""
+    if args.arms is None:
+        args.arms = list(default_arms)
+    results_dir = results_dir_of(args.publish)
+    from ..arms import refuse_earlier_runs
+    from ..config import TrainConfig
+    from ..loop import prepare
+
+    name = "quick" if args.quick else "full"
+    budget = budgets[name]
+    seeds = list(args.seeds) if args.seeds else list(budget.seeds)
+    overrides = budget.overrides() + list(user_overrides)
+    cfg = TrainConfig.load(None, overrides)
+    refuse_earlier_runs(args, seeds)
+    t0 = time.time()
+    if before_sft:
+        log(before_sft)
+    bundle = prepare(TrainConfig.from_dict({**cfg.to_dict(), "arm": "memopd"}), log)
+    sft_wall = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    return ProtocolStart(name, budget, seeds, overrides, cfg, results_dir, t0, sft_wall), bundle
 
 
 # ----------------------------------------------------------------------------------

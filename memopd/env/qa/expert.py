@@ -41,8 +41,8 @@ visible context shows*, so it acts differently under compact memory and the full
 - otherwise it works as the scripted expert does (same notes, labels, queries, order).
 
 `make_expert` picks one by name (`EXPERTS`); `efficient_calls(world, questions)` is the
-calls the rule needs on a set when it sees everything (the world's per-set turn budget
-under `turn_budget="efficient"` is this + 1).
+calls the rule needs on a set when it sees everything (the info-gap world's per-set
+turn budget, trainer/experiments/infogap_world.py, is this + 1).
 """
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ _SPAN = re.compile(r"<search>(.*?)</search>")
 
 def efficient_calls(world, questions: Sequence[str], max_calls: int = 200) -> int:
     """Calls the rule needs on `questions` when every observation stays visible (the full
-    history), searching `world`'s corpus as the environment does (`LINK_TOP_K` documents)."""
+    history), searching `world`'s corpus as the environment does (`world.SEARCH_TOP_K` documents)."""
     values = VALUE_SETS[world.config.value_set]
     descending = world.config.answer_order == "descending"
     mem, infos = None, []

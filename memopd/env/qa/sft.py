@@ -593,6 +593,16 @@ _RECIPE_NEUTRAL = {"expert": "scripted", "perturb_frac": 0.0, "redraw_values": F
                    "gap_copies": 0}
 
 
+def _world_json(d: dict[str, Any]) -> dict[str, Any]:
+    """A recorded world config as its class writes it now (`WorldConfig.from_json`: the
+    fields of an experiment's world that every world recorded at their plain values while
+    `WorldConfig` held them are dropped), or as recorded when it does not load."""
+    try:
+        return WorldConfig.from_json(d).to_json()
+    except (DataError, TypeError):
+        return d
+
+
 def _cache_mismatch(path: str, job: dict[str, Any]) -> list[str]:
     """What differs between a cached checkpoint and the training job asked for ([] = reusable)."""
     meta = read_env_meta(path)
@@ -607,6 +617,8 @@ def _cache_mismatch(path: str, job: dict[str, Any]) -> list[str]:
         have = meta.get(key, {})
         if key in defaults:
             have = {**{f: v for f, v in defaults[key].items() if f not in _PRE_EXISTING[key]}, **have}
+        if key == "world":
+            have = _world_json(have)
         if key == "sft_config":
             have, want = {**_RECIPE_NEUTRAL, **have}, {**_RECIPE_NEUTRAL, **want}
         for name in sorted(set(want) | set(have)):

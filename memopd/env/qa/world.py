@@ -23,26 +23,28 @@ held-out fact (asked directly, or as the second hop of a two-hop chain), a quest
 any other split never has a held-out fact as its answer. Evaluation questions are thus
 disjoint from training ones by construction, while every entity name still occurs in
 training (a tiny model cannot write a name it never wrote) and the corpus still
-states every fact (it is the environment, not training data). "info-gap" is the
-replication world plus information-gap sets (`linked_frac`: a share of the sets hold a
-pair of questions on one entity, the second's fact shown by the first's search, so that
-a flattened history holds a needed fact a compact memory dropped) and a per-set turn
-budget (`turn_budget="efficient"`: the efficient expert's calls + 1, in
-`Task.meta["max_turns"]`); memopd/env/qa/expert.py holds the expert rule of both views, notes.py
-the text grammar (values, questions, facts, notes) this module writes.
+states every fact (it is the environment, not training data). A preset may be an
+experiment's world, defined outside this package: a `WorldConfig` subclass with more
+fields whose `world_class` is a `World` subclass that fixes some of each set's questions
+and adds to its meta (`pinned_questions`, `task_meta`); `WORLD_PRESETS` then names the
+module that defines it, imported when the preset, or a stored config of it, is read
+("info-gap": trainer/experiments/infogap_world.py). memopd/env/qa/expert.py holds the
+expert rules, notes.py the text grammar (values, questions, facts, notes) this module writes.
 """
 from __future__ import annotations
 
+import importlib
+import itertools
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from .data import DataError, Document, Task
-from .notes import DEFAULT_VALUES, MULTIWORD_VALUES, VALUE_SETS, VALUE_WORDS, fact_text, facts_in, is_value, parse_question, question_text
-from .protocol import MAX_QUESTIONS, marker
+from .notes import DEFAULT_VALUES, MULTIWORD_VALUES, VALUE_SETS, VALUE_WORDS, fact_text, is_value, parse_question, question_text
+from .protocol import MAX_QUESTIONS
 
 __all__ = ["WorldConfig", "World", "DEFAULT_VALUES", "MULTIWORD_VALUES", "VALUE_SETS", "HELDOUT_SPLITS", "WORLD_PRESETS",
-           "world_preset", "ANSWER_ORDERS", "TURN_BUDGETS", "max_answer_words", "question_text", "parse_question", "fact_text", "is_value"]
+           "world_preset", "preset_config", "ANSWER_ORDERS", "max_answer_words", "question_text", "parse_question", "fact_text", "is_value"]
 
 # Distractors mention an entity (and sometimes a value) without the attribute keyword,
 # so BM25 still ranks the true fact first but the observation holds near misses.
@@ -60,9 +62,9 @@ _DISTRACTORS = (
 HELDOUT_SPLITS = frozenset({"eval"})
 
 ANSWER_ORDERS = ("ascending", "descending")
-TURN_BUDGETS = ("default", "efficient")
-# documents a search shows (EnvConfig.top_k's default): what a linked pair is checked against
-LINK_TOP_K = 3
+# documents a search shows (EnvConfig.top_k's default): what `World.retriever` shows
+SEARCH_TOP_K = 3
+Question = tuple[str, str | None, str]  # (attribute, relation or None, entity)
 
 _ALL_VALUES = frozenset(v for vals in DEFAULT_VALUES.values() for v in vals)
 
@@ -92,15 +94,6 @@ class WorldConfig:
     # answer is local, and a tiny model need not check that no further question exists
     # (docs/design.md §10).
     answer_order: str = "ascending"
-    # linked_frac: share of the sets of k >= 2 questions that hold one linked pair (the
-    # question worked first is two-hop from entity x; the next one asks another attribute
-    # of x, a fact the first hop's search shows): the information-gap sets. 0: none, and
-    # the task streams are those of a world without the field.
-    linked_frac: float = 0.0
-    # turn_budget: "default" (EnvConfig.turns_for: 2k + 2) or "efficient" (per set, the
-    # calls of the expert that uses every visible fact + 1, at least the plain expert's
-    # calls: `Task.meta["max_turns"]`)
-    turn_budget: str = "default"
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_entities <= 2000:
@@ -120,12 +113,6 @@ class WorldConfig:
             raise DataError(f"unknown world preset {self.preset!r}; choose from {', '.join(WORLD_PRESETS)}")
         if self.answer_order not in ANSWER_ORDERS:
             raise DataError(f"answer_order must be one of {', '.join(ANSWER_ORDERS)}, got {self.answer_order!r}")
-        if not 0.0 <= self.linked_frac <= 1.0:
-            raise DataError(f"linked_frac must be in [0, 1], got {self.linked_frac}")
-        if self.linked_frac > 0 and not self.relations:
-            raise DataError("linked (information-gap) sets need at least one relation")
-        if self.turn_budget not in TURN_BUDGETS:
-            raise DataError(f"turn_budget must be one of {', '.join(TURN_BUDGETS)}, got {self.turn_budget!r}")
         if not 0.0 <= self.two_hop_frac <= 1.0:
             raise DataError(f"two_hop_frac must be in [0, 1], got {self.two_hop_frac}")
         if self.two_hop_frac > 0 and not self.relations:
@@ -136,6 +123,11 @@ class WorldConfig:
         if self.distractors_per_entity < 0:
             raise DataError(f"distractors_per_entity must be >= 0, got {self.distractors_per_entity}")
 
+    def world_class(self) -> type["World"]:
+        """The `World` (sub)class that generates this config's world (a subclass of this
+        config with fields of its own names its own)."""
+        return World
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["attributes"] = list(self.attributes)
@@ -144,10 +136,17 @@ class WorldConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "WorldConfig":
+        """The inverse of `to_json`. Read as `WorldConfig`, a config of an experiment's
+        preset loads as that preset's config class (`preset_config`); a field this class
+        lacks that an experiment's class holds at its default value is dropped: every world
+        recorded it so while this class held the field, and it means the plain world."""
         d = dict(d)
-        unknown = set(d) - set(cls.__dataclass_fields__)
+        if cls is WorldConfig and isinstance(d.get("preset"), str) and d["preset"] in WORLD_PRESETS:
+            cls = preset_config(d["preset"])[0]
+        unknown = {f for f in set(d) - set(cls.__dataclass_fields__) if not _plain_default(f, d[f])}
         if unknown:
             raise DataError(f"world config has unknown fields {sorted(unknown)}")
+        d = {f: v for f, v in d.items() if f in cls.__dataclass_fields__}
         for key in ("attributes", "relations"):
             if key in d:
                 d[key] = tuple(d[key])
@@ -203,7 +202,7 @@ class World:
                     break
             for x, y in zip(names, perm):
                 facts[(x, r)] = y
-        world = cls(config, names, facts)
+        world = config.world_class()(config, names, facts)
         world._build_corpus(rng)
         if config.heldout_frac > 0:
             # its own stream, so holding facts out leaves names, facts and corpus as they are
@@ -215,15 +214,16 @@ class World:
     def with_redrawn_values(self, seed: str | int) -> "World":
         """A copy of this world whose attribute values are drawn afresh (from the same value
         sets, by `seed`) and whose corpus states them; names, relations and held-out facts stay,
-        so each split asks the same questions (the linked pairs of its sets follow the copy's
-        own searches). SFT data played in such copies cannot be answered from a memorised
-        fact, only from what the context shows (the info-gap SFT recipe's `redraw_values`)."""
+        so each split asks the same questions (the questions a subclass pins follow the
+        copy's own searches). SFT data played in such copies cannot be answered from a
+        memorised fact, only from what the context shows (the info-gap SFT recipe's
+        `redraw_values`)."""
         rng = random.Random(f"memopd-redraw-{self.config.seed}-{seed}")
         facts = dict(self.facts)
         for x in self.entities:
             for a in self.config.attributes:
                 facts[(x, a)] = rng.choice(self.values[a])
-        world = World(self.config, list(self.entities), facts, heldout=self.heldout)
+        world = type(self)(self.config, list(self.entities), facts, heldout=self.heldout)
         world._build_corpus(rng)
         return world
 
@@ -265,7 +265,9 @@ class World:
         attr, rel, x = q
         return (x if rel is None else self.facts[(x, rel)], attr)
 
-    def _allowed(self, q: tuple[str, str | None, str], split: str) -> bool:
+    def allowed(self, q: Question, split: str) -> bool:
+        """Whether `split` may ask `q`: with held-out facts, an "eval" question has one as
+        its answer and a question of any other split does not."""
         return not self.heldout or (self.answer_fact(q) in self.heldout) == (split in HELDOUT_SPLITS)
 
     def questions(self, split: str = "train") -> list[tuple[str, str | None, str]]:
@@ -274,7 +276,7 @@ class World:
         if self.config.two_hop_frac >= 1.0:
             rels = rels[1:]
         out = [(a, r, x) for x in self.entities for a in self.config.attributes for r in rels]
-        return [q for q in out if self._allowed(q, split)]
+        return [q for q in out if self.allowed(q, split)]
 
     def sample_question(self, rng: random.Random) -> tuple[str, str | None, str]:
         x = rng.choice(self.entities)
@@ -302,32 +304,20 @@ class World:
         if k > n_distinct:
             raise DataError(f"k={k} exceeds the {n_distinct} distinct questions of this world's {split!r} split")
         rng = random.Random(f"memopd-tasks-{self.config.seed}-{split}-{k}-{seed}")
-        # its own stream: a world without linked sets draws exactly the sets it always drew
-        link_rng = random.Random(f"memopd-linked-{self.config.seed}-{split}-{k}-{seed}")
+        pinned = self.pinned_questions(split, k, seed)
         tasks = []
         for i in range(n):
-            qs: list[tuple[str, str | None, str]] = []
-            linked = k >= 2 and self.config.linked_frac > 0 and link_rng.random() < self.config.linked_frac
-            slots: dict[int, tuple[str, str | None, str]] = {}
-            if linked:
-                # the pair sits where the expert starts: first and second in its order of work
-                first, second = (k - 1, k - 2) if self.config.answer_order == "descending" else (0, 1)
-                slots[first], slots[second] = self._linked_pair(link_rng, split, k)
+            qs: list[Question] = []
+            slots = next(pinned)
             while len(qs) < k:
                 if len(qs) in slots:
                     qs.append(slots[len(qs)])
                     continue
                 q = self.sample_question(rng)
-                if q not in qs and q not in slots.values() and self._allowed(q, split):
+                if q not in qs and q not in slots.values() and self.allowed(q, split):
                     qs.append(q)
             texts = [question_text(a, x, r, j + 1) for j, (a, r, x) in enumerate(qs)]
-            meta: dict[str, Any] = {"hops": [1 if r is None else 2 for _, r, _ in qs]}
-            if self.config.linked_frac > 0:
-                meta["linked"] = linked
-            if self.config.turn_budget == "efficient":
-                from .expert import efficient_calls
-
-                meta["max_turns"] = max(efficient_calls(self, texts) + 1, sum(meta["hops"]) + 1)
+            meta = self.task_meta(texts, qs, slots)
             tasks.append(
                 Task(
                     task_id=f"{split}{seed}-q{k}-{i:05d}",
@@ -339,34 +329,26 @@ class World:
             )
         return tasks
 
+    def pinned_questions(self, split: str, k: int, seed: int) -> Iterator[dict[int, Question]]:
+        """For each set `sample_tasks(k, ..., split=split, seed=seed)` draws, in turn: the
+        questions fixed at positions of the set before the random draw fills the others.
+        This world fixes none; a subclass that does draws them from its own stream, so the
+        other questions stay those this world draws."""
+        return itertools.repeat({})
+
+    def task_meta(self, texts: list[str], questions: list[Question], pinned: dict[int, Question]) -> dict[str, Any]:
+        """A set's `Task.meta`: the hops of each question (a subclass adds its own keys)."""
+        return {"hops": [1 if r is None else 2 for _, r, _ in questions]}
+
     @property
     def retriever(self):
-        """A BM25 index of the corpus showing `LINK_TOP_K` documents, built on first use
+        """A BM25 index of the corpus showing `SEARCH_TOP_K` documents, built on first use
         (what a search of the environment shows with its default `top_k`)."""
         if getattr(self, "_retriever", None) is None:
             from .retriever import BM25Retriever
 
-            self._retriever = BM25Retriever(self.documents, top_k=LINK_TOP_K)
+            self._retriever = BM25Retriever(self.documents, top_k=SEARCH_TOP_K)
         return self._retriever
-
-    def shown_facts(self, query: str) -> dict[tuple[str, str], str]:
-        """The facts {(entity, key): value} that the documents a search for `query` shows state."""
-        return facts_in(" | ".join(d.display for d in self.retriever.search(query)))
-
-    def _linked_pair(self, rng: random.Random, split: str, k: int):
-        """(two-hop question on x, one-hop question on another attribute of x) such that the
-        two-hop question's first search shows the one-hop question's fact."""
-        first_pos = k if self.config.answer_order == "descending" else 1
-        for _ in range(10000):
-            x, rel, attr = rng.choice(self.entities), rng.choice(self.config.relations), rng.choice(self.config.attributes)
-            two = (attr, rel, x)
-            if not self._allowed(two, split):
-                continue
-            shown = self.shown_facts(f"{marker('q', first_pos)} {x} {marker('k', first_pos)} {rel}")
-            cands = [a for a in self.config.attributes if (x, a) in shown and self._allowed((a, None, x), split)]
-            if cands:
-                return two, (rng.choice(cands), None, x)
-        raise DataError(f"no linked question pair found in the {split!r} split of this world")
 
     def vocabulary_texts(self) -> list[str]:
         """Every text the environment can show or expect, for building the tokenizer."""
@@ -379,14 +361,35 @@ class World:
 
 # The named worlds. "replication": 192 entities, a quarter of their attribute facts held
 # out for evaluation, multi-word values; the rest as in the default world. docs/design.md §10.
-WORLD_PRESETS: dict[str, dict[str, Any]] = {
+WORLD_PRESETS: dict[str, dict[str, Any] | str] = {
     "default": {},
     "replication": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25, "answer_order": "descending"},
-    # the replication world with information-gap sets (half of them) and per-set turn
-    # budgets: the world where the view a teacher is shown can matter (docs/research/replication.md)
-    "info-gap": {"n_entities": 192, "value_set": "multiword", "heldout_frac": 0.25, "answer_order": "descending",
-                 "linked_frac": 0.5, "turn_budget": "efficient"},
+    # an experiment's world, by the module that defines its config class as `WORLD_CONFIG`
+    # and its fields as `WORLD_PRESET`, imported when asked for (this package imports no
+    # experiment): the replication world with information-gap sets and per-set turn
+    # budgets (docs/research/replication.md)
+    "info-gap": "memopd.trainer.experiments.infogap_world",
 }
+
+
+def preset_config(name: str) -> tuple[type[WorldConfig], dict[str, Any]]:
+    """(config class, fields) of world preset `name` (`WORLD_PRESETS`)."""
+    found = WORLD_PRESETS[name]
+    if isinstance(found, str):
+        module = importlib.import_module(found)
+        return module.WORLD_CONFIG, dict(module.WORLD_PRESET)
+    return WorldConfig, dict(found)
+
+
+def _plain_default(name: str, value: Any) -> bool:
+    """Whether `name` is a field of an experiment preset's config class whose default is
+    `value` (the value that leaves the world plain)."""
+    for preset, found in WORLD_PRESETS.items():
+        if isinstance(found, str):
+            f = preset_config(preset)[0].__dataclass_fields__.get(name)
+            if f is not None and f.default == value:
+                return True
+    return False
 
 
 def max_answer_words(config: WorldConfig) -> int:
@@ -398,4 +401,5 @@ def world_preset(name: str, seed: int = 0) -> WorldConfig:
     """The `WorldConfig` of a named preset (its `preset` field records the name)."""
     if name not in WORLD_PRESETS:
         raise ValueError(f"unknown world preset {name!r}; choose from {', '.join(WORLD_PRESETS)}")
-    return WorldConfig(seed=seed, preset=name, **WORLD_PRESETS[name])
+    cls, fields = preset_config(name)
+    return cls(seed=seed, preset=name, **fields)
