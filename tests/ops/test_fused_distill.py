@@ -814,10 +814,11 @@ def test_lpe_loss_float64_tight(seed):
     assert out.loss.dtype == torch.float64 and g[1].dtype == torch.float64
 
 
-def test_lpe_loss_bf16(seed):
+@pytest.mark.parametrize("gradients", [None, "recompute"])
+def test_lpe_loss_bf16(seed, gradients):
     inp = make_inputs(seed, N=32, dtype=torch.bfloat16)
     out, g = compare_lpe_loss(seed, inp, lpe_weights(seed, 32, "mixed"), dict(temperature=1.2),
-                              grad_tol=(1e-2, 1e-2))
+                              grad_tol=(1e-2, 1e-2), gradients=gradients)
     assert out.loss.dtype == torch.float32 and g[1].dtype == torch.bfloat16
 
 
