@@ -25,6 +25,14 @@ weight), in four groups, each with its own naive baseline and peer:
     naive_fkl, fused_fkl, liger_fkl  (the same three roles; Liger's beta=0 is this KL)
   JSD (beta = 0.5): the generalised JSD of TRL's GKD
     naive_jsd, fused_jsd, liger_jsd  (the same three roles)
+  teacher-less: a GRPO-style -sum(A logprob) / N - 0.01 sum(entropy) / N, no teacher
+    naive_lpe    reference_linear_logprob_entropy (materialising) and the loss in PyTorch
+    fused_lpe_recompute  fused_linear_logprob_entropy, the plain call: the loss built from
+                 its per-token outputs, the backward recomputing the logits
+    fused_lpe    the same op with the loss declared (logprob_weight=, entropy_weight=):
+                 its gradients taken in the forward
+    fused_actor_noteacher  fused_linear_actor_loss without a teacher (PPO surrogate +
+                 entropy bonus: the trainer's teacher-less path)
 
 The actor loss is compared with liger_rkl too: it does the reverse KL's work plus PPO
 and entropy.
@@ -36,7 +44,8 @@ and entropy.
   GEMM floor: the four [N, H] x [H, V]-sized matmuls of a fused loss with a teacher and its
     gradients taken in the forward (student and teacher logits, dH, dW), unchunked, no
     elementwise work: gemm_floor (fp32), gemm_floor_bf16 (torch's bf16 matmul, bf16 output:
-    the bf16 rate of this CPU)
+    the bf16 rate of this CPU); gemm_floor3 (and _bf16): the three of the teacher-less
+    losses (logits, dH, dW), their floor
 
 bf16: every fused and Liger contender also runs with bfloat16 hidden states and weights
 under the name `<contender>_bf16` (the fused ops' logits in fp32 from bf16 operands where
@@ -90,7 +99,8 @@ GROUPS = {
     "jsd": ("naive_jsd", ("fused_jsd", "liger_jsd"), "liger_jsd"),
     "before": (None, ("fused_actor_before", "fused_rkl_before", "fused_fkl_before", "fused_jsd_before",
                       "fused_actor_rows256", "fused_rkl_rows256", "fused_fkl_rows256", "fused_jsd_rows256"), None),
-    "floor": ("gemm_floor", ("gemm_floor_bf16",), None),
+    "teacherless": ("naive_lpe", ("fused_lpe", "fused_lpe_recompute", "fused_actor_noteacher"), None),
+    "floor": ("gemm_floor", ("gemm_floor_bf16", "gemm_floor3", "gemm_floor3_bf16"), None),
 }
 _BF16 = [n + "_bf16" for _, names, _ in GROUPS.values() for n in names if n.startswith(("fused", "liger"))]
 _BF16 = [n for n in _BF16 if not n.endswith(("_before_bf16", "_rows256_bf16"))]
@@ -107,11 +117,13 @@ BASELINE.update({n: {"fused_actor": "naive"}.get(op, "naive_" + op.split("_")[1]
 PEER = {n: peer for _, names, peer in GROUPS.values() for n in names if n.startswith(("fused", "composed")) and peer}
 PEER.update({n: _PEER_OF_OP[op] for n, op in _VARIANT_OF.items()})
 PEER.update({n: PEER[n[: -len("_bf16")]] + "_bf16" for n in _BF16 if n[: -len("_bf16")] in PEER})
-FLOOR = {n: "gemm_floor_bf16" if n.endswith("_bf16") else "gemm_floor"
+_TEACHERLESS = ("fused_lpe", "fused_actor_noteacher")  # their floor: the three GEMMs of gemm_floor3
+FLOOR = {n: ("gemm_floor3" if n.startswith(_TEACHERLESS) else "gemm_floor") + ("_bf16" if n.endswith("_bf16") else "")
          for n in CONTENDERS if n.startswith(("fused_rkl", "fused_actor", "fused_fkl", "fused_jsd", "liger_rkl",
-                                               "liger_fkl", "liger_jsd"))}
+                                               "liger_fkl", "liger_jsd", "fused_lpe"))}
 PRECISION_ROWS = 256
 COEF = dict(clip_eps=0.2, entropy_coef=0.01, teacher_kl_coef=0.5)
+ENTROPY_COEF = COEF["entropy_coef"]  # the teacher-less group's loss: -sum(A logprob) / N - this * sum(H) / N
 SEQ_LEN = 256  # Liger's GRPO loss takes [B, T] batches
 
 
@@ -137,7 +149,13 @@ def as_dtype(inputs, dtype):
 def step_fn(name, loss_out=None):
     """A function (hs, ws, ht, wt, y, adv, old) -> None that runs forward + backward; with
     `loss_out` (a list) each call appends its loss."""
-    from memopd.ops import fused_linear_actor_loss, fused_linear_reverse_kl, reference_actor_loss
+    from memopd.ops import (
+        fused_linear_actor_loss,
+        fused_linear_logprob_entropy,
+        fused_linear_reverse_kl,
+        reference_actor_loss,
+        reference_linear_logprob_entropy,
+    )
 
     name = name.removesuffix("_bf16")  # the dtype is the inputs' (`measure`)
     if name.endswith("_rows256"):  # read at each call (memopd.ops.distill_torch._resident_machine_bytes)
@@ -149,7 +167,8 @@ def step_fn(name, loss_out=None):
             dt = torch.bfloat16 if name.endswith("_bf16") else hs.dtype
             h, w, h2, w2 = (x.detach().to(dt) for x in (hs, ws, ht, wt))
             s = h @ w.t()
-            h2 @ w2.t()
+            if not name.startswith("gemm_floor3"):
+                h2 @ w2.t()
             s @ w
             s.t() @ h
         return run
@@ -162,6 +181,21 @@ def step_fn(name, loss_out=None):
     elif name == "fused_actor":
         def run(hs, ws, ht, wt, y, adv, old):
             keep(fused_linear_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss).backward()
+    elif name == "fused_actor_noteacher":
+        def run(hs, ws, ht, wt, y, adv, old):
+            keep(fused_linear_actor_loss(hs, ws, y, adv, old, clip_eps=COEF["clip_eps"],
+                                         entropy_coef=ENTROPY_COEF).loss).backward()
+    elif name == "fused_lpe":
+        def run(hs, ws, ht, wt, y, adv, old):
+            n = y.shape[0]
+            keep(fused_linear_logprob_entropy(hs, ws, y, logprob_weight=-adv / n,
+                                              entropy_weight=-ENTROPY_COEF / n).loss).backward()
+    elif name in ("naive_lpe", "fused_lpe_recompute"):
+        op = reference_linear_logprob_entropy if name == "naive_lpe" else fused_linear_logprob_entropy
+
+        def run(hs, ws, ht, wt, y, adv, old):
+            out = op(hs, ws, y)
+            keep((-(adv * out.logprobs).sum() - ENTROPY_COEF * out.entropy.sum()) / y.shape[0]).backward()
     elif name == "composed":
         from memopd.trainer.ppo import policy_loss
 
@@ -235,7 +269,7 @@ def precision(name, shape):
     """The loss's and dW's relative errors against the float64 reference (`reference_actor_loss`
     or `reference_linear_distill` of the group's math, on the same input values) over the first
     PRECISION_ROWS tokens of `shape`; returns a dict."""
-    from memopd.ops import reference_actor_loss, reference_linear_distill
+    from memopd.ops import reference_actor_loss, reference_linear_distill, reference_linear_logprob_entropy
 
     torch.set_num_threads(1)
     s = dict(SHAPES[shape], N=min(PRECISION_ROWS, SHAPES[shape]["N"]))
@@ -247,6 +281,11 @@ def precision(name, shape):
     base = name.removesuffix("_bf16").removesuffix("_plain_ops").removesuffix("_recompute")
     if base == "fused_actor":
         ref = reference_actor_loss(hs, ws, y, adv, old, teacher_hidden=ht, teacher_weight=wt, **COEF).loss
+    elif base == "fused_actor_noteacher":
+        ref = reference_actor_loss(hs, ws, y, adv, old, clip_eps=COEF["clip_eps"], entropy_coef=ENTROPY_COEF).loss
+    elif base == "fused_lpe":
+        out = reference_linear_logprob_entropy(hs, ws, y)
+        ref = (-(adv * out.logprobs).sum() - ENTROPY_COEF * out.entropy.sum()) / y.shape[0]
     else:
         div = {"fkl": "forward_kl", "jsd": "jsd"}.get(base.rsplit("_", 1)[-1], "reverse_kl")
         ref = reference_linear_distill(hs, ws, ht, wt, y, divergence=div, beta=0.5).loss

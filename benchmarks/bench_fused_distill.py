@@ -28,7 +28,7 @@ What is measured (forward + backward of the actor-style loss
   - `lpe-train-*`: forward + backward of a PPO-style `-Σ adv·logprobs - 0.01·Σ entropy`
     (gradients to hidden and weight);
   - `lpe-score-*`: forward only under `torch.no_grad()` (rollout scoring).
-  In train mode two more variants: `fused_loss`, `fused_linear_logprob_entropy_loss`
+  In train mode two more variants: `fused_loss`, `fused_linear_logprob_entropy`
   with the same loss declared (`logprob_weight=-adv, entropy_weight=-0.01`), which takes
   its gradients in the forward (3 lm-head matmuls against the recomputing op's 4), and
   `kl_self`, the workaround the teacher-less op replaces: the detached student passed as
@@ -63,7 +63,6 @@ from _timing import bench_clock, interleaved, record_durations
 from memopd.ops import (
     fused_linear_distill,
     fused_linear_logprob_entropy,
-    fused_linear_logprob_entropy_loss,
     fused_linear_reverse_kl,
     reference_linear_distill,
     reference_linear_logprob_entropy,
@@ -134,7 +133,7 @@ def make_lpe_inputs(N, H, V, device="cpu", dtype=torch.float32, seed=0):
 def lpe_step(impl, mode, h, w, y, adv, mask):
     """One PPO-style actor step (mode="train") or one no-grad scoring pass ("score")."""
     if impl == "fused_loss":  # the same loss, declared to the op (train mode only)
-        out = fused_linear_logprob_entropy_loss(h, w, y, logprob_weight=-adv, entropy_weight=-0.01, mask=mask)
+        out = fused_linear_logprob_entropy(h, w, y, logprob_weight=-adv, entropy_weight=-0.01, mask=mask)
         return torch.autograd.grad(out.loss, [h, w])
     if mode == "score":
         with torch.no_grad():
@@ -270,7 +269,7 @@ LPE_TRAIN_ONLY = ("fused_loss", "kl_self")
 @pytest.mark.parametrize("case", list(LPE_CPU_CASES))
 def test_cpu_lpe(benchmark, case, impl):
     """Teacher-less: naive log_softmax + gather + entropy vs fused_linear_logprob_entropy
-    (and, training, the same loss declared to fused_linear_logprob_entropy_loss)."""
+    (and, training, the same loss declared to it: `logprob_weight=`, `entropy_weight=`)."""
     c = LPE_CPU_CASES[case]
     if impl in LPE_TRAIN_ONLY and c["mode"] != "train":
         pytest.skip(f"{impl} is only measured in train mode (a loss, or the workaround of one)")

@@ -134,8 +134,9 @@ class CountMatmuls(SeesInsideOurOps):
 
 
 def run_lpe_loss(fn, inp, logprob_weight, entropy_weight, extra=None, **kw):
-    """fused_linear_logprob_entropy_loss on the student of `inp`: (outputs, gradients of
-    out.loss plus the weighted per-token outputs named in `extra`, as `weighted_grads`)."""
+    """The teacher-less op `fn` with its loss declared, on the student of `inp`: (outputs,
+    gradients of out.loss plus the weighted per-token outputs named in `extra`, as
+    `weighted_grads`)."""
     out = fn(inp["hs"], inp["ws"], inp["y"], logprob_weight=logprob_weight, entropy_weight=entropy_weight,
              bias=inp["bs"], mask=inp["mask"], **kw)
     return out, weighted_grads(out, inp, dict({"loss": 1.0}, **(extra or {})))

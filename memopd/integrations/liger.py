@@ -16,8 +16,8 @@ label is not `ignore_index` (K of them, counted at least once):
   beta = 0 forward KL, 1 reverse KL): `memopd.ops.fused_linear_distill(divergence="jsd")`;
 - hard = -Σ_i log softmax(student logits_i)[label_i] / K at temperature **1**, as Liger
   computes it on the untempered logits. At `temperature != 1` it is a second,
-  teacher-less fused pass (`fused_linear_logprob_entropy_loss`, its gradients taken in
-  the forward): the tempered log-probs of the JSD pass are not the hard loss's.
+  teacher-less fused pass (`fused_linear_logprob_entropy` with its loss declared, its
+  gradients taken in the forward): the tempered log-probs of the JSD pass are not the hard loss's.
 
 Differences kept out of sight of the caller:
 
@@ -71,7 +71,7 @@ def liger_fused_linear_jsd(
 ):
     """`liger_kernel.chunked_loss.functional.liger_fused_linear_jsd` on memopd's fused op
     (same positional order and results; see the module docstring)."""
-    from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy_loss
+    from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy
 
     if temperature == 0:
         raise ValueError("Temperature cannot be 0.")
@@ -109,8 +109,8 @@ def liger_fused_linear_jsd(
             # the hard loss declared to the op (-1/K per kept token): its gradients are taken in
             # the forward (3 lm-head matmuls), the count stays on the device (no host sync)
             per_token = kept.to(torch.float32) / kept.sum().clamp_min(1).to(torch.float32)
-            hard = fused_linear_logprob_entropy_loss(
-                student_input, student_weight, true_labels, logprob_weight=-per_token, entropy_weight=0.0,
+            hard = fused_linear_logprob_entropy(
+                student_input, student_weight, true_labels, logprob_weight=-per_token,
                 bias=student_bias, temperature=1.0, mask=kept,
                 vocab_size=None if vocab_size is None else min(vocab_size, v_s), token_chunk_size=token_chunk,
                 ignore_index=None).loss

@@ -261,7 +261,7 @@ def resolve_actor_loss(hs, ws, bs, ht, wt, bt, targets, adv, old_lp, mask, kl_ma
 
 
 def token_weight(value, name: str, N: int, device: torch.device, dtype: torch.dtype) -> Optional[Tensor]:
-    """A per-token weight of a declared loss (`fused_linear_logprob_entropy_loss`) as an
+    """A per-token weight of a declared loss (`fused_linear_logprob_entropy`'s `logprob_weight=` / `entropy_weight=`) as an
     [N] `dtype` tensor on `device`, or None for the number 0 (that term then costs
     nothing). A number must be finite; a tensor must be a floating [N] tensor on `device`
     that does not require grad: the weights are constants of the loss, and a gradient

@@ -15,7 +15,8 @@ FSDP: docs/deepspeed.md §4.
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+import warnings
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -296,7 +297,7 @@ class _DistillGradsInForward(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.need = need
         ctx.scalars = (temperature, vocab_size, divergence, beta, chunk_size, token_chunk, backend)
-        ctx.op_name = ("fused_linear_logprob_entropy_loss" if ht is None else "fused_linear_distill") + \
+        ctx.op_name = ("fused_linear_logprob_entropy" if ht is None else "fused_linear_distill") + \
             "(gradients='forward')"
         held_grads.hold(ctx, (dh, dw, db), saved=(hs, ws, bs, ht, wt, bt, targets, keep, stats))
         return _declared_loss(div, lp, ent, keep, (g_div, g_lp, g_ent), reduction), div, lp, ent
@@ -485,15 +486,26 @@ def fused_linear_logprob_entropy(
     backend: Optional[str] = None,
     token_chunk_size: Optional[int] = None,
     check_targets: Optional[bool] = None,
-) -> LogProbEntropy:
-    """Fused lm_head + log-prob of the target + entropy, no teacher, no [N, V] logits.
+    logprob_weight=None,
+    entropy_weight=None,
+    gradients: Optional[str] = None,
+) -> Union[LogProbEntropy, LogProbEntropyLoss]:
+    """Fused lm_head + log-prob of the target + entropy, no teacher, no [N, V] logits;
+    with the loss declared (`logprob_weight=` / `entropy_weight=`), that loss too, its
+    gradients taken in the forward.
 
     The teacher-less mode of `fused_linear_distill` (the same forward / backward with
     every teacher matmul and statistic removed), for PPO/GRPO actor losses and for
     scoring rollouts: with s = (hidden @ weight[:vocab_size]^T + bias) / T and
     p = softmax(s), per kept token i
 
-        logprobs[i] = log p_{targets[i]},   entropy[i] = -Σ_v p_v log p_v.
+        logprobs[i] = log p_{targets[i]},   entropy[i] = -Σ_v p_v log p_v,
+        loss = Σ_kept (logprob_weight[i]·logprobs[i] + entropy_weight[i]·entropy[i]).
+
+    A REINFORCE / GRPO-style `-Σ A·logprobs / n - c·Σ entropy / n` is
+    `logprob_weight=-advantages / n, entropy_weight=-c / n`; fold any normalisation into
+    the weights (the global token count for micro-batches and ranks). The PPO clipped
+    surrogate is not linear in the log-probs: `fused_linear_actor_loss` takes it whole.
 
     Args:
         hidden: [N, H] last hidden states. weight: [V, H] lm_head weight, same dtype
@@ -504,22 +516,60 @@ def fused_linear_logprob_entropy(
         temperature: > 0, divides the logits (the sampler's temperature).
         vocab_size: true vocabulary <= V (padded lm_head rows are excluded and get
             zero gradient); default V.
-        chunk_size, token_chunk_size, backend, check_targets: as in `fused_linear_distill`.
+        chunk_size, token_chunk_size, backend: as in `fused_linear_distill`.
+        check_targets: as in `fused_linear_distill`; also checks the loss weights.
+        logprob_weight, entropy_weight: declare the loss (either one given; the other
+            defaults to 0). Each a Python float (0 drops that term and its work) or an
+            [N] floating tensor on the hidden states' device, constants of the loss: a
+            tensor that requires grad is refused (pass it detached). Their entries at
+            masked tokens are never read. A non-finite number is refused always, a
+            non-finite tensor entry at a kept token where `check_targets` is on (eager
+            calls: the check reads the tensor back, so a compiled graph skips it).
+        gradients: with a declared loss, "forward" / "recompute" / None ("auto"), as in
+            `fused_linear_distill`: "forward" (the default when an input requires grad)
+            takes the loss's gradients in the forward sweep, 3 lm-head-sized matmuls
+            (logits, dH, dW) against the 4 of a forward plus a recomputing backward, and
+            holds the weight gradient from the forward on; "recompute" computes the
+            outputs only and lets the backward recompute the logits (a ZeRO-3 / FSDP head
+            gathered only for the forward: docs/deepspeed.md §4). Without a declared loss
+            the backward always recomputes: "forward" is refused there.
 
     Returns:
-        LogProbEntropy(logprobs, entropy): fp32 [N] (float64 for float64 inputs on the
-        PyTorch path), 0 at masked tokens. Gradients reach hidden, weight and bias from
-        both outputs (masked tokens get none), through a backward that recomputes the
-        logits; a loss known in the forward is cheaper through
-        `fused_linear_logprob_entropy_loss`. Under `torch.no_grad()` (or with no input
-        requiring grad) nothing is saved for a backward: memory is the inputs plus
-        O(rows × chunk) working tiles.
+        Without a declared loss, LogProbEntropy(logprobs, entropy): fp32 [N] (float64 for
+        float64 inputs on the PyTorch path), 0 at masked tokens. Gradients reach hidden,
+        weight and bias from both outputs (masked tokens get none), through a backward
+        that recomputes the logits. Under `torch.no_grad()` (or with no input requiring
+        grad) nothing is saved for a backward: memory is the inputs plus O(rows × chunk)
+        working tiles.
+        With a declared loss, LogProbEntropyLoss(loss, logprobs, entropy): the scalar
+        loss (in the per-token outputs' dtype) and the same per-token outputs. All three
+        are differentiable: gradients that reach the per-token outputs as well go
+        through the recomputing backward and are added to the held ones (the cost of a
+        "recompute" backward for them).
     """
     h, w, b, y, keep, scalars, be, check_targets = _student_only_call(
         "fused_linear_logprob_entropy", hidden, weight, bias, targets, mask, temperature, vocab_size, chunk_size,
         ignore_index, backend, token_chunk_size, check_targets)
-    _div, lp, ent, _stats = _fwd_op(h, w, b, None, None, None, y, keep, *scalars, be, check_targets)
-    return LogProbEntropy(lp, ent)
+    if logprob_weight is None and entropy_weight is None:
+        if gradients == "forward":
+            raise ValueError("gradients='forward' takes the gradients of a declared loss in the forward: pass "
+                             "logprob_weight= and/or entropy_weight= (or use gradients='recompute')")
+        _gradient_mode(gradients, be, "none", (False, False, False))  # the value's own check
+        _div, lp, ent, _stats = _fwd_op(h, w, b, None, None, None, y, keep, *scalars, be, check_targets)
+        return LogProbEntropy(lp, ent)
+    N, dev, cdt = h.shape[0], h.device, compute_dtype(h)
+    g_lp = token_weight(0.0 if logprob_weight is None else logprob_weight, "logprob_weight", N, dev, cdt)
+    g_ent = token_weight(0.0 if entropy_weight is None else entropy_weight, "entropy_weight", N, dev, cdt)
+    if check_targets and not torch.compiler.is_compiling():  # a host sync: eager only
+        check_weights_finite({"logprob_weight": g_lp, "entropy_weight": g_ent}, keep)
+    need = _grads_needed(h, w, b)
+    if _gradient_mode(gradients, be, "sum", need) == "forward":
+        loss, _div, lp, ent = _DistillGradsInForward.apply(h, w, b, need, None, None, None, y, keep, None, g_lp,
+                                                           g_ent, *scalars, _WEIGHTED, check_targets, be)
+    else:
+        div, lp, ent, _stats = _fwd_op(h, w, b, None, None, None, y, keep, *scalars, be, check_targets)
+        loss = _declared_loss(div, lp, ent, keep, (None, g_lp, g_ent), _WEIGHTED)
+    return LogProbEntropyLoss(loss, lp, ent)
 
 
 def _student_only_call(op: str, hidden, weight, bias, targets, mask, temperature, vocab_size, chunk_size,
@@ -537,72 +587,13 @@ def _student_only_call(op: str, hidden, weight, bias, targets, mask, temperature
     return hidden.contiguous(), weight.contiguous(), b, targets.contiguous(), keep, scalars, be, check_targets
 
 
-
-def fused_linear_logprob_entropy_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    *,
-    logprob_weight,
-    entropy_weight,
-    bias: Optional[Tensor] = None,
-    mask: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    vocab_size: Optional[int] = None,
-    chunk_size: Optional[int] = None,
-    ignore_index: Optional[int] = -100,
-    backend: Optional[str] = None,
-    token_chunk_size: Optional[int] = None,
-    check_targets: Optional[bool] = None,
-    gradients: Optional[str] = None,
-) -> LogProbEntropyLoss:
-    """`fused_linear_logprob_entropy` with its loss declared, so that its gradients can be
-    taken in the forward: the teacher-less counterpart of `fused_linear_distill`'s `loss`.
-
-        loss = Σ_kept (logprob_weight[i]·logprobs[i] + entropy_weight[i]·entropy[i])
-
-    e.g. a REINFORCE / GRPO-style `-Σ A·logprobs - c·Σ entropy` is
-    `logprob_weight=-advantages, entropy_weight=-c`. Fold any normalisation into the
-    weights (divide by the global token count for micro-batches and ranks).
-
-    Args:
-        hidden, weight, targets, bias, mask, temperature, vocab_size, chunk_size,
-            ignore_index, backend, token_chunk_size: as in `fused_linear_logprob_entropy`.
-        logprob_weight, entropy_weight: a Python float (0 drops that term and its work)
-            or an [N] floating tensor on the hidden states' device, constants of the loss:
-            a tensor that requires grad is refused (pass it detached). Their entries at
-            masked tokens are never read. A non-finite number is refused always, a
-            non-finite tensor entry at a kept token where `check_targets` is on (eager
-            calls: the check reads the tensor back, so a compiled graph skips it).
-        check_targets: as in `fused_linear_distill`; also checks the weight tensors.
-        gradients: "forward" / "recompute" / None ("auto"), as in `fused_linear_distill`:
-            "forward" (the default when an input requires grad) takes the loss's
-            gradients in the forward sweep, 3 lm-head-sized matmuls (logits, dH, dW)
-            against the 4 of a forward plus a recomputing backward, and holds the weight
-            gradient from the forward on; "recompute" computes the outputs only and lets
-            the backward recompute the logits (a ZeRO-3 / FSDP head gathered only for
-            the forward: docs/deepspeed.md §4).
-
-    Returns:
-        LogProbEntropyLoss(loss, logprobs, entropy): the scalar loss (fp32, float64 for
-        float64 inputs on the PyTorch path) and the per-token outputs of
-        `fused_linear_logprob_entropy`. All three are differentiable: gradients that
-        reach the per-token outputs as well go through the recomputing backward and are
-        added to the held ones (the cost of a "recompute" backward for them).
-    """
-    h, w, b, y, keep, scalars, be, check_targets = _student_only_call(
-        "fused_linear_logprob_entropy_loss", hidden, weight, bias, targets, mask, temperature, vocab_size,
-        chunk_size, ignore_index, backend, token_chunk_size, check_targets)
-    N, dev, cdt = h.shape[0], h.device, compute_dtype(h)
-    g_lp = token_weight(logprob_weight, "logprob_weight", N, dev, cdt)
-    g_ent = token_weight(entropy_weight, "entropy_weight", N, dev, cdt)
-    if check_targets and not torch.compiler.is_compiling():  # a host sync: eager only
-        check_weights_finite({"logprob_weight": g_lp, "entropy_weight": g_ent}, keep)
-    need = _grads_needed(h, w, b)
-    if _gradient_mode(gradients, be, "sum", need) == "forward":
-        loss, _div, lp, ent = _DistillGradsInForward.apply(h, w, b, need, None, None, None, y, keep, None, g_lp,
-                                                           g_ent, *scalars, _WEIGHTED, check_targets, be)
-    else:
-        div, lp, ent, _stats = _fwd_op(h, w, b, None, None, None, y, keep, *scalars, be, check_targets)
-        loss = _declared_loss(div, lp, ent, keep, (None, g_lp, g_ent), _WEIGHTED)
-    return LogProbEntropyLoss(loss, lp, ent)
+def fused_linear_logprob_entropy_loss(hidden: Tensor, weight: Tensor, targets: Tensor, *, logprob_weight,
+                                      entropy_weight, **kwargs) -> LogProbEntropyLoss:
+    """Deprecated: `fused_linear_logprob_entropy` with `logprob_weight=` / `entropy_weight=`
+    (the same call, the same result; this name warns)."""
+    if not torch.compiler.is_compiling():  # Dynamo cannot trace warnings.warn (fullgraph would fail)
+        warnings.warn("fused_linear_logprob_entropy_loss is deprecated: call fused_linear_logprob_entropy with "
+                      "logprob_weight= and entropy_weight= (the same loss, on the same path)",
+                      DeprecationWarning, stacklevel=2)
+    return fused_linear_logprob_entropy(hidden, weight, targets, logprob_weight=logprob_weight,
+                                        entropy_weight=entropy_weight, **kwargs)

@@ -772,7 +772,7 @@ def test_lpe_bad_inputs_raise(case):
 
 
 # ----------------------------------------------------------------------------------
-# teacher-less mode with its loss declared: fused_linear_logprob_entropy_loss
+# teacher-less mode with its loss declared: fused_linear_logprob_entropy(logprob_weight=, entropy_weight=)
 # ----------------------------------------------------------------------------------
 def lpe_weights(seed, N, kind):
     """(logprob_weight, entropy_weight): per-token tensors, Python floats, or one of each."""
@@ -782,7 +782,7 @@ def lpe_weights(seed, N, kind):
 
 
 def compare_lpe_loss(seed, inp, weights, kw, extra=None, val_tol=(2e-5, 2e-5), grad_tol=(2e-5, 1e-4), **fused_kw):
-    out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *weights, extra=extra, **kw, **fused_kw)
+    out, g = run_lpe_loss(fused_linear_logprob_entropy, inp, *weights, extra=extra, **kw, **fused_kw)
     ref, gr = reference_lpe_loss(inp, *weights, extra=extra, **kw)
     assert isinstance(out, LogProbEntropyLoss) and out.loss.dim() == 0
     for name in ("loss", "logprobs", "entropy"):
@@ -814,10 +814,11 @@ def test_lpe_loss_float64_tight(seed):
     assert out.loss.dtype == torch.float64 and g[1].dtype == torch.float64
 
 
-def test_lpe_loss_bf16(seed):
+@pytest.mark.parametrize("gradients", [None, "recompute"])
+def test_lpe_loss_bf16(seed, gradients):
     inp = make_inputs(seed, N=32, dtype=torch.bfloat16)
     out, g = compare_lpe_loss(seed, inp, lpe_weights(seed, 32, "mixed"), dict(temperature=1.2),
-                              grad_tol=(1e-2, 1e-2))
+                              grad_tol=(1e-2, 1e-2), gradients=gradients)
     assert out.loss.dtype == torch.float32 and g[1].dtype == torch.bfloat16
 
 
@@ -836,7 +837,7 @@ def test_lpe_loss_all_masked(seed):
     N = 24
     for mask, y in ((torch.zeros(N, dtype=torch.bool), inp["y"]), (None, torch.full_like(inp["y"], -100))):
         for gradients in ("forward", "recompute"):
-            out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, dict(inp, mask=mask, y=y),
+            out, g = run_lpe_loss(fused_linear_logprob_entropy, dict(inp, mask=mask, y=y),
                                   *lpe_weights(seed, N, "tensors"), gradients=gradients)
             assert out.loss.item() == 0.0, f"{gradients} (seed={seed})"
             for t in (out.logprobs, out.entropy, *g):
@@ -852,10 +853,10 @@ def test_lpe_loss_masked_weights_are_never_read(seed):
     bad_lp = torch.where(m, lp_w, float("nan"))
     bad_ent = torch.where(m, ent_w, float("inf"))
     for gradients in ("forward", "recompute"):
-        a, ga = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, ent_w, gradients=gradients)
-        b, gb = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, bad_lp, bad_ent, gradients=gradients)
+        a, ga = run_lpe_loss(fused_linear_logprob_entropy, inp, lp_w, ent_w, gradients=gradients)
+        b, gb = run_lpe_loss(fused_linear_logprob_entropy, inp, bad_lp, bad_ent, gradients=gradients)
         y_ign = torch.where(m, inp["y"], torch.full_like(inp["y"], -100))
-        c, gc = run_lpe_loss(fused_linear_logprob_entropy_loss, dict(inp, mask=None, y=y_ign), bad_lp, bad_ent,
+        c, gc = run_lpe_loss(fused_linear_logprob_entropy, dict(inp, mask=None, y=y_ign), bad_lp, bad_ent,
                              gradients=gradients)
         for x, y_, z in zip((a.loss, *ga), (b.loss, *gb), (c.loss, *gc)):
             assert torch.equal(x, y_) and torch.equal(x, z), f"{gradients} (seed={seed})"
@@ -869,9 +870,9 @@ def test_lpe_loss_matches_the_per_token_op(seed):
     kw = dict(temperature=1.7, chunk_size=64)
     lpe = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"], **kw)
     lp_w, _ = lpe_weights(seed, 50, "tensors")
-    fwd, gf = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, -0.01, gradients="forward", **kw)
-    rec, gr = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, -0.01, gradients="recompute", **kw)
-    auto, ga = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, torch.full((50,), -0.01), **kw)
+    fwd, gf = run_lpe_loss(fused_linear_logprob_entropy, inp, lp_w, -0.01, gradients="forward", **kw)
+    rec, gr = run_lpe_loss(fused_linear_logprob_entropy, inp, lp_w, -0.01, gradients="recompute", **kw)
+    auto, ga = run_lpe_loss(fused_linear_logprob_entropy, inp, lp_w, torch.full((50,), -0.01), **kw)
     for name in ("logprobs", "entropy"):
         assert_close(getattr(fwd, name), getattr(lpe, name), 1e-6, 1e-6, name, seed)
         assert torch.equal(getattr(rec, name), getattr(lpe, name)), f"{name} (seed={seed})"
@@ -880,13 +881,13 @@ def test_lpe_loss_matches_the_per_token_op(seed):
     for x, y_, z in zip(gf, gr, ga):
         assert_close(x, y_, 1e-5 * y_.abs().max().item(), 1e-5, "forward vs recompute", seed)
         assert torch.equal(x, z), f"float vs tensor weight grads (seed={seed})"
-    zero, gz = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, 0.0, **kw)
-    zt, gzt = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, lp_w, torch.zeros(50), **kw)
+    zero, gz = run_lpe_loss(fused_linear_logprob_entropy, inp, lp_w, 0.0, **kw)
+    zt, gzt = run_lpe_loss(fused_linear_logprob_entropy, inp, lp_w, torch.zeros(50), **kw)
     assert torch.equal(zero.loss, zt.loss), seed
     for x, y_ in zip(gz, gzt):
         assert_close(x, y_, 1e-7 * y_.abs().max().item(), 1e-6, "weight 0 vs zero tensor", seed)
     # both weights the number 0: a zero loss that still backpropagates (zeros)
-    none, gn = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, 0.0, 0.0, gradients="recompute", **kw)
+    none, gn = run_lpe_loss(fused_linear_logprob_entropy, inp, 0.0, 0.0, gradients="recompute", **kw)
     assert none.loss.item() == 0.0 and all(x.abs().max() == 0 for x in gn), seed
 
 
@@ -901,7 +902,7 @@ def test_lpe_loss_runs_three_matmuls_per_chunk(seed, weights):
     counts = {}
     for mode in ("forward", "recompute"):
         with CountMatmuls() as fwd:
-            out = fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+            out = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
                                                     entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"],
                                                     chunk_size=64, gradients=mode)
         with CountMatmuls() as bwd:
@@ -916,7 +917,7 @@ def test_lpe_loss_never_materialises_tokens_by_vocab(seed):
     inp = make_inputs(seed, N=N, Hs=H, V=V, mask_p=0.1)
     n_kept = int(inp["mask"].sum())
     with LargestTensor() as mode:
-        run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *lpe_weights(seed, N, "tensors"), chunk_size=256)
+        run_lpe_loss(fused_linear_logprob_entropy, inp, *lpe_weights(seed, N, "tensors"), chunk_size=256)
     assert mode.inner_ops > 100  # the probe sees the chunks inside the custom ops
     # the [V, H] weight gradient, or one token block's resident logits (<= a quarter of the kept tokens)
     assert mode.largest <= max(V * H, -(-n_kept // 4) * V) < N * V // 4, (mode.largest, mode.op)
@@ -925,14 +926,14 @@ def test_lpe_loss_never_materialises_tokens_by_vocab(seed):
 def test_lpe_loss_refuses_a_second_backward_and_no_grad_matches(seed):
     inp = make_inputs(seed, N=30, V=150)
     w = lpe_weights(seed, 30, "tensors")
-    out, _ = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *w, gradients="forward")
-    again = fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+    out, _ = run_lpe_loss(fused_linear_logprob_entropy, inp, *w, gradients="forward")
+    again = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
                                               entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"])
     again.loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="fused_linear_logprob_entropy_loss.*computes its gradients once"):
+    with pytest.raises(RuntimeError, match=r"fused_linear_logprob_entropy\(gradients='forward'\) computes its gradients once"):
         again.loss.backward()
     with torch.no_grad():
-        ng = fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+        ng = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
                                                entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"])
     assert ng.loss.grad_fn is None
     for name in ("loss", "logprobs", "entropy"):
@@ -945,7 +946,7 @@ def test_lpe_loss_torch_compile_matches_eager(seed):
     adv = rand_w(seed, 24)
 
     def grpo(h, w, b, y, mask):
-        out = fused_linear_logprob_entropy_loss(h, w, y, logprob_weight=-adv, entropy_weight=-0.01, bias=b,
+        out = fused_linear_logprob_entropy(h, w, y, logprob_weight=-adv, entropy_weight=-0.01, bias=b,
                                                 mask=mask, temperature=1.1)
         return out.loss, out.logprobs
 
@@ -982,10 +983,63 @@ def test_lpe_loss_bad_inputs_raise(case):
     kw = dict(dict(logprob_weight=-1.0, entropy_weight=-0.01), **kw)
     y = kw.pop("targets", torch.randint(0, 20, (6,)))
     with pytest.raises(exc, match=match):
-        fused_linear_logprob_entropy_loss(torch.randn(6, 8, requires_grad=True), torch.randn(20, 8), y, **kw)
+        fused_linear_logprob_entropy(torch.randn(6, 8, requires_grad=True), torch.randn(20, 8), y, **kw)
 
 
-def test_lpe_loss_weights_are_required():
+def test_lpe_one_weight_declares_the_loss_and_the_other_is_zero(seed):
+    """Either weight alone declares the loss (the other is the number 0), on the
+    gradients-in-forward path by default: equal to both given, against float64."""
+    inp = make_inputs(seed, N=36, V=211)
+    lp_w, ent_w = lpe_weights(seed, 36, "tensors")
+    for given, both in (({"logprob_weight": lp_w}, (lp_w, 0.0)), ({"entropy_weight": ent_w}, (0.0, ent_w))):
+        with CountMatmuls() as fwd:
+            out = fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], bias=inp["bs"], mask=inp["mask"],
+                                               chunk_size=64, **given)
+        assert isinstance(out, LogProbEntropyLoss) and fwd.n == 3 * 4, (given.keys(), fwd.n)  # ceil(211/64) chunks
+        g = torch.autograd.grad(out.loss, [inp["hs"], inp["ws"], inp["bs"]])
+        ref, gr = reference_lpe_loss(inp, *both)
+        want, gw = run_lpe_loss(fused_linear_logprob_entropy, inp, *both, chunk_size=64)
+        assert torch.equal(out.loss, want.loss), seed
+        assert_close(out.loss, ref.loss, 2e-5, 2e-5, "loss", seed)
+        for name, a, b, c in zip(("d_hidden", "d_weight", "d_bias"), g, gw, gr):
+            assert torch.equal(a, b), f"{name} (seed={seed})"
+            assert_close(a, c, 2e-5 * (c.abs().max().item() + 1e-12), 1e-4, name, seed)
+
+
+def test_lpe_plain_call_is_unchanged_and_recomputes(seed):
+    """Without a declared loss: a (logprobs, entropy) pair as before, gradients="recompute"
+    (or "auto") the same call bit for bit, and "forward", which has no loss to
+    differentiate, refused in one line that names the keywords to pass."""
+    inp = make_inputs(seed, N=30, V=150)
+    args = (inp["hs"], inp["ws"], inp["y"])
+    kw = dict(bias=inp["bs"], mask=inp["mask"], chunk_size=64)
+    lp, ent = fused_linear_logprob_entropy(*args, **kw)  # two fields: old callers unpack it
+    w = {"logprobs": rand_w(seed, 30), "entropy": rand_w(seed + 1, 30)}
+    plain, gp = run_lpe(fused_linear_logprob_entropy, inp, w, chunk_size=64)
+    for mode in ("recompute", "auto"):
+        out, g = run_lpe(fused_linear_logprob_entropy, inp, w, chunk_size=64, gradients=mode)
+        assert type(out) is LogProbEntropy and torch.equal(out.logprobs, plain.logprobs), mode
+        assert all(torch.equal(a, b) for a, b in zip(g, gp)), mode
+    assert torch.equal(lp, plain.logprobs) and torch.equal(ent, plain.entropy)
+    with pytest.raises(ValueError, match="gradients='forward'.*pass logprob_weight= and/or entropy_weight="):
+        fused_linear_logprob_entropy(*args, gradients="forward", **kw)
+    with pytest.raises(ValueError, match="gradients must be one of"):
+        fused_linear_logprob_entropy(*args, gradients="later", **kw)
+
+
+@pytest.mark.parametrize("gradients", [None, "forward", "recompute"])
+def test_lpe_loss_old_name_warns_and_is_the_same_call(seed, gradients):
+    """`fused_linear_logprob_entropy_loss`, the old name: a DeprecationWarning, then the
+    declared call's loss, outputs and gradients bit for bit; it still needs both weights."""
+    inp = make_inputs(seed, N=33, V=170)
+    w = lpe_weights(seed, 33, "mixed")
+    kw = dict(temperature=1.3, chunk_size=50, gradients=gradients)
+    new, gn = run_lpe_loss(fused_linear_logprob_entropy, inp, *w, **kw)
+    with pytest.warns(DeprecationWarning, match="fused_linear_logprob_entropy_loss is deprecated"):
+        old, go = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *w, **kw)
+    assert isinstance(old, LogProbEntropyLoss)
+    for a, b in zip((*old, *go), (*new, *gn)):
+        assert torch.equal(a, b), (gradients, seed)
     with pytest.raises(TypeError, match="entropy_weight"):
         fused_linear_logprob_entropy_loss(torch.randn(6, 8), torch.randn(20, 8), torch.zeros(6, dtype=torch.long),
                                           logprob_weight=1.0)
@@ -1132,8 +1186,8 @@ def test_a_frozen_lm_head(seed, gradients):
         dh[name] = h.grad
     assert_close(dh["fused"], dh["ref"], 2e-5, 2e-5, "dh", seed)
     h = inp["hs"].detach().clone().requires_grad_()
-    res = fused_linear_logprob_entropy_loss(h, ws, inp["y"], logprob_weight=-1.0, entropy_weight=0.1,
-                                            gradients=gradients)
+    res = fused_linear_logprob_entropy(h, ws, inp["y"], logprob_weight=-1.0, entropy_weight=0.1,
+                                       gradients=gradients)
     res.loss.backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
 

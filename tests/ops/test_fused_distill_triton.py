@@ -50,7 +50,6 @@ if IN_PROCESS:
 from memopd.ops import (  # noqa: E402
     fused_linear_distill,
     fused_linear_logprob_entropy,
-    fused_linear_logprob_entropy_loss,
     reference_linear_distill,
     reference_linear_logprob_entropy,
 )
@@ -293,7 +292,7 @@ def test_lpe_float64_refused_on_triton():
 
 
 # ----------------------------------------------------------------------------------
-# teacher-less mode with its loss declared: fused_linear_logprob_entropy_loss (the
+# teacher-less mode with its loss declared: fused_linear_logprob_entropy(logprob_weight=, ...) (the
 # forward-grads row kernel without a teacher, or the recomputing kernels)
 # ----------------------------------------------------------------------------------
 def lpe_loss_weights(seed, N):
@@ -302,7 +301,7 @@ def lpe_loss_weights(seed, N):
 
 
 def check_lpe_loss(seed, inp, weights, kw, extra=None, grad_tol=(3e-5, 2e-4), **triton_kw):
-    out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *weights, extra=extra, backend="triton", **kw,
+    out, g = run_lpe_loss(fused_linear_logprob_entropy, inp, *weights, extra=extra, backend="triton", **kw,
                           **triton_kw)
     ref, gr = reference_lpe_loss(inp, *weights, extra=extra, **kw)
     for name in ("loss", "logprobs", "entropy"):
@@ -329,7 +328,7 @@ def test_lpe_loss_vs_float64_and_recompute(seed, dtype):
     w = lpe_loss_weights(seed, 37)
     fwd, gf = check_lpe_loss(seed, inp, w, kw, grad_tol=(1.5e-2, 1.5e-2) if half else (3e-5, 2e-4),
                              gradients="forward", token_chunk_size=16)
-    rec, gr = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *w, backend="triton", gradients="recompute", **kw)
+    rec, gr = run_lpe_loss(fused_linear_logprob_entropy, inp, *w, backend="triton", gradients="recompute", **kw)
     if not half:
         for name in ("loss", "logprobs", "entropy"):
             assert_close(getattr(fwd, name), getattr(rec, name), 2e-6, 2e-5, name + " vs recompute", seed)
@@ -355,7 +354,7 @@ def test_lpe_loss_all_masked(seed):
     inp = make_inputs(seed, N=24, V=130)
     inp["mask"] = torch.zeros(24, dtype=torch.bool)
     for gradients in ("forward", "recompute"):
-        out, g = run_lpe_loss(fused_linear_logprob_entropy_loss, inp, *lpe_loss_weights(seed, 24), backend="triton",
+        out, g = run_lpe_loss(fused_linear_logprob_entropy, inp, *lpe_loss_weights(seed, 24), backend="triton",
                               gradients=gradients)
         assert out.loss.item() == 0.0, f"{gradients} (seed={seed})"
         for t in (out.logprobs, out.entropy, *g):
@@ -369,9 +368,9 @@ def test_lpe_loss_launches_three_matmuls_per_chunk_and_the_backward_none(seed, m
     w = lpe_loss_weights(seed, 40)
 
     def call(**kw):
-        return fused_linear_logprob_entropy_loss(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
-                                                 entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"],
-                                                 backend="triton", **kw)
+        return fused_linear_logprob_entropy(inp["hs"], inp["ws"], inp["y"], logprob_weight=w[0],
+                                            entropy_weight=w[1], bias=inp["bs"], mask=inp["mask"],
+                                            backend="triton", **kw)
 
     out = call(token_chunk_size=16)  # gradients=None: in the forward; ceil(40 / 16) = 3 chunks
     assert spy.take() == ["distill_rows.launch_scaled_logits", "lm_head_tiles.launch_dh",

@@ -191,11 +191,11 @@ def test_the_switch_turns_the_kernels_off(monkeypatch):
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_the_fused_ops_agree_with_float64_on_both_paths(monkeypatch, seed, native):
     """The ops whose elementwise work the kernels take (reverse KL, the teacher-less
-    log-prob + entropy loss, the JSD's resident pass, the actor loss) on each path."""
+    log-prob + entropy op's declared loss, the JSD's resident pass, the actor loss) on each path."""
     from memopd.ops import (
         fused_linear_actor_loss,
         fused_linear_distill,
-        fused_linear_logprob_entropy_loss,
+        fused_linear_logprob_entropy,
         reference_actor_loss,
         reference_linear_distill,
     )
@@ -232,7 +232,7 @@ def test_the_fused_ops_agree_with_float64_on_both_paths(monkeypatch, seed, nativ
         err = (a - r).abs().max().item()
         assert err <= 2e-5 * (1 + r.abs().max().item()), f"actor {what} native={native}: {err:.2e} (seed={seed})"
     h = hs.clone().requires_grad_()
-    lpe = fused_linear_logprob_entropy_loss(h, ws, y, logprob_weight=-1.0 / N, entropy_weight=0.02)
+    lpe = fused_linear_logprob_entropy(h, ws, y, logprob_weight=-1.0 / N, entropy_weight=0.02)
     lpe.loss.backward()
     h64 = hs.double().requires_grad_()
     logits = h64 @ ws.double().t()
