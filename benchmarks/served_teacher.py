@@ -40,7 +40,7 @@ def _run(cfg, student_dir, teacher_dir, served, steps: int) -> list[dict]:
 
     bundle = prepare(cfg, log=lambda *_: None)
     trainer = Trainer(cfg, student_lm=bundle.student, teacher_lm=served if served is not None else bundle.teacher,
-                      env=bundle.env, world=bundle.tasks, log=lambda *_: None)
+                      env=bundle.env, tasks=bundle.tasks, log=lambda *_: None)
     rows = []
     for step in range(steps):
         sent0, recv0 = (served.bytes_sent, served.bytes_received) if served is not None else (0, 0)
