@@ -37,7 +37,9 @@ SKIP = ("time/",)
 
 
 def _cfg(sft_dirs, run_dir, **kw):
+    # pack_layout: the layout every run packed before the key existed (the flat-form run of test 13 is one)
     base = dict(steps=4, checkpoint_every=2, run_dir=str(run_dir), student=sft_dirs[0], teacher=sft_dirs[1],
+                pack_layout="aligned",
                 tasks_per_step=2, group_size=2, train_k=[1], eval_k=[1], eval_tasks=2, ppo_epochs=1, minibatches=2,
                 progress=False)
     base.update(kw)
