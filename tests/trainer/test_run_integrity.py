@@ -546,3 +546,34 @@ def test_a_run_stored_in_the_flat_config_form_resumes_exactly(parts, sft_dirs, r
     assert [m["step"] for m in hist] == [3, 4]
     _assert_matches(d, ref)
     assert yaml.safe_load((d / "config.yaml").read_text()) == cfg.to_dict()  # rewritten in today's form
+
+
+def test_a_run_stored_before_pack_layout_existed_resumes_aligned(parts, sft_dirs, ref, tmp_path):
+    """A run whose config.yaml and manifests have no pack_layout (written when the trainer
+    always packed aligned) resumed by `train` with today's defaults (pack_layout=trie)
+    continues aligned: it says so, records it, and its steps equal the uninterrupted
+    aligned run's. A new run with the same config packs trie."""
+    import yaml
+
+    from memopd.trainer.config import comparable_config
+    from memopd.trainer.loop import train
+
+    d = _copy(ref, tmp_path / "run")
+    shutil.rmtree(d / "checkpoints" / "step_4")
+    old = {k: v for k, v in _cfg(sft_dirs, d).to_dict().items() if k != "pack_layout"}
+    (d / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    step2 = d / "checkpoints" / "step_2"
+    manifest = json.loads((step2 / MANIFEST).read_text())
+    manifest["config"] = old
+    (step2 / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_manifest(step2) == []
+    assert comparable_config(old)["pack_layout"] == "aligned" != TrainConfig.from_dict(old).pack_layout == "trie"
+    said = []
+    train(TrainConfig.from_dict(old), resume=True, log=said.append)
+    assert any("written before pack_layout existed" in str(x) and "pack_layout=aligned" in str(x) for x in said), said
+    assert yaml.safe_load((d / "config.yaml").read_text())["pack_layout"] == "aligned"
+    train_lines = [m for m in _lines(d) if "train/pg_loss" in m]
+    assert [m["step"] for m in train_lines] == [1, 2, 3, 4]
+    for a, b in zip(_lines(ref), train_lines):
+        strip = lambda m: {k: v for k, v in m.items() if not k.startswith(SKIP)}  # noqa: E731
+        assert strip(b) == strip(a), f"step {a['step']}"
