@@ -518,6 +518,21 @@ def _flat_form(nested: dict, keys: list) -> dict:
     return out
 
 
+def _stored_with_config(ref, d, config: dict) -> None:
+    """A copy of the reference run at `d`, cut back to its step-2 checkpoint, whose
+    config.yaml and manifest hold `config` (a config as an older version wrote it)."""
+    import yaml
+
+    _copy(ref, d)
+    shutil.rmtree(d / "checkpoints" / "step_4")
+    (d / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    step2 = d / "checkpoints" / "step_2"
+    manifest = json.loads((step2 / MANIFEST).read_text())
+    manifest["config"] = config
+    (step2 / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_manifest(step2) == []
+
+
 def test_a_run_stored_in_the_flat_config_form_resumes_exactly(parts, sft_dirs, ref, tmp_path):
     """A run directory whose config.yaml and checkpoint manifest hold the config in the flat
     form (as every run before the nested config wrote it) resumes: the stored flat config
@@ -527,16 +542,9 @@ def test_a_run_stored_in_the_flat_config_form_resumes_exactly(parts, sft_dirs, r
 
     keys = list(yaml.safe_load(FLAT_CONFIG.read_text()))
     assert "kl_coef" in keys and "policy" in keys and "env" not in keys and "ppo" not in keys  # the old form
-    d = _copy(ref, tmp_path / "run")
-    shutil.rmtree(d / "checkpoints" / "step_4")
+    d = tmp_path / "run"
     cfg = _cfg(sft_dirs, d)
-    flat = _flat_form(cfg.to_dict(), keys)
-    (d / "config.yaml").write_text(yaml.safe_dump(flat, sort_keys=False))
-    step2 = d / "checkpoints" / "step_2"
-    manifest = json.loads((step2 / MANIFEST).read_text())
-    manifest["config"] = flat
-    (step2 / MANIFEST).write_text(json.dumps(manifest))
-    assert verify_manifest(step2) == []
+    _stored_with_config(ref, d, _flat_form(cfg.to_dict(), keys))
     stored = (d / "config.yaml").read_text()
     with pytest.raises(RunDirError, match=r"ppo.ref_kl_coef: 0.02 -> 0.05"):
         _trainer(parts, _cfg(sft_dirs, d, ppo=dataclasses.replace(cfg.ppo, ref_kl_coef=0.05))).fit(resume=True)
@@ -558,15 +566,9 @@ def test_a_run_stored_before_pack_layout_existed_resumes_aligned(parts, sft_dirs
     from memopd.trainer.config import comparable_config
     from memopd.trainer.loop import train
 
-    d = _copy(ref, tmp_path / "run")
-    shutil.rmtree(d / "checkpoints" / "step_4")
+    d = tmp_path / "run"
     old = {k: v for k, v in _cfg(sft_dirs, d).to_dict().items() if k != "pack_layout"}
-    (d / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    step2 = d / "checkpoints" / "step_2"
-    manifest = json.loads((step2 / MANIFEST).read_text())
-    manifest["config"] = old
-    (step2 / MANIFEST).write_text(json.dumps(manifest))
-    assert verify_manifest(step2) == []
+    _stored_with_config(ref, d, old)
     assert comparable_config(old)["pack_layout"] == "aligned" != TrainConfig.from_dict(old).pack_layout == "trie"
     said = []
     train(TrainConfig.from_dict(old), resume=True, log=said.append)

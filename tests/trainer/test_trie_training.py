@@ -101,7 +101,7 @@ def test_actor_loss_and_opd_term_per_entry_on_shared_tokens(seed):
         torch.testing.assert_close(grads["trie"][n], ga, **TOL, msg=n)
 
 
-def _score_and_update(layout, seed, trajs):
+def _score_and_update(layout, seed, trajs, domain):
     from memopd.trainer.backend import make_backend
     from memopd.trainer.update import UpdateSettings, score, update
 
@@ -119,25 +119,27 @@ def _score_and_update(layout, seed, trajs):
     ppo = PPOSettings(clip_eps=0.2, value_clip=0.2, entropy_coef=0.01, teacher_kl_coef=0.7, ref_kl_coef=0.05,
                       gamma=1.0, lam=0.95)
     ref = _lm("qwen2", seed, hidden_size=32)
-    scored = score(actor, critic, ref, teacher, trajs, teacher_layout=layout, max_tokens=4096, ppo=ppo, layout=layout)
+    scored = score(actor, critic, ref, teacher, trajs, teacher_layout=layout, max_tokens=4096, ppo=ppo, layout=layout,
+                   action_domain=domain)
     actor.train()
     critic.train()
-    settings = UpdateSettings(ppo, ppo_epochs=2, minibatches=2, max_tokens=4096, action_domain="exact",
+    settings = UpdateSettings(ppo, ppo_epochs=2, minibatches=2, max_tokens=4096, action_domain=domain,
                               pack_layout=layout)
     stats = update(ab, cb, trajs, scored, settings, teacher_head=head_of(teacher),
                    generator=torch.Generator().manual_seed(seed))
     return scored, stats, steps, [p.detach().clone() for p in student.parameters()]
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_score_and_update_on_trie_equal_independent_in_float64(seed):
+@pytest.mark.parametrize("seed, domain", [(0, "exact"), (1, "naive")])
+def test_score_and_update_on_trie_equal_independent_in_float64(seed, domain):
     """score() + update() (two epochs of two minibatches, the real optimiser) with the trie
     layout against the independent one: scored entries, logged statistics (clip fraction,
     entropy, teacher KL, approx KL, losses, gradient norms), every optimiser step's
-    student gradients and the final weights."""
+    student gradients and the final weights; also with the naive action domain (re-encoded
+    copies as entries too)."""
     trajs = _trajs(seed)
-    ind = _score_and_update("independent", seed, trajs)
-    trie = _score_and_update("trie", seed, trajs)
+    ind = _score_and_update("independent", seed, trajs, domain)
+    trie = _score_and_update("trie", seed, trajs, domain)
     for f in ("logp_old", "logp_ref", "values", "rewards", "advantages", "returns", "teacher_hidden"):
         torch.testing.assert_close(getattr(trie[0], f), getattr(ind[0], f), **TOL, msg=f)
     assert torch.equal(trie[0].offsets, ind[0].offsets)
