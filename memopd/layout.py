@@ -256,6 +256,19 @@ class AttentionMeta:
             max_prefix_len=int(prefix_lens.max()) if S else 0,
         ).validate()
 
+    def segment_prefix_len(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """[stop - start] int64 (CPU), segments [start, stop): how many leading tokens of its
+        linked prefix segment each reads (all of them, or the first ones: trie layout), read
+        from its first token's interval; -1 (all) for an empty or unlinked segment. What
+        `from_segments(prefix_len=)` takes back."""
+        cu = self.cu_seqlens.long().cpu()
+        stop = cu.shape[0] - 1 if stop is None else stop
+        first = cu[start:stop]
+        has = (cu[start + 1 : stop + 1] > first) & (self.prefix_segment.long()[start:stop].cpu() >= 0)
+        at = first.clamp(0, max(self.num_tokens - 1, 0)).to(self.prefix_end.device)
+        width = (self.prefix_end[at].long() - self.prefix_start[at].long()).cpu()
+        return torch.where(has, width, torch.full_like(width, -1))
+
     def visible(self) -> torch.Tensor:
         """Dense [T, T] bool mask (query, key). For references and tests only: O(T^2)."""
         T = self.num_tokens
@@ -405,14 +418,7 @@ class PackedBatch:
         s1 = int(torch.searchsorted(cu, torch.tensor(t1), right=False))
         ps = self.attn.prefix_segment.long()[s0:s1]
         ps = torch.where(ps >= 0, ps - s0, ps)
-        # what each segment reads of its prefix (all of it, or the first tokens: trie layout),
-        # from its first token's interval (-1, all of it, for an empty segment)
-        cu_h = cu.cpu()
-        first = cu_h[s0:s1]
-        has = (cu_h[s0 + 1 : s1 + 1] > first) & (ps.cpu() >= 0)
-        at = first.clamp(0, max(self.num_tokens - 1, 0)).to(self.attn.prefix_end.device)
-        width = (self.attn.prefix_end[at].long() - self.attn.prefix_start[at].long()).cpu()
-        plen = torch.where(has, width, torch.full_like(width, -1))
+        plen = self.attn.segment_prefix_len(s0, s1)
         attn = AttentionMeta.from_segments(cu[s0 : s1 + 1] - t0, ps, self.attn.segment_kind[s0:s1], plen)
         keep = (self.action_index >= t0) & (self.action_index < t1)
         return PackedBatch(

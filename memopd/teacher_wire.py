@@ -9,7 +9,8 @@ a plain JSON object `{"error": "..."}` with a non-200 status.
 
 A scoring request carries the same `memopd.layout.PackedBatch` the in-process teacher gets:
 the token stream (ids, restored positions), the rows, the segment-level attention metadata
-(`cu_seqlens`, `prefix_segment`, `segment_kind`; the receiver derives and validates the
+(`cu_seqlens`, `prefix_segment`, `segment_kind`, and `prefix_len`, what each segment reads of
+its prefix, which the trie layout needs; the receiver derives and validates the
 token-level arrays with `AttentionMeta.from_segments`, so it never trusts them) and the
 per-action arrays. `batch_to_wire` / `batch_from_wire` are the two directions. A top-k answer
 carries int32 ids and fp32 log-probs; `topk_answer_problem` is the client's check of one.
@@ -93,6 +94,7 @@ def decode(body: bytes, *, max_header: int = MAX_HEADER_BYTES) -> tuple[dict[str
 def batch_to_wire(batch: PackedBatch) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) of a PackedBatch: every tensor field, the attention metadata at segment level."""
     tensors: dict[str, torch.Tensor] = {f"attn.{n}": getattr(batch.attn, n) for n in _ATTN}
+    tensors["attn.prefix_len"] = batch.attn.segment_prefix_len()  # the trie layout's partial prefix reads
     for f in fields(batch):
         v = getattr(batch, f.name)
         if isinstance(v, torch.Tensor):
@@ -108,12 +110,14 @@ def batch_from_wire(tensors: dict[str, torch.Tensor], meta: dict) -> PackedBatch
     missing = [n for n in (*need, *(f"attn.{a}" for a in _ATTN)) if n not in tensors]
     if missing:
         raise WireError(f"packed batch without {', '.join(missing)}")
-    for name in ("input_ids", "position_ids", "pred_index", "cu_rows", *(f"attn.{a}" for a in _ATTN)):
-        t = tensors[name]
+    for name in ("input_ids", "position_ids", "pred_index", "cu_rows", *(f"attn.{a}" for a in _ATTN), "attn.prefix_len"):
+        t = tensors.get(name)
+        if t is None:  # attn.prefix_len, optional: absent, every segment reads its whole prefix
+            continue
         if t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise WireError(f"{name} must be a 1-D integer tensor, got {t.dtype} of shape {tuple(t.shape)}")
     try:
-        attn = AttentionMeta.from_segments(*(tensors[f"attn.{a}"] for a in _ATTN))
+        attn = AttentionMeta.from_segments(*(tensors[f"attn.{a}"] for a in _ATTN), tensors.get("attn.prefix_len"))
     except ValueError as e:
         raise WireError(f"attention metadata: {e}") from None
     T = int(tensors["input_ids"].shape[0])

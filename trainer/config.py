@@ -34,7 +34,8 @@ from memopd.packing import ACTION_DOMAINS
 
 from .settings import PPOSettings
 
-__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "migrate_config", "comparable_config", "world_config",
+__all__ = ["TrainConfig", "ARMS", "Arm", "ConfigError", "migrate_config", "comparable_config", "as_stored",
+           "STORED_BEFORE", "TRAIN_LAYOUTS", "world_config",
            "check_requirements", "check_user_data"]
 
 
@@ -69,6 +70,7 @@ _TEACHER_LAYOUTS = {Arm.PPO: None, Arm.PERSISTENT: "flatten", Arm.MEMOPD: "align
                     Arm.BROKEN_POSITIONS: "positions_broken", Arm.BROKEN_VISIBILITY: "visibility_broken"}
 ARMS = tuple(a.value for a in Arm)
 ROLLOUT_ENGINES = ("hf", "vllm")
+TRAIN_LAYOUTS = ("aligned", "trie")  # the restored layouts the trainer packs (memopd.packing.LAYOUTS)
 
 
 @dataclass
@@ -106,6 +108,11 @@ class TrainConfig:
     # loss domain: "exact" (the sampled action tokens) or "naive" (also re-encoded copies
     # of model output inside later contexts: the action-domain ablation)
     action_domain: str = "exact"
+    # how the trainer packs a batch (memopd.pack): "aligned" (the task prefix shared by a
+    # group) or "trie" (every token prefix common to several calls computed once); the memopd
+    # arm's teacher reads the same batch. A run stored before this key existed packed aligned
+    # (`STORED_BEFORE`) and resumes so.
+    pack_layout: str = "trie"
     # rollouts
     tasks_per_step: int = 4
     group_size: int = 4  # rollouts per task (share the prefix when packed)
@@ -166,6 +173,12 @@ class TrainConfig:
     def arm_spec(self) -> Arm:
         return Arm(self.arm)
 
+    @property
+    def teacher_layout(self) -> str | None:
+        """The layout the teacher scores: the arm's, with the memopd arm's restored calls
+        in the trainer's own `pack_layout` (one batch for both)."""
+        return self.pack_layout if self.arm_spec is Arm.MEMOPD else self.arm_spec.teacher_layout
+
     def validate(self) -> "TrainConfig":
         _check_fields(self)  # the type (and choices) of every field, before any range check
         _check_model_dirs(self)
@@ -173,6 +186,8 @@ class TrainConfig:
             raise ConfigError(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
         if self.action_domain not in ACTION_DOMAINS:
             raise ConfigError(f"action_domain must be one of {', '.join(ACTION_DOMAINS)}, got {self.action_domain!r}")
+        if self.pack_layout not in TRAIN_LAYOUTS:
+            raise ConfigError(f"pack_layout must be one of {', '.join(TRAIN_LAYOUTS)}, got {self.pack_layout!r}")
         for name in ("steps", "tasks_per_step", "group_size", "ppo_epochs", "minibatches", "max_tokens", "eval_tasks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -402,6 +417,20 @@ def migrate_config(d: Any, *, source: str | None = None, strict: bool = True) ->
     return out
 
 
+# keys added after runs were stored, whose default is not what those runs did: the value a
+# stored config without the key ran with (the trainer packed aligned before pack_layout existed)
+STORED_BEFORE = {"pack_layout": "aligned"}
+
+
+def as_stored(cfg: "TrainConfig", stored: dict[str, Any]) -> tuple["TrainConfig", list[str]]:
+    """`cfg` for resuming the run whose stored config is `stored`: a key of `STORED_BEFORE`
+    that `stored` lacks and `cfg` leaves at its default takes the value the stored run
+    had. Returns the config and the keys so taken."""
+    given = migrate_config(stored, strict=False)
+    taken = [k for k in STORED_BEFORE if k not in given and getattr(cfg, k) == getattr(TrainConfig, k)]
+    return dataclasses.replace(cfg, **{k: STORED_BEFORE[k] for k in taken}), taken
+
+
 def comparable_config(d: dict[str, Any]) -> dict[str, Any]:
     """Config mapping `d` (nested or of the older flat form) as one flat mapping with the
     sections' keys as "env.policy", "ppo.clip_eps": the shape in which a stored config and
@@ -412,6 +441,8 @@ def comparable_config(d: dict[str, Any]) -> dict[str, Any]:
             flat.update((f"{k}.{n}", x) for n, x in v.items())
         else:
             flat[k] = v
+    for k, v in STORED_BEFORE.items():  # a config stored before the key existed ran with this value
+        flat.setdefault(k, v)
     return flat
 
 

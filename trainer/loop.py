@@ -22,7 +22,7 @@ from memopd.hf import head_of
 
 from .backend import make_backend
 from .collectives import barrier, init_distributed
-from .config import ConfigError, TrainConfig, check_requirements, check_user_data, comparable_config
+from .config import ConfigError, TrainConfig, as_stored, check_requirements, check_user_data, comparable_config
 from .device import place_model, resolve_device, resolve_dtype
 from .modules import Actor, Critic, Scoring, register_zero3_external_params
 from .stats import KL_TEACHER, train_metric
@@ -219,10 +219,10 @@ class Trainer:
         critic.eval()
         trajs, k = self.rollout(step, actor)
         t_roll = time.time() - t0
-        teacher_layout = cfg.arm_spec.teacher_layout
+        teacher_layout = cfg.teacher_layout
         scored = score(actor, critic, self.ref_lm, self.teacher_lm, trajs,
                        teacher_layout=teacher_layout, max_tokens=cfg.max_tokens, ppo=cfg.ppo,
-                       action_domain=cfg.action_domain,
+                       action_domain=cfg.action_domain, layout=cfg.pack_layout,
                        flatten_logp=cfg.mismatch_flatten, teacher_topk=cfg.teacher_topk)
         self.actor.train()
         self.critic.train()
@@ -552,6 +552,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     t0 = time.time()
     cpu0 = time.process_time()
     check_requirements(cfg)  # packages and files, before anything is written
+    if resume:
+        cfg = _as_stored_run(cfg, log)
     info = init_distributed()
     # the SFT cache is written only when a default model is needed (as in `prepare`)
     sft_needed = not cfg.student or (not (cfg.teacher or cfg.teacher_url) and cfg.arm_spec.uses_teacher)
@@ -566,6 +568,25 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         raise
     finally:
         run.close()
+
+
+def _as_stored_run(cfg: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
+    """`cfg` with the values its stored run had for keys added since (`config.as_stored`),
+    read from the run directory's config.yaml; `cfg` itself when there is none to read."""
+    import yaml
+
+    try:
+        with open(os.path.join(cfg.run_dir, "config.yaml")) as f:
+            stored = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return cfg  # nothing stored, or unreadable: the run directory's own checks say so
+    if not isinstance(stored, dict):
+        return cfg
+    cfg, taken = as_stored(cfg, stored)
+    for k in taken:
+        log(f"resume: {cfg.run_dir}/config.yaml was written before {k} existed; the run continues with the "
+            f"value it ran with, {k}={getattr(cfg, k)}")
+    return cfg
 
 
 def _forget_unstarted_run(run_dir: str) -> None:

@@ -152,12 +152,15 @@ def score(
     action_domain: str = "exact",
     flatten_logp: bool = False,
     teacher_topk: int = 0,
+    layout: str = "aligned",
 ) -> Scored:
     """No-grad passes over a rollout batch. Log-probs are under `actor.scoring` (the
     sampling temperature and vocabulary), for the student and the reference alike.
     `flatten_logp`: also the student's log-probs of the same entries in the flatten layout
     (one more forward; the mismatch metric's misaligned counterpart). `teacher_topk` > 0 (a
-    served teacher only): its top-k log-probs at the scoring temperature instead of hidden states."""
+    served teacher only): its top-k log-probs at the scoring temperature instead of hidden states.
+    `layout`: the trainer's packing layout (`TrainConfig.pack_layout`); a teacher of the same
+    layout reads the trainer's batch, packed once."""
     # a served teacher (memopd.teacher_client.ServedTeacher) has a `submit` and reports its embedding rows
     served = getattr(teacher_lm, "submit", None) if teacher_layout else None
     models = [m for m in (actor.lm, ref_lm, teacher_lm if teacher_layout else None) if m is not None]
@@ -166,11 +169,15 @@ def score(
                         for m in models))
     check_sampling(trajs, actor.scoring.temperature)
     pending = None
-    if served is not None:  # packed, cut and sent in the background while the passes below run
+    same = teacher_layout == layout  # the teacher reads the trainer's own batch: packed once
+    batch = pack_layout(trajs, max_tokens, action_domain, layout) if same or served is None else None
+    if served is not None:  # cut and sent in the background (another layout packed there too) while the passes run
         topk = dict(output="topk", k=teacher_topk, temperature=actor.scoring.temperature,
                     vocab_size=scored_rows(actor.scoring, head_of(actor.lm))) if teacher_topk else {}
-        pending = served(lambda: pack_layout(trajs, max_tokens, action_domain, layout=teacher_layout), max_tokens, **topk)
-    batch = pack_layout(trajs, max_tokens, action_domain)
+        pending = served(batch if same else lambda: pack_layout(trajs, max_tokens, action_domain, layout=teacher_layout),
+                         max_tokens, **topk)
+    if batch is None:
+        batch = pack_layout(trajs, max_tokens, action_domain, layout)
 
     def logp_of(lm):
         def fn(mb):
@@ -188,7 +195,7 @@ def score(
         teacher_hidden = pending.result().to(logp_old.device)
     elif teacher_lm is not None and teacher_layout is not None:
         # same action domain: entry (b, t, k) is the same token under either layout
-        tbatch = pack_layout(trajs, max_tokens, action_domain, layout=teacher_layout)
+        tbatch = batch if same else pack_layout(trajs, max_tokens, action_domain, layout=teacher_layout)
         reader = getattr(teacher_lm, "read_packed", None)
         if reader is not None:  # a teacher that reads the visible ids: [A, H + 1], the last column where it speaks
             both = _per_action(reader, tbatch, max_tokens)
@@ -231,6 +238,7 @@ class UpdateSettings:
     minibatches: int
     max_tokens: int
     action_domain: str
+    pack_layout: str = "aligned"  # the trainer's packing layout (TrainConfig.pack_layout)
     whiten_advantages: bool = True
     rollout_is: str = "none"  # none | tis | mask: the sampler-mismatch correction (ppo.rollout_is_weights)
     rollout_is_cap: float = 2.0
@@ -281,7 +289,7 @@ def update(
                 continue
             chunk = sorted(chunk)
             sub = [trajs[i] for i in chunk]
-            batch = pack_layout(sub, max_tokens, action_domain)
+            batch = pack_layout(sub, max_tokens, action_domain, settings.pack_layout)
             gmap = torch.tensor(chunk, dtype=torch.long)
             mbs = batch.micro_batches(max_tokens)
             # ZeRO runs collectives inside every backward: all ranks make the same number

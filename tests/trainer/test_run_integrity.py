@@ -37,7 +37,9 @@ SKIP = ("time/",)
 
 
 def _cfg(sft_dirs, run_dir, **kw):
+    # pack_layout: the layout every run packed before the key existed (the flat-form run of test 13 is one)
     base = dict(steps=4, checkpoint_every=2, run_dir=str(run_dir), student=sft_dirs[0], teacher=sft_dirs[1],
+                pack_layout="aligned",
                 tasks_per_step=2, group_size=2, train_k=[1], eval_k=[1], eval_tasks=2, ppo_epochs=1, minibatches=2,
                 progress=False)
     base.update(kw)
@@ -516,6 +518,21 @@ def _flat_form(nested: dict, keys: list) -> dict:
     return out
 
 
+def _stored_with_config(ref, d, config: dict) -> None:
+    """A copy of the reference run at `d`, cut back to its step-2 checkpoint, whose
+    config.yaml and manifest hold `config` (a config as an older version wrote it)."""
+    import yaml
+
+    _copy(ref, d)
+    shutil.rmtree(d / "checkpoints" / "step_4")
+    (d / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    step2 = d / "checkpoints" / "step_2"
+    manifest = json.loads((step2 / MANIFEST).read_text())
+    manifest["config"] = config
+    (step2 / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_manifest(step2) == []
+
+
 def test_a_run_stored_in_the_flat_config_form_resumes_exactly(parts, sft_dirs, ref, tmp_path):
     """A run directory whose config.yaml and checkpoint manifest hold the config in the flat
     form (as every run before the nested config wrote it) resumes: the stored flat config
@@ -525,16 +542,9 @@ def test_a_run_stored_in_the_flat_config_form_resumes_exactly(parts, sft_dirs, r
 
     keys = list(yaml.safe_load(FLAT_CONFIG.read_text()))
     assert "kl_coef" in keys and "policy" in keys and "env" not in keys and "ppo" not in keys  # the old form
-    d = _copy(ref, tmp_path / "run")
-    shutil.rmtree(d / "checkpoints" / "step_4")
+    d = tmp_path / "run"
     cfg = _cfg(sft_dirs, d)
-    flat = _flat_form(cfg.to_dict(), keys)
-    (d / "config.yaml").write_text(yaml.safe_dump(flat, sort_keys=False))
-    step2 = d / "checkpoints" / "step_2"
-    manifest = json.loads((step2 / MANIFEST).read_text())
-    manifest["config"] = flat
-    (step2 / MANIFEST).write_text(json.dumps(manifest))
-    assert verify_manifest(step2) == []
+    _stored_with_config(ref, d, _flat_form(cfg.to_dict(), keys))
     stored = (d / "config.yaml").read_text()
     with pytest.raises(RunDirError, match=r"ppo.ref_kl_coef: 0.02 -> 0.05"):
         _trainer(parts, _cfg(sft_dirs, d, ppo=dataclasses.replace(cfg.ppo, ref_kl_coef=0.05))).fit(resume=True)
@@ -544,3 +554,28 @@ def test_a_run_stored_in_the_flat_config_form_resumes_exactly(parts, sft_dirs, r
     assert [m["step"] for m in hist] == [3, 4]
     _assert_matches(d, ref)
     assert yaml.safe_load((d / "config.yaml").read_text()) == cfg.to_dict()  # rewritten in today's form
+
+
+def test_a_run_stored_before_pack_layout_existed_resumes_aligned(parts, sft_dirs, ref, tmp_path):
+    """A run whose config.yaml and manifests have no pack_layout (written when the trainer
+    always packed aligned) resumed by `train` with today's defaults (pack_layout=trie)
+    continues aligned: it says so, records it, and its steps equal the uninterrupted
+    aligned run's. A new run with the same config packs trie."""
+    import yaml
+
+    from memopd.trainer.config import comparable_config
+    from memopd.trainer.loop import train
+
+    d = tmp_path / "run"
+    old = {k: v for k, v in _cfg(sft_dirs, d).to_dict().items() if k != "pack_layout"}
+    _stored_with_config(ref, d, old)
+    assert comparable_config(old)["pack_layout"] == "aligned" != TrainConfig.from_dict(old).pack_layout == "trie"
+    said = []
+    train(TrainConfig.from_dict(old), resume=True, log=said.append)
+    assert any("written before pack_layout existed" in str(x) and "pack_layout=aligned" in str(x) for x in said), said
+    assert yaml.safe_load((d / "config.yaml").read_text())["pack_layout"] == "aligned"
+    train_lines = [m for m in _lines(d) if "train/pg_loss" in m]
+    assert [m["step"] for m in train_lines] == [1, 2, 3, 4]
+    for a, b in zip(_lines(ref), train_lines):
+        strip = lambda m: {k: v for k, v in m.items() if not k.startswith(SKIP)}  # noqa: E731
+        assert strip(b) == strip(a), f"step {a['step']}"

@@ -69,7 +69,7 @@ FIGURES: dict = {}
 
 
 @pytest.mark.parametrize("policy", ["summary", "window"])
-@pytest.mark.parametrize("layout", ["aligned", "aligned_unshared", "independent", "flatten"])
+@pytest.mark.parametrize("layout", ["aligned", "aligned_unshared", "independent", "flatten", "trie"])
 def test_served_equals_in_process(tiny_models, tiny_server, layout, policy):
     from memopd.hf import head_of
     from memopd.memory import random_trajectories
@@ -97,6 +97,47 @@ def test_served_equals_in_process(tiny_models, tiny_server, layout, policy):
           f"max|dgrad| {dg:.3g}, bitwise {dh == 0 and loss_in == loss_sv and dg == 0}")
     assert set(g_in) == set(g_sv) and len(g_in) > 5
     assert dh <= 1e-6 and abs(loss_in - loss_sv) <= 1e-6 and abs(kl_in - kl_sv) <= 1e-6 and dg <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["aligned", "trie"])
+def test_a_teacher_of_the_trainers_layout_reads_the_one_packed_batch(tiny_models, tiny_server, monkeypatch, layout):
+    """score() with the teacher's layout equal to the trainer's packs the step's trajectories
+    once, served or in process, and the served teacher's states are the in-process ones;
+    a teacher of another layout gets its own batch."""
+    import memopd.trainer.update as U
+    from memopd.memory import random_trajectories
+    from memopd.models import load_local_model
+    from memopd.teacher_client import ServedTeacher
+    from memopd.trainer.modules import Actor, Critic, Scoring
+    from memopd.trainer.settings import PPOSettings
+
+    packed = []
+    real = U.pack
+    monkeypatch.setattr(U, "pack", lambda *a, **k: packed.append(k["layout"]) or real(*a, **k))
+    teacher_dir, student = tiny_models
+    actor, critic = Actor(student, scoring=Scoring(1.0, 128)), Critic(student)
+    trajs = random_trajectories("summary", 8, seed=4, group_size=4, vocab_size=128, calls=(3, 5), group_context=True,
+                                group_steps=1)
+
+    def run(teacher_lm, teacher_layout):
+        packed.clear()
+        sc = U.score(actor, critic, None, teacher_lm, trajs, teacher_layout=teacher_layout, max_tokens=256,
+                     ppo=PPOSettings(ref_kl_coef=0.0, gamma=1.0, lam=0.95), layout=layout)
+        return sc, sorted(packed)
+
+    client = ServedTeacher(tiny_server[1], retries=0)
+    try:
+        served, served_packs = run(client, layout)
+        other, other_packs = run(client, "flatten")
+    finally:
+        client.close()
+    local, local_packs = run(load_local_model(teacher_dir).eval().requires_grad_(False), layout)
+    assert served_packs == local_packs == [layout]
+    assert other_packs == sorted([layout, "flatten"])
+    mask = U.pack_layout(trajs, 256, layout=layout).teacher_mask
+    assert mask.any() and float(local.teacher_hidden[mask].abs().max()) > 0
+    assert float((served.teacher_hidden - local.teacher_hidden).abs().max()) <= 1e-6
+    assert torch.equal(served.logp_old, local.logp_old) and torch.equal(served.advantages, local.advantages)
 
 
 def test_topk_and_bf16_answers(tiny_models, tiny_server):
