@@ -53,9 +53,9 @@ def _attention_case(Hq, Hkv, mode, smoke, shared=False, split=None):
     from memopd.ops.attention import packed_attention
 
     if split is not None:
-        import memopd.kernels.packed_attention as kern
+        import memopd.kernels.attention_plan as plan
 
-        kern.SPLIT_ROWS = kern._split_setting(split)
+        plan.SPLIT_ROWS = plan._split_setting(split)
     T, D = (256, 16) if smoke else (16384, 128)
     dev, dtype, backend = ("cpu", torch.float32, "torch") if smoke else ("cuda", torch.bfloat16, "triton")
     if shared:

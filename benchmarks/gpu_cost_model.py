@@ -551,11 +551,12 @@ def attention_dkdv(T, Hq, Hkv, D, layout, split=True, deterministic=False):
     """The dK/dV kernel's programs (all kv heads, launch order) and their schedule."""
     import torch
 
-    import memopd.kernels.packed_attention as pa
+    import memopd.kernels.attention_plan as pa
+    import memopd.kernels.attention_tuning as tuning
 
     meta = attention_meta(T, layout)
     group_p2 = triton.next_power_of_2(Hq // Hkv)
-    bm, bn = _first_config(pa._BWD_KV_CONFIGS, pa._BWD_KV_PRUNE, D, group_p2)
+    bm, bn = _first_config(tuning.BWD_KV_CONFIGS, tuning.BWD_KV_PRUNE, D, group_p2)
     rows = bm // group_p2
     kqr = pa.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end)
     plan_n, align_m, _, spread = pa.dkdv_plan_spec(Hkv, ATTN_SMS, interpreted=False)
@@ -587,10 +588,12 @@ def attention_fwd(T, Hq, Hkv, D, layout, kernel="fwd"):
     """The forward (or deterministic dQ) kernel's programs: (query block, query head),
     query blocks fastest, so the heads follow one another."""
 
-    import memopd.kernels.packed_attention as pa
+    import memopd.kernels.attention_plan as pa
+    import memopd.kernels.attention_tuning as tuning
 
     meta = attention_meta(T, layout)
-    configs, prune = (pa._FWD_CONFIGS, pa._FWD_PRUNE) if kernel == "fwd" else (pa._BWD_DQ_CONFIGS, pa._BWD_DQ_PRUNE)
+    configs, prune = (tuning.FWD_CONFIGS, tuning.FWD_PRUNE) if kernel == "fwd" else \
+        (tuning.BWD_DQ_CONFIGS, tuning.BWD_DQ_PRUNE)
     bm, bn = _first_config(configs, prune, D)
     r = pa.fwd_program_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end, bm, bn)
     trips = (r[:, 1] - r[:, 0]).clamp(min=0) + (r[:, 3] - r[:, 2]).clamp(min=0) + (r[:, 5] - r[:, 4]).clamp(min=0)

@@ -1,8 +1,11 @@
 """Triton kernels of memopd (installed as `memopd.kernels`).
 
-Each kernel module holds the kernels of one op (`packed_attention`, `fused_distill`,
-`actor_loss`; `distill_rows` the distillation op's path with its gradients taken in the
-forward); `lm_head_tiles` the tiles the two lm-head ops share, `runtime` the
+Each kernel module holds the kernels of one op (`fused_distill`, `actor_loss`;
+`distill_rows` the distillation op's path with its gradients taken in the forward);
+packed attention is four modules, one job each: `attention_kernels` (the Triton
+kernels), `packed_attention` (their launchers), `attention_plan` (the backward's
+host-side plan, plain torch) and `attention_tuning` (the tile candidates).
+`lm_head_tiles` holds the tiles the two lm-head ops share, `runtime` the
 interpreter / autotuning / precision policy. The public, dispatching wrappers live in
 `memopd.ops`, one layer up: nothing here imports `memopd.ops`.
 

@@ -115,7 +115,7 @@ def _describe(config) -> str:
 
 def chosen_configs() -> dict:
     """Per registered autotuner that has tuned at least once, its current pick, e.g.
-    {"_fwd_kernel": "BLOCK_M=128,BLOCK_N=64,w8,s3"} (the last key it was called with)."""
+    {"fwd_kernel[T<=16384]": "BLOCK_M=128,BLOCK_N=64,w8,s3"} (the last key it was called with)."""
     out = {}
     for name, tuner in _AUTOTUNERS.items():
         best = getattr(tuner, "best_config", None)

@@ -167,7 +167,7 @@ _DISTILL_ROWS_TYPES = dict(_LOSS_TYPES, s_ptr="*fp32", t_ptr="*fp32", g_ptr="*bf
 def _attn_types(fn, dtype="bf16"):
     # DQ: the fp32 atomic accumulator in the dK/dV kernel, the output of the dQ kernel;
     # Q/K/V/O and their gradients in the inputs' dtype
-    dq = "*fp32" if fn.__name__ == "_bwd_dkdv_kernel" else f"*{dtype}"
+    dq = "*fp32" if fn.__name__ == "bwd_dkdv_kernel" else f"*{dtype}"
     types = {n: dq if n == "DQ" else _ATTN_TYPES.get(n, "i32") for n in fn.arg_names}
     return {n: f"*{dtype}" if t == "*bf16" else t for n, t in types.items()}
 
@@ -210,16 +210,19 @@ def _job(family, kernel, variant, shape, fn, types, consts, warps, stages, divis
 def attention_jobs():
     import torch
 
-    import memopd.kernels.packed_attention as kern
+    import memopd.kernels.attention_kernels as ak
+    import memopd.kernels.attention_tuning as tuning
+    from memopd.kernels.attention_plan import dkdv_plan_spec
+    from memopd.kernels.runtime import dot_precision
 
-    kernels = [("fwd", kern._fwd_kernel, kern._FWD_CONFIGS, kern._FWD_PRUNE),
-               ("dkdv", kern._bwd_dkdv_kernel, kern._BWD_KV_CONFIGS, kern._BWD_KV_PRUNE),
-               ("dq", kern._bwd_dq_kernel, kern._BWD_DQ_CONFIGS, kern._BWD_DQ_PRUNE)]
+    kernels = [("fwd", ak.fwd_kernel, tuning.FWD_CONFIGS, tuning.FWD_PRUNE),
+               ("dkdv", ak.bwd_dkdv_kernel, tuning.BWD_KV_CONFIGS, tuning.BWD_KV_PRUNE),
+               ("dq", ak.bwd_dq_kernel, tuning.BWD_DQ_CONFIGS, tuning.BWD_DQ_PRUNE)]
     jobs = []
     for dt, torch_name in ATTN_DTYPES:
         torch_dtype = getattr(torch, torch_name)
         q = torch.empty(1, 1, 1, dtype=torch_dtype)
-        prec = kern.dot_precision(torch_dtype)  # bf16: "tf32" (unused by 16-bit dots); fp32: "ieee"
+        prec = dot_precision(torch_dtype)  # bf16: "tf32" (unused by 16-bit dots); fp32: "ieee"
         for name, fn, configs, prune in kernels:
             # a kernel that takes the group as a runtime argument (fwd, dq) compiles to one
             # binary for every group; the dK/dV tiles are shaped by it (a constexpr)
@@ -233,7 +236,7 @@ def attention_jobs():
                                           UPCAST=False, PREC=prec, SAFE=safe)
                             if name == "dkdv":
                                 consts.update(GROUP=group, GROUP_P2=gp2, ATOMIC_DQ=True,
-                                              PLAN_N=kern.dkdv_plan_spec()[0])
+                                              PLAN_N=dkdv_plan_spec()[0])
                             shape = f"{dt} D={D}" + ("" if group is None else f" group={group}")
                             jobs.append(_job("attention", name, "safe" if safe else "plain", shape, fn,
                                              _attn_types(fn, dt), consts, c.num_warps, c.num_stages))
@@ -244,7 +247,7 @@ def attention_jobs():
                                                  dict(consts, ATOMIC_DQ=False), c.num_warps, c.num_stages))
         # the sum of the split dK/dV blocks' partials (`_reduce_partials`: one launch setting)
         for D in HEAD_DIMS:
-            fn = kern._bwd_kv_reduce_kernel
+            fn = ak.bwd_kv_reduce_kernel
             jobs.append(_job("attention", "dkdv-reduce", "plain", f"{dt} D={D}", fn, _attn_types(fn, dt),
                              dict(HEAD_DIM=D, BLOCK_R=32), 4, 3))
     return jobs

@@ -22,7 +22,7 @@ fake implementation and an autograd formula whose backward is the custom op
 and the "checked" mark of the metadata, so `torch.compile(fullgraph=True)` traces it without
 a graph break. The torch path (its planning, cached on the metadata, and its two
 backwards) is `memopd.ops.attention_torch`; the Triton backward's per-key query ranges
-and its dK/dV split plan are cached on the metadata the same way
+and its dK/dV split plan (`memopd.kernels.attention_plan`) are cached on the metadata the same way
 (`memopd.layout.cached_on_metadata`); the argument checks are
 `memopd.ops._validate.check_attention_inputs`. Second derivatives are not supported on
 these two backends.
@@ -98,6 +98,13 @@ def _kernels():
     return kern
 
 
+def _plan():
+    # the backward's key ranges and dK/dV split plan (lazily, as `_kernels`)
+    from ..kernels import attention_plan as plan
+
+    return plan
+
+
 # --------------------------------------------------------------------------------------
 # custom ops + autograd (both "torch" and "triton")
 # --------------------------------------------------------------------------------------
@@ -121,12 +128,12 @@ def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             prefix_start: Tensor, prefix_end: Tensor, scale: float, deterministic: bool,
             backend: str) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
-        kern = _kernels()
+        kern, host = _kernels(), _plan()
         # depend on the metadata only: computed by the first layer's backward, reused by the others
-        ranges = cached_on_metadata(seg_start, prefix_start, prefix_end, "key_query_ranges", kern.key_query_ranges)
-        spec = kern.dkdv_plan_spec(k.shape[1], kern.sm_count(k.device))
+        ranges = cached_on_metadata(seg_start, prefix_start, prefix_end, "key_query_ranges", host.key_query_ranges)
+        spec = host.dkdv_plan_spec(k.shape[1], host.sm_count(k.device))
         plan = cached_on_metadata(seg_start, prefix_start, prefix_end, "dkdv_plan_" + "_".join(map(str, spec)),
-                                  lambda *_: kern.dkdv_split_plan(ranges, *spec))
+                                  lambda *_: host.dkdv_split_plan(ranges, *spec))
         return kern.packed_attention_bwd(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end,
                                          scale, deterministic, key_ranges=ranges, split_plan=plan)
     return torch_backward(dout, q, k, v, out, lse, seg_start, prefix_start, prefix_end, scale)

@@ -97,9 +97,9 @@ def test_matrix_has_the_fp32_rows():
     pytest.importorskip("triton")
     import torch
 
+    import memopd.kernels.attention_tuning as tuning
     import memopd.kernels.fused_distill as fd
     import memopd.kernels.lm_head_tiles as tiles
-    import memopd.kernels.packed_attention as kern
     from memopd.kernels.contract import Divergence
 
     jobs = _aot.matrix_jobs()
@@ -133,11 +133,11 @@ def test_matrix_has_the_fp32_rows():
     for D in _aot.HEAD_DIMS:
         for group in _aot.GROUPS:
             gp2 = 1 << (group - 1).bit_length()
-            keep32 = kern._BWD_KV_PRUNE(kern._BWD_KV_CONFIGS, {"HEAD_DIM": D, "Q": q32, "GROUP_P2": gp2})
-            keep16 = kern._BWD_KV_PRUNE(kern._BWD_KV_CONFIGS, {"HEAD_DIM": D, "Q": q16, "GROUP_P2": gp2})
+            keep32 = tuning.BWD_KV_PRUNE(tuning.BWD_KV_CONFIGS, {"HEAD_DIM": D, "Q": q32, "GROUP_P2": gp2})
+            keep16 = tuning.BWD_KV_PRUNE(tuning.BWD_KV_CONFIGS, {"HEAD_DIM": D, "Q": q16, "GROUP_P2": gp2})
             launches = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in keep32}
-            assert launches and launches <= kern._FP32_ONLY and not launches & kern._SPILLS_FP32["dkdv"][D]
-            assert not any((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kern._FP32_ONLY
+            assert launches and launches <= tuning.FP32_ONLY and not launches & tuning.SPILLS_FP32["dkdv"][D]
+            assert not any((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in tuning.FP32_ONLY
                            for c in keep16)
             cfgs = {j["config"] for j in fp32 if j["kernel"] == "dkdv" and j["shape"] == f"fp32 D={D} group={group}"}
             assert cfgs == {f"BLOCK_M={bm},BLOCK_N={bn},w{w},s{s}" for bm, bn, w, s in launches}

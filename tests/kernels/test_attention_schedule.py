@@ -24,7 +24,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_cost_model as cm  # noqa: E402
 
-import memopd.kernels.packed_attention as pa  # noqa: E402
+import memopd.kernels.attention_plan as pa  # noqa: E402
+import memopd.kernels.attention_tuning as tuning  # noqa: E402
 
 TARGET = 1.5  # critical path / (total work / SMs)
 
@@ -62,7 +63,7 @@ def test_split_walks_every_pair_exactly_once(shape):
     meta = cm.attention_meta(T, layout)
     kqr = pa.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end)
     group_p2 = triton.next_power_of_2(Hq // Hkv)
-    bm, bn = cm._first_config(pa._BWD_KV_CONFIGS, pa._BWD_KV_PRUNE, D, group_p2)
+    bm, bn = cm._first_config(tuning.BWD_KV_CONFIGS, tuning.BWD_KV_PRUNE, D, group_p2)
     rows = bm // group_p2
     plan_n, align_m, _, spread = pa.dkdv_plan_spec(Hkv, cm.ATTN_SMS, interpreted=False)
     n_tiles = -(-T // rows) + 1

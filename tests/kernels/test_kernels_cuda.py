@@ -157,22 +157,22 @@ def test_attention_split_backward_at_production_shape(Hq, Hkv, fixed_tiles, monk
     """16 calls sharing a 2k prefix, 8k tokens, D=128 bf16: the dK/dV split (default) splits
     the prefix's key blocks; its dK/dV equal the unsplit kernel's within one bf16 rounding,
     its deterministic backward is bitwise reproducible, and both match the torch path."""
+    import memopd.kernels.attention_plan as plan_mod
     from memopd.ops.attention import packed_attention
 
-    kern = fixed_tiles
     T = 8192
     meta = _one_prefix_meta(T, 2048, 16).to("cuda")
     q, k, v, do = attn_cases.make_inputs(T, Hq, Hkv, 128, torch.bfloat16, 5, device="cuda")
 
     def run(split, det, xs=(q, k, v, do), backend="triton"):
-        monkeypatch.setattr(kern, "SPLIT_ROWS", split)
+        monkeypatch.setattr(plan_mod, "SPLIT_ROWS", split)
         leaves = [x.clone().requires_grad_() for x in xs[:3]]
         packed_attention(*leaves, meta, backend=backend, deterministic=det).backward(xs[3])
         return [x.grad for x in leaves]
 
-    plan = kern.dkdv_split_plan(kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end),
-                                *kern.dkdv_plan_spec(Hkv, kern.sm_count("cuda"))[:2], None,
-                                kern.dkdv_plan_spec(Hkv, kern.sm_count("cuda"))[3])
+    spec = plan_mod.dkdv_plan_spec(Hkv, plan_mod.sm_count("cuda"))
+    plan = plan_mod.dkdv_split_plan(plan_mod.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end),
+                                    *spec[:2], None, spec[3])
     assert int((plan.reduce[1] > 1).sum()) >= 8
     base, split, again = run(0, True), run(None, True), run(None, True)
     atomic = run(None, False)
@@ -185,12 +185,14 @@ def test_attention_split_backward_at_production_shape(Hq, Hkv, fixed_tiles, monk
                                     torch.bfloat16)
 
 
-def _candidates(kern):
+def _candidates():
+    import memopd.kernels.attention_tuning as tuning
+
     q = torch.empty(1, 1, 128, dtype=torch.bfloat16)
     return {name: prune(configs, {"HEAD_DIM": 128, "Q": q, "GROUP_P2": gp2})
-            for name, configs, prune, gp2 in (("fwd", kern._FWD_CONFIGS, kern._FWD_PRUNE, 1),
-                                              ("dkdv", kern._BWD_KV_CONFIGS, kern._BWD_KV_PRUNE, 8),
-                                              ("dq", kern._BWD_DQ_CONFIGS, kern._BWD_DQ_PRUNE, 1))}
+            for name, configs, prune, gp2 in (("fwd", tuning.FWD_CONFIGS, tuning.FWD_PRUNE, 1),
+                                              ("dkdv", tuning.BWD_KV_CONFIGS, tuning.BWD_KV_PRUNE, 8),
+                                              ("dq", tuning.BWD_DQ_CONFIGS, tuning.BWD_DQ_PRUNE, 1))}
 
 
 @cuda_only
@@ -199,12 +201,14 @@ def test_attention_every_candidate(index, fixed_tiles, monkeypatch):
     """Candidate `index` of each kernel's pruned list (the last one where a list is
     shorter; at D=128 the lists hold 2-4), GQA group 8, deterministic backward (all three
     kernels run): any candidate the autotuner may pick gives right results."""
+    import memopd.kernels.attention_kernels as ak
+
     kern = fixed_tiles
-    cands = _candidates(kern)
+    cands = _candidates()
     picked = {name: c[min(index, len(c) - 1)] for name, c in cands.items()}
 
     def pick(raw, tuned, configs, prune, q, group_p2=1):
-        name = {kern._fwd_kernel: "fwd", kern._bwd_dkdv_kernel: "dkdv", kern._bwd_dq_kernel: "dq"}[raw]
+        name = {ak.fwd_kernel: "fwd", ak.bwd_dkdv_kernel: "dkdv", ak.bwd_dq_kernel: "dq"}[raw]
         c = picked[name]
         return raw, {"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"],
                      "num_warps": c.num_warps, "num_stages": c.num_stages}

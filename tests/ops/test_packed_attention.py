@@ -300,14 +300,16 @@ def test_one_attention_autotuner_per_token_bucket(monkeypatch):
     if kern.INTERPRET:
         pytest.skip("the interpreter never autotunes (TRITON_INTERPRET=1 was set before the kernels were imported)")
     runtime = sys.modules["memopd.kernels.runtime"]
+    ak = sys.modules["memopd.kernels.attention_kernels"]
+    tuning = sys.modules["memopd.kernels.attention_tuning"]
     monkeypatch.setattr(kern, "AUTOTUNE", True)
     monkeypatch.setattr(kern, "_TUNERS", {})
     monkeypatch.setattr(runtime, "_AUTOTUNERS", {})
     sizes = (100, 5000, 8000, 20000, 10**6)
-    for kind, raw, configs, key in (("fwd", kern._fwd_kernel, kern._FWD_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"]),
-                                    ("dkdv", kern._bwd_dkdv_kernel, kern._BWD_KV_CONFIGS,
+    for kind, raw, configs, key in (("fwd", ak.fwd_kernel, tuning.FWD_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"]),
+                                    ("dkdv", ak.bwd_dkdv_kernel, tuning.BWD_KV_CONFIGS,
                                      ["HEAD_DIM", "GROUP", "GROUP_P2", "PREC", "ATOMIC_DQ"]),
-                                    ("dq", kern._bwd_dq_kernel, kern._BWD_DQ_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"])):
+                                    ("dq", ak.bwd_dq_kernel, tuning.BWD_DQ_CONFIGS, ["HEAD_DIM", "GROUP", "PREC"])):
         tuner = {T: kern._tuner(kind, T) for T in sizes}
         assert tuner[5000] is tuner[8000] and tuner[20000] is tuner[10**6]
         assert len({id(t) for t in tuner.values()}) == 3
@@ -315,7 +317,7 @@ def test_one_attention_autotuner_per_token_bucket(monkeypatch):
             assert t.fn is raw and t.configs == configs and t.keys == key
             assert t.reset_to_zero == (["DQ"] if kind == "dkdv" else [])
     assert sorted(runtime._AUTOTUNERS) == sorted(f"{name}[T<={b}]" for b in (256, 8192, 16384)
-                                                 for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"))
+                                                 for name in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"))
     # the launchers ask for the tuner of their own T
     launched, buckets = [], []
     monkeypatch.setattr(kern, "check_triton_inputs", lambda *a: None)
@@ -336,7 +338,7 @@ def test_one_attention_autotuner_per_token_bucket(monkeypatch):
     assert len(set(buckets)) == 2  # two size classes, two tuners each
     # nothing is tuned where autotuning is off or the parameters are forced
     with monkeypatch.context() as forced:
-        forced.setitem(kern._FIXED, "BLOCK_M", 64)
+        forced.setitem(tuning.FIXED, "BLOCK_M", 64)
         assert kern._tuner("fwd", 5000) is None
     assert kern._tuner("fwd", 5000) is launched_tuner
     monkeypatch.setattr(kern, "AUTOTUNE", False)

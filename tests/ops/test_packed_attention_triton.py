@@ -24,6 +24,9 @@ import _attention_cases as _cases  # noqa: E402
 import pytest  # noqa: E402
 from _attention_cases import assert_close, oracle, random_meta, random_token_meta  # noqa: E402
 
+import memopd.kernels.attention_kernels as ak  # noqa: E402
+import memopd.kernels.attention_plan as kplan  # noqa: E402
+import memopd.kernels.attention_tuning as tuning  # noqa: E402
 import memopd.kernels.packed_attention as kern  # noqa: E402
 from memopd.layout import AttentionMeta, SegmentKind, cached_on_metadata  # noqa: E402
 from memopd.ops.attention import packed_attention  # noqa: E402
@@ -69,12 +72,12 @@ def make_inputs(T, Hq, Hkv, D, dtype, seed):
 def run_triton(q, k, v, do, meta, blocks, deterministic, scale=None, monkeypatch=None, split="auto"):
     """Forward + backward through the op. split: the dK/dV split setting (`SPLIT_ROWS`:
     "auto" leaves the default, 0 turns it off, N caps the query rows per program)."""
-    monkeypatch.setitem(kern._FIXED, "BLOCK_M", blocks[0])
-    monkeypatch.setitem(kern._FIXED, "BLOCK_N", blocks[1])
-    monkeypatch.setattr(kern, "SPLIT_ROWS", None if split == "auto" else split)
+    monkeypatch.setitem(tuning.FIXED, "BLOCK_M", blocks[0])
+    monkeypatch.setitem(tuning.FIXED, "BLOCK_N", blocks[1])
+    monkeypatch.setattr(kplan, "SPLIT_ROWS", None if split == "auto" else split)
     if DEVICE == "cuda":  # warps and stages that suit such small tiles
-        monkeypatch.setitem(kern._FIXED, "num_warps", 4)
-        monkeypatch.setitem(kern._FIXED, "num_stages", 2)
+        monkeypatch.setitem(tuning.FIXED, "num_warps", 4)
+        monkeypatch.setitem(tuning.FIXED, "num_stages", 2)
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
     meta = meta.to(DEVICE)
     out = packed_attention(qq, kk, vv, meta, scale, backend="triton", deterministic=deterministic)
@@ -220,18 +223,18 @@ def test_only_needed_blocks_are_computed(shuffle, split, monkeypatch):
             return fn(*args)
         return wrapped
 
-    monkeypatch.setattr(kern, "_fwd_step", counted("fwd", kern._fwd_step))
-    monkeypatch.setattr(kern, "_bwd_dq_step", counted("dq", kern._bwd_dq_step))
-    orig_kv = kern._bwd_kv_step
+    monkeypatch.setattr(ak, "_fwd_step", counted("fwd", ak._fwd_step))
+    monkeypatch.setattr(ak, "_bwd_dq_step", counted("dq", ak._bwd_dq_step))
+    orig_kv = ak._bwd_kv_step
 
     def kv(*args):  # args[15] = query rows, args[16] = keys of the tile
         seen["kv"].append((int(args[15].handle.data[0]) // bm, int(args[16].handle.data[0]) // bn))
         return orig_kv(*args)
 
-    monkeypatch.setattr(kern, "_bwd_kv_step", kv)
+    monkeypatch.setattr(ak, "_bwd_kv_step", kv)
     got = run_triton(q, k, v, do, meta, (bm, bn), True, monkeypatch=monkeypatch, split=split)
     if split:  # the split pieces still walk each needed tile once, whichever piece it is
-        plan = kern.dkdv_split_plan(_cached_ranges(meta), *kern.dkdv_plan_spec(1))
+        plan = kplan.dkdv_split_plan(_cached_ranges(meta), *kplan.dkdv_plan_spec(1))
         assert (plan.reduce[1] > 1).any()
     want = oracle(q, k, v, do, meta)
     assert_close("dk", got[2], want[2], torch.float32)
@@ -371,7 +374,7 @@ def test_split_backward_matches_unsplit(dtype, Hq, Hkv, D, blocks, shuffle, toke
     split = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch, split=rows)
     again = run_triton(q, k, v, do, meta, blocks, True, monkeypatch=monkeypatch, split=rows)
     atomic = run_triton(q, k, v, do, meta, blocks, False, monkeypatch=monkeypatch, split=rows)
-    plan = kern.dkdv_split_plan(_cached_ranges(meta.to(DEVICE)), *kern.dkdv_plan_spec(Hkv, kern.sm_count(DEVICE)))
+    plan = kplan.dkdv_split_plan(_cached_ranges(meta.to(DEVICE)), *kplan.dkdv_plan_spec(Hkv, kplan.sm_count(DEVICE)))
     assert int((plan.reduce[1] > 1).sum()) >= 3, "the case does not split"
     want = oracle(q, k, v, do, meta)
     tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # fp32: reassociated sums; bf16: one rounding
@@ -387,9 +390,9 @@ def test_split_backward_matches_unsplit(dtype, Hq, Hkv, D, blocks, shuffle, toke
 
 
 def test_split_setting_from_the_environment():
-    assert [kern._split_setting(x) for x in (None, "auto", " AUTO ", "off", "0", "256")] == [None, None, None, 0, 0, 256]
+    assert [kplan._split_setting(x) for x in (None, "auto", " AUTO ", "off", "0", "256")] == [None, None, None, 0, 0, 256]
     with pytest.raises(ValueError, match="MEMOPD_ATTENTION_SPLIT"):
-        kern._split_setting("-3")
+        kplan._split_setting("-3")
 
 
 def test_split_plan_host_facts():
@@ -400,7 +403,7 @@ def test_split_plan_host_facts():
     kqr = _cached_ranges(meta)
     T = meta.num_tokens
     for block_n, align_m, rows in ((16, 16, None), (32, 16, 24), (64, 32, 0)):
-        plan = kern.dkdv_split_plan(kqr, block_n, align_m, rows)
+        plan = kplan.dkdv_split_plan(kqr, block_n, align_m, rows)
         n_blocks = -(-T // block_n)
         table, counts, first = plan.table.long(), plan.reduce[1].long(), plan.reduce[0].long()
         used = table[0] < n_blocks
@@ -408,7 +411,7 @@ def test_split_plan_host_facts():
         for g in range(n_blocks):
             mine = table[:, table[0] == g]
             lo, hi = torch.sort(mine[1]).values, torch.sort(mine[2]).values
-            assert lo[0] == 0 and hi[-1] == kern._WINDOW_END and torch.equal(lo[1:], hi[:-1])
+            assert lo[0] == 0 and hi[-1] == kplan._WINDOW_END and torch.equal(lo[1:], hi[:-1])
             assert bool((lo % align_m == 0).all())
             if counts[g] > 1:
                 assert torch.equal(torch.sort(mine[3]).values, torch.arange(int(first[g]), int(first[g] + counts[g])))
@@ -455,7 +458,7 @@ def test_trie_layout_metadata(det, monkeypatch):
     segment that each call reads to its own depth (its token-level interval)."""
     meta = _trie_meta()
     # the dK/dV walk's reader ranges stay per spine (no fallback to every query row)
-    kqr = kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end).long()
+    kqr = kplan.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end).long()
     read = meta.prefix_end.long() > meta.prefix_start.long()
     spine_keys = torch.zeros(meta.num_tokens, dtype=torch.bool)
     spine_keys[meta.prefix_start.long()[read]] = True
@@ -473,9 +476,9 @@ def test_key_query_ranges_cover_every_reader():
     for meta in (random_meta(21, 400, shuffle=True), random_meta(22, 400), random_token_meta(4, 120), _trie_meta(1)):
         vis = meta.visible()  # [query, key]
         T = meta.num_tokens
-        kqr = kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end).long()
+        kqr = kplan.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end).long()
         if DEVICE == "cuda":  # same answer on the device
-            kqr_dev = kern.key_query_ranges(*(x.cuda() for x in (meta.seg_start, meta.prefix_start, meta.prefix_end)))
+            kqr_dev = kplan.key_query_ranges(*(x.cuda() for x in (meta.seg_start, meta.prefix_start, meta.prefix_end)))
             assert torch.equal(kqr_dev.cpu().long(), kqr)
         rows = torch.arange(T).unsqueeze(1)
         in_pre = (rows >= kqr[0]) & (rows < kqr[1])
@@ -491,7 +494,7 @@ def test_key_query_ranges_cover_every_reader():
 
 def _cached_ranges(meta):
     return cached_on_metadata(meta.seg_start, meta.prefix_start, meta.prefix_end, "key_query_ranges",
-                              kern.key_query_ranges)
+                              kplan.key_query_ranges)
 
 
 def _cloned(meta):
@@ -505,7 +508,7 @@ def test_key_query_ranges_cached_per_metadata():
     tensor for the same metadata, and rebuilt after an in-place change of seg_start."""
     meta = random_meta(23, 300)
     first = _cached_ranges(meta)
-    assert torch.equal(first, kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end))
+    assert torch.equal(first, kplan.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end))
     assert _cached_ranges(meta) is first
     # other tensors with the same values: a metadata object of their own
     copy = _cloned(meta)
@@ -515,7 +518,7 @@ def test_key_query_ranges_cached_per_metadata():
     meta.seg_start[row] = row + 1
     changed = _cached_ranges(meta)
     assert changed is not first and not torch.equal(changed, first)
-    assert torch.equal(changed, kern.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end))
+    assert torch.equal(changed, kplan.key_query_ranges(meta.seg_start, meta.prefix_start, meta.prefix_end))
     assert _cached_ranges(meta) is changed
 
 
@@ -523,27 +526,27 @@ def test_backward_computes_key_ranges_once_per_metadata(monkeypatch):
     """Two attention layers over one metadata object: one `key_query_ranges` for both
     backwards, and the gradients bitwise those of metadata that has to compute its own."""
     calls = []
-    build = kern.key_query_ranges
+    build = kplan.key_query_ranges
 
     def counting(*args):
         calls.append(1)
         return build(*args)
 
-    monkeypatch.setattr(kern, "key_query_ranges", counting)
+    monkeypatch.setattr(kplan, "key_query_ranges", counting)
     plans = []
-    build_plan = kern.dkdv_split_plan
+    build_plan = kplan.dkdv_split_plan
 
     def counting_plan(*args):
         plans.append(1)
         return build_plan(*args)
 
-    monkeypatch.setattr(kern, "dkdv_split_plan", counting_plan)
-    monkeypatch.setattr(kern, "SPLIT_ROWS", 16)  # a plan that splits
-    monkeypatch.setitem(kern._FIXED, "BLOCK_M", 16)
-    monkeypatch.setitem(kern._FIXED, "BLOCK_N", 16)
+    monkeypatch.setattr(kplan, "dkdv_split_plan", counting_plan)
+    monkeypatch.setattr(kplan, "SPLIT_ROWS", 16)  # a plan that splits
+    monkeypatch.setitem(tuning.FIXED, "BLOCK_M", 16)
+    monkeypatch.setitem(tuning.FIXED, "BLOCK_N", 16)
     if DEVICE == "cuda":
-        monkeypatch.setitem(kern._FIXED, "num_warps", 4)
-        monkeypatch.setitem(kern._FIXED, "num_stages", 2)
+        monkeypatch.setitem(tuning.FIXED, "num_warps", 4)
+        monkeypatch.setitem(tuning.FIXED, "num_stages", 2)
     meta = random_meta(24, 90).to(DEVICE)
     q, k, v, do = make_inputs(meta.num_tokens, 2, 2, 16, torch.float32, 24)
 
@@ -558,7 +561,7 @@ def test_backward_computes_key_ranges_once_per_metadata(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(shared, two_layers(_cloned(meta))))
     assert len(calls) == 2 and len(plans) == 2
     # another split setting: another plan, cached beside the first
-    monkeypatch.setattr(kern, "SPLIT_ROWS", 0)
+    monkeypatch.setattr(kplan, "SPLIT_ROWS", 0)
     two_layers(meta)
     assert len(calls) == 2 and len(plans) == 3
     with pytest.raises(ValueError, match="key_ranges"):
@@ -568,7 +571,7 @@ def test_backward_computes_key_ranges_once_per_metadata(monkeypatch):
     with pytest.raises(ValueError, match="split_plan"):
         kern.packed_attention_bwd(do, q, k, v, q, torch.zeros(2, meta.num_tokens, device=DEVICE),
                                   meta.seg_start, meta.prefix_start, meta.prefix_end,
-                                  split_plan=kern.dkdv_split_plan(_cached_ranges(meta), 32, 16, 0))
+                                  split_plan=kplan.dkdv_split_plan(_cached_ranges(meta), 32, 16, 0))
 
 
 def test_errors():
