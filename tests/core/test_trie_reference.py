@@ -113,7 +113,7 @@ def test_the_core_trie_planner_is_the_python_one(monkeypatch, seed):
     for k in range(12):
         policy = POLICIES[k % len(POLICIES)]
         kw = dict(group_context=True, group_steps=k % 3) if k % 2 else {}
-        trajs = random_trajectories(policy, 16, seed=seed * 100 + k, group_size=1 + k % 4, vocab_size=(4, 9, 300)[k % 3],
+        trajs = random_trajectories(policy, 16, seed=seed * 100 + k, group_size=1 + k % 4, vocab_size=(5, 9, 300)[k % 3],
                                     calls=(1, 7), initial_context_len=(0, 6), prefix_len=(0, 5) if k % 4 == 3 else (3, 12),
                                     **kw)
         budgets = (8192, _longest(trajs) + 10, _longest(trajs))
