@@ -26,8 +26,77 @@ namespace {
 
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
+// The distinct q of a batch (few: one per group or task), sorted, with the common prefix
+// of any two from a range minimum over neighbours' (a sparse table): two calls whose q
+// differ at a depth inside both are ordered by their q alone, and share exactly that much.
+struct QTable {
+  std::vector<int64_t> cls;  // per trajectory: its class (distinct q), 0..K-1
+  std::vector<int64_t> rank;  // per class: its place in the sorted q
+  std::vector<std::vector<int64_t>> lcp_min;  // [j][r]: min common prefix of ranks r..r+2^j
+
+  QTable(const int64_t* ids, const int64_t* q_off, const int64_t* q_len, int64_t B) {
+    cls.resize(static_cast<size_t>(B));
+    std::vector<int64_t> rep;  // per class: its first trajectory
+    std::unordered_map<uint64_t, std::vector<int64_t>> seen;  // hash -> classes
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t* q = ids + q_off[b];
+      uint64_t h = 1469598103934665603ull ^ static_cast<uint64_t>(q_len[b]);
+      for (int64_t i = 0; i < q_len[b]; ++i) h = (h ^ static_cast<uint64_t>(q[i])) * 1099511628211ull;
+      auto& classes = seen[h];
+      int64_t found = -1;
+      for (int64_t k : classes) {
+        const int64_t f = rep[k];
+        if (q_len[f] == q_len[b] && std::equal(q, q + q_len[b], ids + q_off[f])) {
+          found = k;
+          break;
+        }
+      }
+      if (found < 0) {
+        found = static_cast<int64_t>(rep.size());
+        rep.push_back(b);
+        classes.push_back(found);
+      }
+      cls[b] = found;
+    }
+    const int64_t K = static_cast<int64_t>(rep.size());
+    std::vector<int64_t> sorted(static_cast<size_t>(K));
+    std::iota(sorted.begin(), sorted.end(), 0);
+    auto q_of = [&](int64_t k) { return ids + q_off[rep[k]]; };
+    std::sort(sorted.begin(), sorted.end(), [&](int64_t a, int64_t b) {
+      return std::lexicographical_compare(q_of(a), q_of(a) + q_len[rep[a]], q_of(b), q_of(b) + q_len[rep[b]]);
+    });
+    rank.resize(static_cast<size_t>(K));
+    for (int64_t r = 0; r < K; ++r) rank[sorted[r]] = r;
+    std::vector<int64_t> adj(static_cast<size_t>(std::max<int64_t>(K - 1, 0)));
+    for (int64_t r = 0; r + 1 < K; ++r) {
+      const int64_t a = sorted[r], b = sorted[r + 1];
+      const int64_t m = std::min(q_len[rep[a]], q_len[rep[b]]);
+      adj[r] = std::mismatch(q_of(a), q_of(a) + m, q_of(b)).first - q_of(a);
+    }
+    lcp_min.push_back(std::move(adj));
+    for (size_t j = 1; (int64_t{1} << j) < K; ++j) {
+      const auto& prev = lcp_min.back();
+      const size_t half = size_t{1} << (j - 1);
+      std::vector<int64_t> next(prev.size() - half);
+      for (size_t r = 0; r < next.size(); ++r) next[r] = std::min(prev[r], prev[r + half]);
+      lcp_min.push_back(std::move(next));
+    }
+  }
+
+  // common prefix of the q of two different classes
+  int64_t lcp(int64_t ca, int64_t cb) const {
+    int64_t lo = rank[ca], hi = rank[cb];
+    if (lo > hi) std::swap(lo, hi);
+    const int64_t n = hi - lo;  // neighbours' values lo..hi-1
+    size_t j = 0;
+    while ((int64_t{2} << j) <= n) ++j;
+    return std::min(lcp_min[j][lo], lcp_min[j][hi - (int64_t{1} << j)]);
+  }
+};
+
 struct Calls {
   const int64_t* ids;
+  const QTable* qt;
   std::vector<int64_t> q_off, q_len, x_off, len, q_class;  // per call
 
   // ids of call c from depth d to the end of the contiguous piece holding d
@@ -55,34 +124,32 @@ struct Calls {
     return m;
   }
 
-  // depth where the comparison of a and b can start: past q when both hold the same q
-  int64_t common_start(int64_t a, int64_t b) const { return q_class[a] == q_class[b] ? q_len[a] : 0; }
+  // the first depth where a and b differ (m: none below the shorter length m); `q_order`
+  // set to -1 / +1 when their q alone decide their order, else 0
+  int64_t diff(int64_t a, int64_t b, int64_t m, int& q_order) const {
+    q_order = 0;
+    if (q_class[a] == q_class[b]) return first_diff(a, b, q_len[a], m);
+    const int64_t l = qt->lcp(q_class[a], q_class[b]);
+    if (l < q_len[a] && l < q_len[b]) {
+      q_order = qt->rank[q_class[a]] < qt->rank[q_class[b]] ? -1 : 1;
+      return l;
+    }
+    return first_diff(a, b, l, m);
+  }
+
+  // call a's sequence before call b's (a proper prefix first)
+  bool less(int64_t a, int64_t b) const {
+    const int64_t m = std::min(len[a], len[b]);
+    int q_order;
+    const int64_t d = diff(a, b, m, q_order);
+    if (q_order) return q_order < 0;
+    return d < m ? tok(a, d) < tok(b, d) : len[a] < len[b];
+  }
 
   int64_t tok(int64_t c, int64_t d) const {
     return d < q_len[c] ? ids[q_off[c] + d] : ids[x_off[c] + d - q_len[c]];
   }
 };
-
-// per trajectory: a number shared by the trajectories whose q ids are equal
-std::vector<int64_t> q_classes(const int64_t* ids, const int64_t* q_off, const int64_t* q_len, int64_t B) {
-  std::vector<int64_t> cls(static_cast<size_t>(B));
-  std::unordered_map<uint64_t, std::vector<int64_t>> seen;  // hash -> first trajectory of each class
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t* q = ids + q_off[b];
-    uint64_t h = 1469598103934665603ull ^ static_cast<uint64_t>(q_len[b]);
-    for (int64_t i = 0; i < q_len[b]; ++i) h = (h ^ static_cast<uint64_t>(q[i])) * 1099511628211ull;
-    auto& firsts = seen[h];
-    cls[b] = b;
-    for (int64_t f : firsts) {
-      if (q_len[f] == q_len[b] && std::equal(q, q + q_len[b], ids + q_off[f])) {
-        cls[b] = f;
-        break;
-      }
-    }
-    if (cls[b] == b) firsts.push_back(b);
-  }
-  return cls;
-}
 
 struct Child {
   bool leaf;
@@ -142,7 +209,9 @@ py::tuple trie_plan(I64 ids_a, I64 q_off_traj, I64 q_len_traj, I64 traj, I64 x_o
   Calls calls;
   calls.ids = ids_a.data();
   const int64_t n_ids = ids_a.size();
-  const auto cls = q_classes(calls.ids, q_off_traj.data(), q_len_traj.data(), B);
+  const QTable qt(calls.ids, q_off_traj.data(), q_len_traj.data(), B);
+  calls.qt = &qt;
+  const auto& cls = qt.cls;
   for (auto* v : {&calls.q_off, &calls.q_len, &calls.x_off, &calls.len, &calls.q_class}) v->resize(C);
   for (int64_t c = 0; c < C; ++c) {
     const int64_t b = traj.data()[c];
@@ -159,16 +228,13 @@ py::tuple trie_plan(I64 ids_a, I64 q_off_traj, I64 q_len_traj, I64 traj, I64 x_o
   }
   std::vector<int64_t> order(static_cast<size_t>(C));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    const int64_t m = std::min(calls.len[a], calls.len[b]);
-    const int64_t d = calls.first_diff(a, b, calls.common_start(a, b), m);
-    return d < m ? calls.tok(a, d) < calls.tok(b, d) : calls.len[a] < calls.len[b];
-  });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return calls.less(a, b); });
   std::vector<int64_t> lens(static_cast<size_t>(C)), lcp(static_cast<size_t>(C), 0);
   for (int64_t k = 0; k < C; ++k) lens[k] = calls.len[order[k]];
   for (int64_t k = 0; k + 1 < C; ++k) {
     const int64_t a = order[k], b = order[k + 1];
-    lcp[k] = calls.first_diff(a, b, calls.common_start(a, b), std::min(lens[k], lens[k + 1]));
+    int q_order;
+    lcp[k] = calls.diff(a, b, std::min(lens[k], lens[k + 1]), q_order);
   }
 
   // the compressed trie, built over the sorted calls with a stack of open nodes (root 0)

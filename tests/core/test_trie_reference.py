@@ -17,6 +17,7 @@ Rewrite the reference only from a commit whose trie batches are trusted:
 import hashlib
 import json
 import os
+import random
 import sys
 
 import pytest
@@ -123,6 +124,38 @@ def test_the_core_trie_planner_is_the_python_one(monkeypatch, seed):
             py = [pack(trajs, "trie", max_tokens=b, action_domain="naive" if k % 2 else "exact") for b in budgets]
         for got, want in zip(core, py):
             assert digest_batch(got) == digest_batch(want), (policy, k)
+
+
+def _system_prompt_batch(seed: int) -> list:
+    """Groups whose q are one system prompt plus 0-3 more ids (some q a proper prefix of
+    another's), contexts drawn from few ids: calls of different q interleave in the order."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 6) for _ in range(rng.randint(0, 12))]
+    trajs = []
+    for g in range(10):
+        q = system + [rng.randrange(3, 6) for _ in range(rng.randint(0, 3))]
+        for _ in range(rng.randint(1, 4)):
+            invs = [Invocation(q, [rng.randrange(3, 6) for _ in range(rng.randint(0 if q else 1, 5))],
+                               [rng.randrange(3, 6) for _ in range(rng.randint(1, 4))]) for _ in range(rng.randint(1, 4))]
+            trajs.append(Trajectory(invs, group_id=str(g)))
+    return trajs
+
+
+def test_the_core_sorts_and_plans_as_python_with_shared_system_prompts(monkeypatch, seed):
+    from memopd import _C
+
+    for k in range(40):
+        trajs = _system_prompt_batch(seed * 1000 + k)
+        rec = packing._Records(trajs, need_src=False, check=False)
+        length = rec.q_len + rec.x_len + rec.a_len
+        got = _C.trie_plan(rec.ids, rec.q_off_traj, rec.q_len_traj, rec.traj, rec.x_off, length)
+        want = packing._trie_plan_py(rec, length)
+        for g, w, what in zip(got, want, ("order", "spine", "depth")):
+            assert g.tolist() == w.tolist(), (k, what)
+        with monkeypatch.context() as m:
+            m.setattr(packing, "_core_trie_plan", lambda: None)
+            py = pack(trajs, "trie", max_tokens=30)
+        assert digest_batch(pack(trajs, "trie", max_tokens=30)) == digest_batch(py), k
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
