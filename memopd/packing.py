@@ -35,7 +35,8 @@ How (nothing here is per token in Python): the records are read once into flat i
 arrays (`_Records`: by the C++ core's `read_records` where it is built, else by a Python
 reader), the record rules are checked on those arrays (`_Records.valid`; only when one
 may fail does `validate_trajectories` run, to name the problem in its words), each layout
-computes its segments and, per call, where x_t and a_t land (`_layout_*`), and the token
+computes its segments and, per call, where x_t and a_t land (`_layout_*`; the trie's plan
+by the core's `trie_plan`, else by `_trie_plan_py`), and the token
 stream, positions and action entries are gathered from the arrays in a few vectorised
 passes (`_tokens`, `_entries`). The batches are those of the earlier per-token compiler,
 bit for bit (tests/core/test_pack_equivalence.py).
