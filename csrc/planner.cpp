@@ -144,13 +144,15 @@ std::vector<int64_t> plan_rows(const std::vector<int64_t>& lengths,
 void register_logit_chunks(py::module_& m);  // csrc/logit_chunks.cpp
 void register_records(py::module_& m);  // csrc/records.cpp
 void register_bf16_gemm(py::module_& m);  // csrc/bf16_gemm.cpp
+void register_trie(py::module_& m);  // csrc/trie.cpp
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "memopd C++ core: the packed-row planner, the record reader of the pack compiler and the CPU logit-chunk "
-            "kernels of the fused losses";
+  m.doc() = "memopd C++ core: the packed-row planner, the record reader and trie planner of the pack compiler and "
+            "the CPU logit-chunk kernels of the fused losses";
   register_logit_chunks(m);
   register_records(m);
   register_bf16_gemm(m);
+  register_trie(m);
   m.def("plan_rows", &plan_rows, py::arg("lengths"), py::arg("groups"), py::arg("group_cost"),
         py::arg("budget"),
         "Assign items to rows under a token budget, few prefix copies first: the items of "

@@ -35,7 +35,8 @@ How (nothing here is per token in Python): the records are read once into flat i
 arrays (`_Records`: by the C++ core's `read_records` where it is built, else by a Python
 reader), the record rules are checked on those arrays (`_Records.valid`; only when one
 may fail does `validate_trajectories` run, to name the problem in its words), each layout
-computes its segments and, per call, where x_t and a_t land (`_layout_*`), and the token
+computes its segments and, per call, where x_t and a_t land (`_layout_*`; the trie's plan
+by the core's `trie_plan`, else by `_trie_plan_py`), and the token
 stream, positions and action entries are gathered from the arrays in a few vectorised
 passes (`_tokens`, `_entries`). The batches are those of the earlier per-token compiler,
 bit for bit (tests/core/test_pack_equivalence.py).
@@ -96,14 +97,23 @@ def _ints(values: list, trajs: Sequence[Trajectory], names: tuple[str, ...]) -> 
         raise _Unfit(_first_bad_id(trajs, names)) from None
 
 
-def _core_reader():
-    """The C++ record reader (`memopd._C.read_records`), or None: no core, or one built
-    before it existed."""
+def _core(name: str):
+    """The C++ core's function `name` (`read_records`, the record reader; `trie_plan`, the
+    trie planner), or None: no core, or one built before it existed (then the Python
+    version here, which gives the same result)."""
     try:
         from . import _C
     except ImportError:
         return None
-    return getattr(_C, "read_records", None)
+    return getattr(_C, name, None)
+
+
+def _core_reader():
+    return _core("read_records")
+
+
+def _core_trie_plan():
+    return _core("trie_plan")
 
 
 def _locate(find, trajs: Sequence[Trajectory]) -> tuple[int, int, int]:
@@ -534,6 +544,13 @@ def _call_tokens(rec: _Records, calls: np.ndarray, depth: np.ndarray) -> np.ndar
     return np.where(depth < ql, rec.q_off_traj[rec.traj[calls]] + depth, rec.x_off[calls] + depth - ql)
 
 
+def _trie_plan_py(rec: _Records, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The calls in sorted order, and per call its spine and branch depth, in Python."""
+    order, lcp = _sorted_calls(rec)
+    spine, b = _trie_spines(order, lcp, length)
+    return order, spine, b
+
+
 def _sorted_calls(rec: _Records) -> tuple[np.ndarray, np.ndarray]:
     """The calls in lexicographic order of their sequences [q, x_t, a_t] (ties: call order),
     and the longest common prefix of each neighbouring pair."""
@@ -680,8 +697,11 @@ def _layout_trie(rec: _Records, max_tokens: int) -> _Layout:
         raise _budget_error(f"trajectory {int(rec.traj[c])}, call {int(rec.t[c])}", int(length[c]), max_tokens)
     if C and length.min() <= 0:
         raise _empty_item(rec, int(np.flatnonzero(length <= 0)[0]))
-    order, lcp = _sorted_calls(rec)
-    spine, b = _trie_spines(order, lcp, length)
+    core = _core_trie_plan()
+    if core is not None:
+        order, spine, b = core(rec.ids, rec.q_off_traj, rec.q_len_traj, rec.traj, rec.x_off, length)
+    else:
+        order, spine, b = _trie_plan_py(rec, length)
     spine[b <= 0] = -1
     b[b <= 0] = 0
     # a spine is as long as its deepest reader. A spine whose readers do not fit one row:
