@@ -91,7 +91,7 @@ inline void transpose16(__m512i* r) {
 
 // Packs rows [r0, r0 + L) (zero past `rows`) and all K of `o` into pairs: out[p*L + j] =
 // bits(r0 + j, 2p) | bits(r0 + j, 2p + 1) << 16, zero past K. For operands whose pairs are
-// contiguous along each row (sk == 1) or strided both ways; `pack_wide` takes sr == 1.
+// contiguous along each row (sk == 1) or strided both ways; `pack_lines` takes sr == 1.
 void pack_panel(const Operand& o, int64_t r0, int64_t rows, int64_t K, int64_t L, uint32_t* out) {
   const int64_t P = (K + 1) / 2;
   const int64_t nr = std::min(L, rows - r0);
@@ -239,22 +239,20 @@ void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b,
   };
   // A, the broadcast side, and B, the vector side: panels of 12 rows / 32 columns of pairs
   thread_local std::vector<uint32_t> abuf, bbuf;  // (only their pointers go to the threads)
-  abuf.resize(static_cast<size_t>(mp * P * kMR));
-  uint32_t* ap = abuf.data();
-  if (A.sr == 1)
-    run(0, P, [&](int64_t p0, int64_t p1) { pack_lines(A, M, K, kMR, p0, p1, ap); });
-  else
-    run(0, mp, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) pack_panel(A, i * kMR, M, K, kMR, ap + i * P * kMR);
-    });
-  bbuf.resize(static_cast<size_t>(npan * P * kNR));
-  uint32_t* bp = bbuf.data();
-  if (B.sr == 1)
-    run(0, P, [&](int64_t p0, int64_t p1) { pack_lines(B, N, K, kNR, p0, p1, bp); });
-  else
-    run(0, npan, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) pack_panel(B, j * kNR, N, K, kNR, bp + j * P * kNR);
-    });
+  auto pack = [&](const Operand& o, int64_t rows, int64_t L, std::vector<uint32_t>& buf) {
+    const int64_t np = (rows + L - 1) / L;
+    buf.resize(static_cast<size_t>(np * P * L));
+    uint32_t* out = buf.data();
+    if (o.sr == 1)  // rows contiguous: two k-lines at a time
+      run(0, P, [&](int64_t p0, int64_t p1) { pack_lines(o, rows, K, L, p0, p1, out); });
+    else
+      run(0, np, [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; ++q) pack_panel(o, q * L, rows, K, L, out + q * P * L);
+      });
+    return out;
+  };
+  const uint32_t* ap = pack(A, M, kMR, abuf);
+  const uint32_t* bp = pack(B, N, kNR, bbuf);
   const int64_t nkc = (P + kKCP - 1) / kKCP, kcp = (P + nkc - 1) / nkc;  // even cache blocks of pairs
   run(0, mp, [&](int64_t i0, int64_t i1) {
     for (int64_t kc = 0; kc < P; kc += kcp) {
@@ -266,8 +264,8 @@ void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b,
           for (int64_t j = jc; j < j1; ++j) {
             const float* next = j + 1 < j1 ? C + i * kMR * ldc + (j + 1) * kNR
                                 : i + 1 < i1 ? C + (i + 1) * kMR * ldc + jc * kNR : nullptr;
-            tile_kernel(ap + i * P * kMR + kc * kMR, bp + j * P * kNR + kc * kNR, np, C + i * kMR * ldc + j * kNR, ldc, std::min(kMR, M - i * kMR), std::min(kNR, N - j * kNR),
-                   alpha, add, next);
+            tile_kernel(ap + i * P * kMR + kc * kMR, bp + j * P * kNR + kc * kNR, np, C + i * kMR * ldc + j * kNR,
+                        ldc, std::min(kMR, M - i * kMR), std::min(kNR, N - j * kNR), alpha, add, next);
           }
       }
     }
