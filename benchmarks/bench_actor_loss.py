@@ -37,7 +37,8 @@ weight), in four groups, each with its own naive baseline and peer:
 The actor loss is compared with liger_rkl too: it does the reverse KL's work plus PPO
 and entropy.
 
-  before: fused_<op>_before (the op from --before-tree, an earlier source tree) and
+  before: fused_<op>_before (the op from --before-tree, an earlier source tree; with bf16
+    inputs fused_<op>_before_bf16) and
     fused_<op>_rows256 (resident token blocks planned without the machine's share: 256 rows at
     the benchmark shapes), to measure a change before and after in one run
 
@@ -103,7 +104,7 @@ GROUPS = {
     "floor": ("gemm_floor", ("gemm_floor_bf16", "gemm_floor3", "gemm_floor3_bf16"), None),
 }
 _BF16 = [n + "_bf16" for _, names, _ in GROUPS.values() for n in names if n.startswith(("fused", "liger"))]
-_BF16 = [n for n in _BF16 if not n.endswith(("_before_bf16", "_rows256_bf16"))]
+_BF16 = [n for n in _BF16 if not n.endswith("_rows256_bf16")]
 CONTENDERS = tuple(n for base, names, _ in GROUPS.values() for n in (base, *names) if n) + tuple(_BF16)
 BASELINE = {n: base for base, names, _ in GROUPS.values() for n in (base, *names) if n}
 BASELINE.update({n: BASELINE[n[: -len("_bf16")]] for n in _BF16})
@@ -300,7 +301,7 @@ BEFORE_TREE = os.environ.get("MEMOPD_BENCH_BEFORE_TREE", "")  # --before-tree
 
 def run_subprocess(name, shape, timeout=1800, mode="--measure"):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    if name.endswith("_before"):
+    if name.removesuffix("_bf16").endswith("_before"):
         env["PYTHONPATH"] = os.pathsep.join([BEFORE_TREE] + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, os.path.abspath(__file__), mode, name, shape]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -312,7 +313,7 @@ def run_subprocess(name, shape, timeout=1800, mode="--measure"):
 
 def available(name) -> str | None:
     """None if the contender can run here, else why not."""
-    if name.endswith("_before") and not BEFORE_TREE:
+    if name.removesuffix("_bf16").endswith("_before") and not BEFORE_TREE:
         return "no --before-tree given"
     if name.startswith("liger"):
         try:

@@ -34,10 +34,10 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 
-constexpr int64_t kMR = 12;   // rows of the register tile
-constexpr int64_t kNR = 32;   // columns of the register tile (two 16-lane vectors)
-constexpr int64_t kKCP = 256; // reduction pairs per cache block (512 bf16 values)
-constexpr int64_t kNCP = 8;   // B panels per cache block (8 x 32 columns x 256 pairs x 4 B = 256 KiB)
+constexpr int64_t kMR = 12;    // rows of the register tile
+constexpr int64_t kNR = 32;    // columns of the register tile (two 16-lane vectors)
+constexpr int64_t kKCP = 512;  // at most this many reduction pairs per cache block (1024 bf16 values)
+constexpr int64_t kNCP = 8;    // B panels per cache block
 
 // One operand: element (r, k) at base + r*sr + k*sk (in elements), bf16 bits or float32.
 struct Operand {
@@ -53,6 +53,16 @@ inline uint32_t bf16_bits(const Operand& o, int64_t r, int64_t k) {
   std::memcpy(&u, &x, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays NaN
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+}
+
+// Sixteen values of row r from column j (`n` <= 16 of them, zero past), as bf16 bits in 16-bit lanes.
+inline __m256i row16(const Operand& o, int64_t r, int64_t j, int64_t n) {
+  const __mmask16 m = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+  if (o.f32) {
+    const float* x = static_cast<const float*>(o.base) + r * o.sr + j;
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x));
+  }
+  return _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(o.base) + r * o.sr + j);
 }
 
 // In place: the 16x16 matrix of 32-bit values whose rows are r[0..15] is transposed.
@@ -80,14 +90,15 @@ inline void transpose16(__m512i* r) {
 }
 
 // Packs rows [r0, r0 + L) (zero past `rows`) and all K of `o` into pairs: out[p*L + j] =
-// bits(r0 + j, 2p) | bits(r0 + j, 2p + 1) << 16, zero past K.
+// bits(r0 + j, 2p) | bits(r0 + j, 2p + 1) << 16, zero past K. For operands whose pairs are
+// contiguous along each row (sk == 1) or strided both ways; `pack_lines` takes sr == 1.
 void pack_panel(const Operand& o, int64_t r0, int64_t rows, int64_t K, int64_t L, uint32_t* out) {
   const int64_t P = (K + 1) / 2;
   const int64_t nr = std::min(L, rows - r0);
   if (nr < L || (K & 1)) std::fill(out, out + P * L, 0u);
   if (o.sk == 1) {
-    // pairs contiguous along each row: 16 rows x 16 pairs at a time, read as vectors
-    // (fp32 rows rounded to bf16 pairs), transposed, stored as 16 lanes of 16 pair rows
+    // 16 rows x 16 pairs at a time, read as vectors (fp32 rows rounded to bf16 pairs),
+    // transposed, stored as 16 lanes of 16 pair rows
     const int64_t pv = (K / 2) / 16 * 16;
     for (int64_t j0 = 0; j0 < nr; j0 += 16) {
       const int64_t nj = std::min<int64_t>(16, nr - j0);
@@ -116,31 +127,6 @@ void pack_panel(const Operand& o, int64_t r0, int64_t rows, int64_t K, int64_t L
     }
     return;
   }
-  if (o.sr == 1) {
-    // lanes contiguous: two rows of k, zero-extended and merged (vectorises)
-    for (int64_t p = 0; p < K / 2; ++p) {
-      uint32_t* dst = out + p * L;
-      if (o.f32) {
-        const float* a = static_cast<const float*>(o.base) + r0 + 2 * p * o.sk;
-        const float* b = a + o.sk;
-        for (int64_t j = 0; j < nr; ++j) {
-          uint32_t ua, ub;
-          std::memcpy(&ua, a + j, 4);
-          std::memcpy(&ub, b + j, 4);
-          ua = (ua + 0x7fffu + ((ua >> 16) & 1u)) >> 16;
-          ub = (ub + 0x7fffu + ((ub >> 16) & 1u)) & 0xffff0000u;
-          dst[j] = ua | ub;
-        }
-      } else {
-        const uint16_t* a = static_cast<const uint16_t*>(o.base) + r0 + 2 * p * o.sk;
-        const uint16_t* b = a + o.sk;
-        for (int64_t j = 0; j < nr; ++j) dst[j] = uint32_t{a[j]} | (uint32_t{b[j]} << 16);
-      }
-    }
-    if (K & 1)
-      for (int64_t j = 0; j < nr; ++j) out[(K / 2) * L + j] = bf16_bits(o, r0 + j, K - 1);
-    return;
-  }
   for (int64_t j = 0; j < nr; ++j)
     for (int64_t p = 0; p < P; ++p) {
       const uint32_t lo = bf16_bits(o, r0 + j, 2 * p);
@@ -149,11 +135,39 @@ void pack_panel(const Operand& o, int64_t r0, int64_t rows, int64_t K, int64_t L
     }
 }
 
-// C[rows<=MR, cols<=NR] (ldc) = or += alpha * Ap·Bp over `np` pairs.
+// An operand whose rows are contiguous (sr == 1: the reduction index k strides), packed in
+// panels of L rows (L = 12 or 32) as pack_panel lays them out, pairs p in [p0, p1): the two
+// k-lines of a pair read once, merged 16 lanes (or a 12-row panel) at a time.
+void pack_lines(const Operand& o, int64_t rows, int64_t K, int64_t L, int64_t p0, int64_t p1, uint32_t* out) {
+  const Operand t{o.base, o.sk, 1, o.f32};  // read as its transpose: row k, column r
+  const int64_t P = (K + 1) / 2, npanel = (rows + L - 1) / L;
+  const int64_t step = L == 32 ? 16 : L;
+  const __mmask16 keep = static_cast<__mmask16>((1u << step) - 1);
+  for (int64_t p = p0; p < p1; ++p) {
+    const bool two = 2 * p + 1 < K;
+    for (int64_t q = 0; q < npanel; ++q)
+      for (int64_t off = 0; off < L; off += step) {
+        const int64_t r = q * L + off;
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(step, rows - r));
+        const __m512i lo = _mm512_cvtepu16_epi32(row16(t, 2 * p, r, n));
+        const __m512i hi = two ? _mm512_cvtepu16_epi32(row16(t, 2 * p + 1, r, n)) : _mm512_setzero_si512();
+        _mm512_mask_storeu_epi32(out + q * P * L + p * L + off, keep, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+  }
+}
+
+// C[rows<=MR, cols<=NR] (ldc) = or += alpha * Ap·Bp over `np` pairs of a packed A panel
+// (12 words a pair, broadcast) and B panel (32 words a pair, two vectors); `next`: the C
+// tile of the next call, prefetched while this one computes (or null).
 void tile_kernel(const uint32_t* ap, const uint32_t* bp, int64_t np, float* c, int64_t ldc, int64_t rows,
-                 int64_t cols, float alpha, bool add) {
+                 int64_t cols, float alpha, bool add, const float* next) {
   __m512 acc[kMR][2];
   for (int i = 0; i < kMR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  if (next)
+    for (int i = 0; i < kMR; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * ldc), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * ldc + 16), _MM_HINT_T0);
+    }
   for (int64_t p = 0; p < np; ++p) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + p * kNR);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + p * kNR + 16);
@@ -214,35 +228,46 @@ void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b,
   const Operand B{reinterpret_cast<const void*>(b), b_sn, b_sk, b_f32};  // rows of B's panels: the columns n
   const int64_t P = (K + 1) / 2;
   const int64_t mp = (M + kMR - 1) / kMR, npan = (N + kNR - 1) / kNR;
-  thread_local std::vector<uint32_t> abuf, bbuf;
-  abuf.resize(static_cast<size_t>(mp * P * kMR));
-  bbuf.resize(static_cast<size_t>(npan * P * kNR));
-  uint32_t* ap = abuf.data();
-  uint32_t* bp = bbuf.data();
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, mp / 4));
   auto run = [&](int64_t lo, int64_t hi, auto body) {  // body(i0, i1) over [lo, hi) on nt threads
-    if (nt <= 1) return body(lo, hi);
+    if (nt <= 1 || hi - lo < 2) return body(lo, hi);
     std::vector<std::thread> pool;
     const int64_t step = (hi - lo + nt - 1) / nt;
     for (int64_t s = lo + step; s < hi; s += step) pool.emplace_back(body, s, std::min(hi, s + step));
     body(lo, std::min(hi, lo + step));
     for (auto& th : pool) th.join();
   };
+  // A, the broadcast side, and B, the vector side: panels of 12 rows / 32 columns of pairs
+  thread_local std::vector<uint32_t> abuf, bbuf;  // (only their pointers go to the threads)
+  auto pack = [&](const Operand& o, int64_t rows, int64_t L, std::vector<uint32_t>& buf) {
+    const int64_t np = (rows + L - 1) / L;
+    buf.resize(static_cast<size_t>(np * P * L));
+    uint32_t* out = buf.data();
+    if (o.sr == 1)  // rows contiguous: two k-lines at a time
+      run(0, P, [&](int64_t p0, int64_t p1) { pack_lines(o, rows, K, L, p0, p1, out); });
+    else
+      run(0, np, [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; ++q) pack_panel(o, q * L, rows, K, L, out + q * P * L);
+      });
+    return out;
+  };
+  const uint32_t* ap = pack(A, M, kMR, abuf);
+  const uint32_t* bp = pack(B, N, kNR, bbuf);
+  const int64_t nkc = (P + kKCP - 1) / kKCP, kcp = (P + nkc - 1) / nkc;  // even cache blocks of pairs
   run(0, mp, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) pack_panel(A, i * kMR, M, K, kMR, ap + i * P * kMR);
-  });
-  run(0, npan, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) pack_panel(B, j * kNR, N, K, kNR, bp + j * P * kNR);
-  });
-  run(0, mp, [&](int64_t i0, int64_t i1) {
-    for (int64_t kc = 0; kc < P; kc += kKCP) {
-      const int64_t np = std::min(kKCP, P - kc);
+    for (int64_t kc = 0; kc < P; kc += kcp) {
+      const int64_t np = std::min(kcp, P - kc);
       const bool add = accumulate || kc > 0;
-      for (int64_t jc = 0; jc < npan; jc += kNCP)
+      for (int64_t jc = 0; jc < npan; jc += kNCP) {
+        const int64_t j1 = std::min(npan, jc + kNCP);
         for (int64_t i = i0; i < i1; ++i)
-          for (int64_t j = jc; j < std::min(npan, jc + kNCP); ++j)
+          for (int64_t j = jc; j < j1; ++j) {
+            const float* next = j + 1 < j1 ? C + i * kMR * ldc + (j + 1) * kNR
+                                : i + 1 < i1 ? C + (i + 1) * kMR * ldc + jc * kNR : nullptr;
             tile_kernel(ap + i * P * kMR + kc * kMR, bp + j * P * kNR + kc * kNR, np, C + i * kMR * ldc + j * kNR,
-                        ldc, std::min(kMR, M - i * kMR), std::min(kNR, N - j * kNR), alpha, add);
+                        ldc, std::min(kMR, M - i * kMR), std::min(kNR, N - j * kNR), alpha, add, next);
+          }
+      }
     }
   });
 #else

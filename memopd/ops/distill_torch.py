@@ -125,15 +125,18 @@ class _HeadLogits:
             return self._compute(0, V, out)
         return _full_logits(self.h_t, self.w, self.b, V, self.inv_t, out)
 
-    def add_grads(self, ds: Tensor, v0: int, v1: int, dh: Optional[Tensor], dw: Optional[Tensor]) -> None:
+    def add_grads(self, ds: Tensor, v0: int, v1: int, dh: Optional[Tensor], dw: Optional[Tensor],
+                  dw_first: bool = False) -> None:
         """dh += ds @ W[v0:v1] and dw[v0:v1] += ds^T @ (h / T) for the chunk's dL/ds `ds`
-        (dh still lacks its 1/T; either may be None)."""
+        (dh still lacks its 1/T; either may be None); `dw_first` (bf16 GEMM only): dw[v0:v1]
+        is written, not added to (its first token block: dw need not be zeroed)."""
         if self.h16 is not None:
             if dh is not None:
                 _native_chunks.bf16_matmul(ds, self.w[v0:v1], dh, accumulate=True)
             if dw is not None:
-                _native_chunks.bf16_matmul(ds.t(), self.h16, dw[v0:v1], alpha=self.inv_t, accumulate=True)
+                _native_chunks.bf16_matmul(ds.t(), self.h16, dw[v0:v1], alpha=self.inv_t, accumulate=not dw_first)
             return
+        assert not dw_first, "only the bf16 GEMM route writes dW without a zeroed buffer"
         if dh is not None:
             dh.addmm_(ds, _weight_chunk(self.w, v0, v1, self.h_t.dtype))
         if dw is not None:
@@ -769,9 +772,10 @@ def _add_target_term(ds: Tensor, y: Tensor, v0: int, v1: int, glp: Optional[Tens
 
 def _block_gradients(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y: Tensor, coef: tuple,
                      st: Tensor, params: DistillParams, vchunk: int, need: tuple,
-                     dw32: Optional[Tensor], db32: Optional[Tensor], wk) -> Optional[Tensor]:
-    """Reduce one token block's dL/ds into dW, db (accumulated in place) and return its
-    dH rows (hidden-row dtype of the compute, times 1/T still missing), None if not needed."""
+                     dw32: Optional[Tensor], db32: Optional[Tensor], wk, dw_first: bool = False) -> Optional[Tensor]:
+    """Reduce one token block's dL/ds into dW, db (accumulated in place; dW written instead
+    with `dw_first`, see `_HeadLogits.add_grads`) and return its dH rows (hidden-row dtype
+    of the compute, times 1/T still missing), None if not needed."""
     hs_t = src_s.h_t
     n = hs_t.shape[0]
     V, div_code, beta = params.vocab_size, params.divergence, params.beta
@@ -787,22 +791,25 @@ def _block_gradients(src_s: _HeadLogits, src_t: Optional[_HeadLogits], y: Tensor
         del s, t
         if need[2]:  # before add_grads: a bf16 GEMM rounds ds, db is summed from the fp32 values
             db32[v0:v1] += ds.sum(0)
-        src_s.add_grads(ds, v0, v1, dh32 if need[0] else None, dw32 if need[1] else None)
+        src_s.add_grads(ds, v0, v1, dh32 if need[0] else None, dw32 if need[1] else None, dw_first)
         del ds
     return dh32
 
 
-def _gradient_buffers(hs: Tensor, ws: Tensor, cdt, need: tuple):
+def _gradient_buffers(hs: Tensor, ws: Tensor, cdt, need: tuple, zero_dw: bool = True):
     f = dict(device=hs.device, dtype=cdt)
     return (torch.zeros_like(hs) if need[0] else None,
-            torch.zeros(ws.shape, **f) if need[1] else None,
+            (torch.zeros if zero_dw else torch.empty)(ws.shape, **f) if need[1] else None,
             torch.zeros(ws.shape[0], **f) if need[2] else None)
 
 
-def _finish_gradients(ws: Tensor, bs: Optional[Tensor], dw32, db32, inv_t: float):
-    """dW, db in the weight's dtype (db gets its 1/T here; dW none: h already carries it)."""
+def _finish_gradients(ws: Tensor, bs: Optional[Tensor], dw32, db32, inv_t: float, dw_out: Optional[Tensor] = None):
+    """dW, db in the weight's dtype (db gets its 1/T here; dW none: h already carries it);
+    dW into `dw_out` where given (a buffer of the weight's shape and dtype)."""
     if db32 is not None:
         db32.mul_(inv_t)
+    if dw32 is not None and dw_out is not None:
+        return dw_out.copy_(dw32), None if db32 is None else (db32 if bs.dtype == db32.dtype else db32.to(bs.dtype))
     dw = None if dw32 is None else (dw32 if ws.dtype == dw32.dtype else dw32.to(ws.dtype))
     db = None if db32 is None else (db32 if bs.dtype == db32.dtype else db32.to(bs.dtype))
     return dw, db
@@ -943,10 +950,12 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
     cdt = compute_dtype(hs, ht)
     f = dict(device=hs.device, dtype=cdt)
     div, lp, ent, stats = _zero_outputs(N, hs.device, cdt)
-    dh, dw32, db32 = _gradient_buffers(hs, ws, cdt, need)
+    dw_first = need[1] and _bf16_route(hs, ws)  # the bf16 GEMM writes dW in its first block: not zeroed
+    dh, dw32, db32 = _gradient_buffers(hs, ws, cdt, need, zero_dw=not dw_first)
     inv_t = 1.0 / params.temperature
     kept = keep.nonzero().squeeze(1)
     n_kept = kept.numel()
+    dw_home = None
     if n_kept > 0:
         n_heads = 1 if ht is None else 2
         elem = torch.empty((), dtype=cdt).element_size()
@@ -954,7 +963,14 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
                                                 int(params.chunk_size or 0), int(params.token_chunk or 0),
                                                 _resident_machine_bytes(hs.device))
         wk = _Workspace(rows_per_block, vchunk, hs.device, cdt)
-        res_s = torch.empty(rows_per_block * V, **f)
+        res_n = rows_per_block * V
+        if dw_first and ws.dtype == torch.bfloat16 and rows_per_block * elem <= 2 * ws.shape[1]:
+            # the returned bf16 dW will live in the student's resident buffer once its last
+            # block is done: memory already touched (a fresh one costs ~0.3 ms a MiB on CPU
+            # in page faults), and no bigger than dW, so the gradient holds nothing spare
+            res_n = max(res_n, -(-ws.numel() * 2 // elem))
+            dw_home = True
+        res_s = torch.empty(res_n, **f)
         res_t = None if ht is None else torch.empty(rows_per_block * V, **f)
         for r0 in range(0, n_kept, rows_per_block):
             rows = kept[r0:r0 + rows_per_block]
@@ -973,10 +989,17 @@ def torch_forward_with_grads(student: LinearHead, teacher: Optional[LinearHead],
             if not any(need) or all(g is None for g in grads):
                 continue
             coef = _dlogit_coefficients(grads, st, params.divergence, params.beta)
-            dh32 = _block_gradients(src_s, src_t, y, coef, st, params, vchunk, need, dw32, db32, wk)
+            dh32 = _block_gradients(src_s, src_t, y, coef, st, params, vchunk, need, dw32, db32, wk, dw_first)
+            dw_first = False
             if need[0]:
                 dh.index_copy_(0, rows, dh32.mul_(inv_t).to(dh.dtype))
-    return (div, lp, ent, stats, dh) + _finish_gradients(ws, bs, dw32, db32, inv_t)
+        if dw_home:
+            del src_s, src_t
+            dw_home = torch.empty(0, dtype=ws.dtype, device=ws.device).set_(res_s.untyped_storage(), 0, ws.shape)
+    if dw_first:  # no token block took gradients
+        dw32.zero_()
+    dw, db = _finish_gradients(ws, bs, dw32, db32, inv_t, dw_home)
+    return div, lp, ent, stats, dh, dw, db
 
 
 # ----------------------------------------------------------------------------------
