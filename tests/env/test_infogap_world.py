@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from memopd.env import EnvConfig, QAEnv, World, build_tokenizer, rollout
-from memopd.env.qa.expert import efficient_calls, expert_options, make_expert, rational_action_text
+from memopd.env.qa.expert import expert_options, make_expert
 from memopd.env.qa.notes import parse_entries
 from memopd.env.qa.sft import FLATTEN_VIEW, SFTConfig, flattened_prompt, role_presets
 from memopd.env.qa.world import VALUE_SETS, WORLD_PRESETS, WorldConfig, parse_question, world_preset
@@ -19,6 +19,7 @@ from memopd.trainer.experiments.infogap import (
     information_gap_calls,
     view_disagreement_ceiling,
 )
+from memopd.trainer.experiments.infogap_expert import RationalExpert, efficient_calls, rational_action_text
 from memopd.trainer.experiments.infogap_sft import (
     INFOGAP_MODEL_PRESETS,
     INFOGAP_SFT_PRESETS,
@@ -248,6 +249,8 @@ def test_sft_data_of_the_teacher_recipe(infogap):
         expert_examples(world, env, (2,), 8, perturb_frac=1.0)
     with pytest.raises(ValueError, match="unknown expert"):
         make_expert("oracle", tok, world.config)
+    # "rational" is the experiment's rule, found by its module's name (the product imports no experiment)
+    assert type(make_expert("rational", tok, world.config)) is RationalExpert
     assert expert_options(world.config) == {"descending": True}
 
 

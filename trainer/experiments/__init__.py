@@ -13,6 +13,8 @@ They import the trainer and the environment; nothing outside this folder imports
   per-set turn budgets), the "info-gap" world preset, which the product reads by name;
 - `infogap_sft`: the info-gap teacher's SFT recipe (`InfoGapSFTConfig`, a `memopd sft`
   recipe) and the info-gap world's role presets, which `memopd sft --world info-gap` reads;
+- `infogap_expert`: the rational expert rule (reads every visible fact), the "rational"
+  expert the product's `make_expert` reads by name, and the per-set call count it needs;
 - `infogap`: the info-gap measures (information-gap calls, the views' disagreement ceiling,
   the role of each action token);
 - `rulegap`, `ruleteacher`: the rule-teacher replication (an exact-reader teacher),

@@ -1,7 +1,7 @@
 """The info-gap experiment's measures: information-gap calls, the views' disagreement
 ceiling, and the role of each action token.
 
-The rational expert rule these read (memopd/env/qa/expert.py, `RationalExpert`) uses every
+The rational expert rule these read (infogap_expert.py, `RationalExpert`) uses every
 fact the visible context shows, so under compact memory (only the last observation
 visible) and under the flattened history (every earlier one) it can act differently:
 
@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from memopd.env.qa.expert import RationalExpert
 from memopd.env.qa.protocol import ProtocolTokens, parse_action
 from memopd.env.qa.sft import flattened_prompt
+
+from .infogap_expert import RationalExpert
 
 __all__ = ["information_gap_calls", "gap_share", "common_prefix", "action_token_roles", "view_disagreement_ceiling", "ROLES"]
 

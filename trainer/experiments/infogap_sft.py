@@ -51,9 +51,9 @@ class InfoGapSFTConfig(SFTConfig):
     recipe's data). Its fields follow the plain ones, so its JSON (the cache key) is the
     one the recipe recorded when these options lived in `SFTConfig`."""
 
-    # the expert whose calls are the data (`expert.EXPERTS`): "scripted" (reads its notes
+    # the expert whose calls are the data (`memopd.env.qa.expert.EXPERTS`): "scripted" (reads its notes
     # and the last observation) or "rational" (every fact the visible context shows, so
-    # it acts differently under compact memory and the full history: memopd/env/qa/expert.py)
+    # it acts differently under compact memory and the full history: infogap_expert.py)
     expert: str = "scripted"
     # share of each (policy, k)'s calls replaced by a perturbed state (an entry of the
     # notes dropped or corrupted) labelled by the expert under that view
@@ -156,7 +156,7 @@ def expert_examples(world: World, env: QAEnv, ks: Sequence[int], calls_per_k: in
     """The product's `expert_examples` (memopd/env/qa/sft.py) with the info-gap options;
     with their defaults, the same examples.
 
-    `expert`: "scripted" or "rational" (`expert.make_expert`); `perturb_frac`: the share of
+    `expert`: "scripted" or "rational" (`memopd.env.qa.expert.make_expert`); `perturb_frac`: the share of
     sampled calls whose context gets one entry of its notes dropped or corrupted
     (`perturbed_state`), the action then being the expert's on that state under the same
     view (`stats["perturbed"]` counts them). `redraw_values`: each round of at most
@@ -253,7 +253,7 @@ def gap_continuation(expert, compact_state: Sequence[int], flat_state: Sequence[
     (flattened state + the compact action's memory span + the flattened action's search or
     answer, the prompt length that leaves only that last part as the label), or None where
     the two views' actions write the same memory span (the plain example already parts
-    them). `expert`: the `expert.RationalExpert`, whose next step does not depend on the
+    them). `expert`: the `infogap_expert.RationalExpert`, whose next step does not depend on the
     memory span its action writes, only on what the state shows."""
     return _continuation(expert, flat_state, expert.action_text(compact_state), expert.action_text(flat_state))
 

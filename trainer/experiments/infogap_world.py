@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from memopd.env.qa.data import DataError
-from memopd.env.qa.expert import efficient_calls
 from memopd.env.qa.notes import facts_in
 from memopd.env.qa.protocol import marker
 from memopd.env.qa.world import WORLD_PRESETS, Question, World, WorldConfig
+
+from .infogap_expert import efficient_calls
 
 __all__ = ["InfoGapWorldConfig", "InfoGapWorld", "TURN_BUDGETS", "WORLD_CONFIG", "WORLD_PRESET"]
 

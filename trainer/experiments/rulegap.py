@@ -185,7 +185,7 @@ class _Adopter:
         return out
 
     def act(self, prompt) -> list[int]:
-        from memopd.env.qa.expert import rational_action_text
+        from .infogap_expert import rational_action_text
 
         ex = self.rule
         questions, mem, infos = ex.state(prompt)

@@ -5,7 +5,7 @@ flattened history, a broken state) and gives a distribution per action token. Th
 `RuleTeacher` takes the same packed batch, reads for each prediction position the token
 ids that position can see (the prefix interval and its own causal segment, from the
 batch's `AttentionMeta`: so every layout works, as it does for a model) and answers with
-the rational rule of `memopd.trainer.experiments.infogap` (`RationalExpert`) on that state:
+the rational rule of `memopd.trainer.experiments.infogap_expert` (`RationalExpert`) on that state:
 
 - the visible ids split into the state (everything before the action) and the action
   prefix written so far (the entry's `token_index` last ids);
@@ -37,7 +37,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from memopd.env.qa.expert import RationalExpert, rational_action_text
+from memopd.env.qa.expert import make_expert
+
+from .infogap_expert import RationalExpert, rational_action_text
 
 __all__ = ["RuleTeacher", "beta_for", "rule_next_token"]
 
@@ -113,8 +115,6 @@ class RuleTeacher(nn.Module):
 
     def __init__(self, tokenizer, world_config, *, vocab_size: int, p_target: float, temperature: float = 1.0):
         super().__init__()
-        from memopd.env.qa.expert import make_expert
-
         self.expert = make_expert("rational", tokenizer, world_config)
         self.vocab_size = int(vocab_size)
         self.p_target = float(p_target)

@@ -29,7 +29,8 @@ fields whose `world_class` is a `World` subclass that fixes some of each set's q
 and adds to its meta (`pinned_questions`, `task_meta`); `WORLD_PRESETS` then names the
 module that defines it, imported when the preset, or a stored config of it, is read
 ("info-gap": trainer/experiments/infogap_world.py). memopd/env/qa/expert.py holds the
-expert rules, notes.py the text grammar (values, questions, facts, notes) this module writes.
+scripted expert and the experts by name, notes.py the text grammar (values, questions,
+facts, notes) this module writes.
 """
 from __future__ import annotations
 
