@@ -11,7 +11,9 @@ inside a shared spine (a PREFIX segment, no prefix read), a call segment reading
 (its keys split into the prefix and its own), a call segment alone. Then every layout
 and the independent call against the same model in float64, and the packed forward
 with the CPU path's one softmax over [prefix, own] keys (its padded, masked call) in
-place of the fused path's two partial softmaxes merged by their log-sum-exps.
+place of the fused path's two partial softmaxes merged by their log-sum-exps. Last, the
+attention op alone on the same layouts' metadata (random fp32 q/k/v, sharp scores: q x 3):
+per prefix-reading row the max |output - float64 output|, split against one softmax.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from memopd import pack, random_trajectories
 from memopd.hf import lm_head_of, packed_forward
 from memopd.layout import SegmentKind
 from memopd.models import tiny_causal_lm
+from memopd.ops import packed_attention
+from memopd.ops.reference_attention import reference_packed_attention
 from memopd.rce import _reference_hidden
 
 LAYOUTS = {"trie": ("trie", {}), "aligned_group": ("aligned", {"share_prefix": "group"}),
@@ -45,6 +49,31 @@ def _classes(batch) -> torch.Tensor:
     return torch.where(spine, 0, torch.where(a.prefix_end[p] > a.prefix_start[p], 1, 2))
 
 
+def _op_error(batches, seeds: int) -> None:
+    """The attention op alone against float64 on prefix-reading rows, split vs one softmax."""
+    fused_ok = attention_torch._fused_cpu_ok
+    err = defaultdict(list)
+    for (name, meta), seed in itertools.product(batches, range(seeds)):
+        g = torch.Generator().manual_seed(seed)
+        T = meta.num_tokens
+        q, k, v = (torch.randn(T, h, 32, generator=g) for h in (8, 2, 2))
+        q = q * 3
+        truth = reference_packed_attention(q.double(), k.double(), v.double(), meta)
+        reads = meta.prefix_end > meta.prefix_start
+        for attention in ("split", "one softmax"):
+            attention_torch._fused_cpu_ok = fused_ok if attention == "split" else (lambda *a: False)
+            try:
+                with torch.no_grad():
+                    out = packed_attention(q, k, v, meta, backend="torch")
+            finally:
+                attention_torch._fused_cpu_ok = fused_ok
+            err[(name, attention)].append((out.double() - truth).abs().amax((1, 2))[reads])
+    print("attention op alone: per prefix-reading row max |output - float64 output| (fp32, 8/2 heads of 32)")
+    for (name, attention), v in sorted(err.items()):
+        x = torch.cat(v)
+        print(f"{name:<17} {attention:<12} n={x.numel()} mean={x.mean():.2e} p99={x.quantile(0.99):.2e} max={x.max():.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -57,6 +86,7 @@ def main() -> None:
     fused_ok = attention_torch._fused_cpu_ok
     delta = defaultdict(list)  # (layout, attention, class) -> per-entry |dlogit| vs the fp32 call
     error = defaultdict(list)  # name -> per-entry |logit - float64 logit|
+    metas = []  # (layout, attention metadata) of the prefix-sharing layouts, for `_op_error`
     for policy, seed, arch in itertools.product(args.policies.split(","), range(args.seeds), models):
         trajs = random_trajectories(policy, 6, seed=seed, group_size=3, vocab_size=128, calls=(3, 5), obs_len=(1, 8),
                                     initial_context_len=(4, 12), group_context=True, group_steps=2)
@@ -68,6 +98,8 @@ def main() -> None:
             for name, (layout, kw) in LAYOUTS.items():
                 batch = pack(trajs, layout, **kw)
                 cls = _classes(batch)
+                if name != "aligned_unshared" and arch == "qwen2":
+                    metas.append((name, batch.attn))
                 for attention in ("split", "one softmax"):
                     attention_torch._fused_cpu_ok = fused_ok if attention == "split" else (lambda *a: False)
                     try:
@@ -90,6 +122,7 @@ def main() -> None:
     for name, v in error.items():
         x = torch.cat(v)
         print(f"{name:<17} n={x.numel()} mean={x.mean():.2e} p99={x.quantile(0.99):.2e} max={x.max():.2e}")
+    _op_error(metas, 2)
 
 
 if __name__ == "__main__":
