@@ -96,6 +96,46 @@ def test_gemm_writes_only_its_block_of_a_wider_output(seed):
 
 
 @needs_bf16
+@pytest.mark.parametrize("N,M,K", [(1, 1, 2), (5, 7, 6), (13, 33, 18), (32, 12, 2), (37, 95, 1026), (100, 61, 600)])
+def test_weight_in_place_gemm_is_bf16_matmul_bit_for_bit(seed, N, M, K):
+    # the logits' GEMM: w [M, K] read in place (a chunk of a wider weight, so its row stride
+    # is not K), x's rows packed once; the same sums in the same order as bf16_matmul, and
+    # it writes only its [N, M] block of a wider output, adding with accumulate
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, K, generator=g).bfloat16()
+    w = torch.randn(M + 9, K + 4, generator=g).bfloat16()[3:3 + M, 2:2 + K]
+    assert nc.bf16_in_place_usable(w)
+    xp = nc.bf16_pack_rhs(x.t())
+    want = torch.empty(N, M)
+    nc.bf16_matmul(x, w.t(), want)
+    assert _rel(want, x.double() @ w.double().t()) < 1e-6
+    wide = torch.full((N, M + 11), 7.0)
+    nc.bf16_matmul_nt_packed(w, xp, N, wide[:, 5:5 + M])
+    assert torch.equal(wide[:, 5:5 + M], want), (seed, N, M, K)
+    assert (wide[:, :5] == 7.0).all() and (wide[:, 5 + M:] == 7.0).all()
+    c0 = torch.randn(N, M, generator=g)
+    c1, c2 = c0.clone(), c0.clone()
+    nc.bf16_matmul(x, w.t(), c1, alpha=-0.75, accumulate=True)
+    nc.bf16_matmul_nt_packed(w, xp, N, c2, alpha=-0.75, accumulate=True)
+    assert torch.equal(c1, c2), (seed, N, M, K, "accumulate")
+    assert torch.equal(nc.bf16_pack_rhs(x.float().t()), xp)  # fp32 rows round to the same bf16
+
+
+@needs_bf16
+def test_weight_in_place_gemm_refuses_what_it_cannot_read_in_place():
+    w = torch.zeros(8, 10, dtype=torch.bfloat16)
+    xp = nc.bf16_pack_rhs(torch.zeros(4, 10, dtype=torch.bfloat16).t())
+    for bad in (w.t().contiguous().t(), w[:, 1:9], torch.zeros(8, 9, dtype=torch.bfloat16), w.float()):
+        assert not nc.bf16_in_place_usable(bad)
+    with pytest.raises(ValueError, match="bf16_matmul_nt_packed"):
+        nc.bf16_matmul_nt_packed(w[:, 1:9], xp, 4, torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="bf16_matmul_nt_packed"):
+        nc.bf16_matmul_nt_packed(w, xp, 40, torch.zeros(40, 8))  # packed for 4 rows (one 32-row panel)
+    with pytest.raises(ValueError, match="bf16_pack_rhs"):
+        nc.bf16_pack_rhs(torch.zeros(4, 10, dtype=torch.float16))
+
+
+@needs_bf16
 def test_gemm_rejects_mismatched_shapes_in_one_line():
     a = torch.zeros(4, 3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not make out"):
@@ -116,16 +156,19 @@ def test_gemm_zero_k_clears_or_keeps():
 
 
 class _CountBf16:
-    """Counts the calls that reach the core's bf16 GEMM (the real one runs)."""
+    """Counts the calls that reach the core's bf16 GEMMs (the real ones run): `bf16_matmul`
+    and the logits' weight-in-place `bf16_matmul_nt_packed`."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = nc.bf16_matmul
+        for name in ("bf16_matmul", "bf16_matmul_nt_packed"):
+            monkeypatch.setattr(nc, name, self._counted(getattr(nc, name)))
 
+    def _counted(self, real):
         def counted(*a, **k):
             self.calls += 1
             return real(*a, **k)
-        monkeypatch.setattr(nc, "bf16_matmul", counted)
+        return counted
 
 
 def _distill_case(seed):
