@@ -161,12 +161,14 @@ class _CountBf16:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        for name in ("bf16_matmul", "bf16_matmul_nt_packed"):
-            monkeypatch.setattr(nc, name, self._counted(getattr(nc, name)))
+        self.by_name = {"bf16_matmul": 0, "bf16_matmul_nt_packed": 0}
+        for name in self.by_name:
+            monkeypatch.setattr(nc, name, self._counted(name, getattr(nc, name)))
 
-    def _counted(self, real):
+    def _counted(self, name, real):
         def counted(*a, **k):
             self.calls += 1
+            self.by_name[name] += 1
             return real(*a, **k)
         return counted
 
@@ -218,12 +220,17 @@ def test_fused_distill_bf16_route(seed, monkeypatch, divergence, gradients, chun
 
 
 @needs_bf16
-def test_logprob_entropy_bf16_route(seed, monkeypatch):
-    inp = make_inputs(seed, N=50, Hs=40, V=333, dtype=torch.bfloat16)
+@pytest.mark.parametrize("H", [40, 39])
+def test_logprob_entropy_bf16_route(seed, monkeypatch, H):
+    # an even H: the logits read the weight in place; an odd one: its pairs straddle rows,
+    # so the logits take the packing GEMM (bf16_matmul), with the same precision
+    inp = make_inputs(seed, N=50, Hs=H, V=333, dtype=torch.bfloat16)
     count = _CountBf16(monkeypatch)
     args = (inp["hs"], inp["ws"], inp["y"])
     out = fused_linear_logprob_entropy(*args, bias=inp["bs"], mask=inp["mask"], chunk_size=64)
-    assert count.calls > 0
+    in_place = count.by_name["bf16_matmul_nt_packed"]
+    assert (in_place > 0 and count.by_name["bf16_matmul"] == 0) if H % 2 == 0 else \
+        (in_place == 0 and count.by_name["bf16_matmul"] > 0), (H, count.by_name)
     x = as64(inp)
     ref = reference_linear_logprob_entropy(x["hs"], x["ws"], x["y"], bias=x["bs"], mask=x["mask"])
     for name in ("logprobs", "entropy"):
