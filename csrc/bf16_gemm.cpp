@@ -38,6 +38,7 @@ constexpr int64_t kMR = 12;    // rows of the register tile
 constexpr int64_t kNR = 32;    // columns of the register tile (two 16-lane vectors)
 constexpr int64_t kKCP = 512;  // at most this many reduction pairs per cache block (1024 bf16 values)
 constexpr int64_t kNCP = 8;    // B panels per cache block
+constexpr int64_t kNCPAT = 16; // B panels per cache block of bf16_gemm_at (1 MiB packed at H = 1024: A read once)
 
 // One operand: element (r, k) at base + r*sr + k*sk (in elements), bf16 bits or float32.
 struct Operand {
@@ -184,16 +185,80 @@ void tile_kernel(const uint32_t* ap, const uint32_t* bp, int64_t np, float* c, i
   const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
   for (int64_t i = 0; i < rows; ++i) {
     float* ci = c + i * ldc;
-    __m512 r0 = _mm512_mul_ps(acc[i][0], va), r1 = _mm512_mul_ps(acc[i][1], va);
+    __m512 r0, r1;  // alpha·acc + C in one rounding (fused multiply-add), as tile_kernel_at does
     if (add) {
-      r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, ci));
-      r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, ci + 16));
+      r0 = _mm512_fmadd_ps(acc[i][0], va, _mm512_maskz_loadu_ps(m0, ci));
+      r1 = _mm512_fmadd_ps(acc[i][1], va, _mm512_maskz_loadu_ps(m1, ci + 16));
+    } else {
+      r0 = _mm512_mul_ps(acc[i][0], va);
+      r1 = _mm512_mul_ps(acc[i][1], va);
     }
     _mm512_mask_storeu_ps(ci, m0, r0);
     _mm512_mask_storeu_ps(ci + 16, m1, r1);
   }
 }
+// The transposed tile: C[cols<=NR, rows<=MR] (ldc) = or += alpha * (A·Bp)ᵗ, A read in place:
+// row i's pair p is the 32-bit word a[i*lda + p] (a bf16 matrix whose rows run along the
+// reduction, as a row-major weight's do), so A needs no packing; Bp a packed 32-column panel.
+// The 12x32 accumulator tile is transposed in registers (two 16x16 transposes) and stored
+// as 32 rows of 12 values.
+void tile_kernel_at(const uint32_t* a, int64_t lda, const uint32_t* bp, int64_t np, float* c, int64_t ldc,
+                    int64_t rows, int64_t cols, float alpha, bool add) {
+  __m512 acc[kMR][2];
+  const uint32_t* ar[kMR];
+  for (int i = 0; i < kMR; ++i) {
+    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    ar[i] = a + (i < rows ? i : 0) * lda;  // rows past the edge read row 0, their sums dropped
+  }
+  for (int64_t p = 0; p < np; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + p * kNR);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + p * kNR + 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < kMR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i][p]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha);
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+  for (int h = 0; h < 2; ++h) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < kMR ? _mm512_castps_si512(acc[i][h]) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t t = 0; t < 16 && h * 16 + t < cols; ++t) {
+      float* ct = c + (h * 16 + t) * ldc;
+      const __m512 s = _mm512_castsi512_ps(r[t]);  // alpha·sum + C in one rounding, as tile_kernel does
+      _mm512_mask_storeu_ps(ct, keep, add ? _mm512_fmadd_ps(s, va, _mm512_maskz_loadu_ps(keep, ct)) : _mm512_mul_ps(s, va));
+    }
+  }
+}
 #pragma GCC pop_options
+#endif
+
+#ifdef MEMOPD_HAVE_BF16_KERNEL
+// body(i0, i1) over [lo, hi) split evenly on up to nt std::threads (the caller's one included)
+template <class Body>
+void run_split(int64_t nt, int64_t lo, int64_t hi, Body body) {
+  if (nt <= 1 || hi - lo < 2) return body(lo, hi);
+  std::vector<std::thread> pool;
+  const int64_t step = (hi - lo + nt - 1) / nt;
+  for (int64_t s = lo + step; s < hi; s += step) pool.emplace_back(body, s, std::min(hi, s + step));
+  body(lo, std::min(hi, lo + step));
+  for (auto& th : pool) th.join();
+}
+
+// The `rows` rows of operand o (K reduction values each) in panels of L rows of pairs
+// (pack_panel's layout, panel q at out + q*P*L), on up to nt threads.
+void pack_operand(const Operand& o, int64_t rows, int64_t K, int64_t L, uint32_t* out, int64_t nt) {
+  const int64_t P = (K + 1) / 2, np = (rows + L - 1) / L;
+  if (o.sr == 1)  // rows contiguous: two k-lines at a time
+    run_split(nt, 0, P, [&](int64_t p0, int64_t p1) { pack_lines(o, rows, K, L, p0, p1, out); });
+  else
+    run_split(nt, 0, np, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q) pack_panel(o, q * L, rows, K, L, out + q * P * L);
+    });
+}
 #endif
 
 bool cpu_has_bf16() {
@@ -229,27 +294,13 @@ void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b,
   const int64_t P = (K + 1) / 2;
   const int64_t mp = (M + kMR - 1) / kMR, npan = (N + kNR - 1) / kNR;
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, mp / 4));
-  auto run = [&](int64_t lo, int64_t hi, auto body) {  // body(i0, i1) over [lo, hi) on nt threads
-    if (nt <= 1 || hi - lo < 2) return body(lo, hi);
-    std::vector<std::thread> pool;
-    const int64_t step = (hi - lo + nt - 1) / nt;
-    for (int64_t s = lo + step; s < hi; s += step) pool.emplace_back(body, s, std::min(hi, s + step));
-    body(lo, std::min(hi, lo + step));
-    for (auto& th : pool) th.join();
-  };
+  auto run = [&](int64_t lo, int64_t hi, auto body) { run_split(nt, lo, hi, body); };
   // A, the broadcast side, and B, the vector side: panels of 12 rows / 32 columns of pairs
   thread_local std::vector<uint32_t> abuf, bbuf;  // (only their pointers go to the threads)
   auto pack = [&](const Operand& o, int64_t rows, int64_t L, std::vector<uint32_t>& buf) {
-    const int64_t np = (rows + L - 1) / L;
-    buf.resize(static_cast<size_t>(np * P * L));
-    uint32_t* out = buf.data();
-    if (o.sr == 1)  // rows contiguous: two k-lines at a time
-      run(0, P, [&](int64_t p0, int64_t p1) { pack_lines(o, rows, K, L, p0, p1, out); });
-    else
-      run(0, np, [&](int64_t q0, int64_t q1) {
-        for (int64_t q = q0; q < q1; ++q) pack_panel(o, q * L, rows, K, L, out + q * P * L);
-      });
-    return out;
+    buf.resize(static_cast<size_t>((rows + L - 1) / L * P * L));
+    pack_operand(o, rows, K, L, buf.data(), nt);
+    return buf.data();
   };
   const uint32_t* ap = pack(A, M, kMR, abuf);
   const uint32_t* bp = pack(B, N, kNR, bbuf);
@@ -275,6 +326,71 @@ void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b,
 #endif
 }
 
+
+// The packed form of a [K, N] operand B for bf16_gemm_at (32-column panels of pairs), from
+// its element strides, into `out` (bf16_packed_words(N, K) 32-bit words): packed once,
+// it serves every GEMM against the same B (the hidden rows of a token block, against each
+// weight chunk in turn).
+int64_t bf16_packed_words(int64_t N, int64_t K) { return (N + kNR - 1) / kNR * ((K + 1) / 2) * kNR; }
+
+void bf16_pack_b(uintptr_t b, int64_t b_sk, int64_t b_sn, bool b_f32, int64_t K, int64_t N, uintptr_t out,
+                 int threads) {
+  if (!cpu_has_bf16()) throw std::runtime_error("bf16_pack_b: this CPU has no AVX512-BF16");
+  if (K < 0 || N < 0) throw std::invalid_argument("bf16_pack_b: bad sizes");
+  if (K == 0 || N == 0) return;
+  if (b == 0 || out == 0) throw std::invalid_argument("bf16_pack_b: null buffer");
+#ifdef MEMOPD_HAVE_BF16_KERNEL
+  py::gil_scoped_release release;
+  const Operand B{reinterpret_cast<const void*>(b), b_sn, b_sk, b_f32};
+  pack_operand(B, N, K, kNR, reinterpret_cast<uint32_t*>(out), std::max(1, threads));
+#else
+  (void)b_sk; (void)b_sn; (void)b_f32; (void)threads;
+#endif
+}
+
+// Cᵗ: C [N, M] (row stride ldc) = alpha·(A·B)ᵗ (+ C if accumulate), A [M, K] bf16 with unit
+// stride along K, an even K, a 4-byte aligned base and an even row stride lda (its pairs
+// are then 32-bit words in place: no packing), B [K, N] packed by bf16_pack_b. For the
+// logits: A a row-major weight chunk, B the block's hidden rows, C the [rows, chunk] logits.
+void bf16_gemm_at(uintptr_t a, int64_t lda, uintptr_t bpacked, uintptr_t c, int64_t ldc, int64_t M, int64_t N,
+                  int64_t K, float alpha, bool accumulate, int threads) {
+  if (!cpu_has_bf16()) throw std::runtime_error("bf16_gemm_at: this CPU has no AVX512-BF16");
+  if (M < 0 || N < 0 || K < 0 || ldc < M || lda < K || (K & 1) || (lda & 1) || (a & 3))
+    throw std::invalid_argument("bf16_gemm_at: bad sizes, or A's pairs are not aligned 32-bit words");
+  if (M == 0 || N == 0) return;
+  if (c == 0) throw std::invalid_argument("bf16_gemm_at: null output buffer");
+  float* C = reinterpret_cast<float*>(c);
+  if (K == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < N; ++i) std::fill(C + i * ldc, C + i * ldc + M, 0.0f);
+    return;
+  }
+  if (a == 0 || bpacked == 0) throw std::invalid_argument("bf16_gemm_at: null operand buffer");
+#ifdef MEMOPD_HAVE_BF16_KERNEL
+  py::gil_scoped_release release;
+  const uint32_t* A = reinterpret_cast<const uint32_t*>(a);
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bpacked);
+  const int64_t P = K / 2, la = lda / 2;
+  const int64_t mp = (M + kMR - 1) / kMR, npan = (N + kNR - 1) / kNR;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, mp / 4));
+  const int64_t nkc = (P + kKCP - 1) / kKCP, kcp = (P + nkc - 1) / nkc;
+  run_split(nt, 0, mp, [&](int64_t i0, int64_t i1) {
+    for (int64_t kc = 0; kc < P; kc += kcp) {
+      const int64_t np = std::min(kcp, P - kc);
+      const bool add = accumulate || kc > 0;
+      for (int64_t jc = 0; jc < npan; jc += kNCPAT) {  // B panels reused from L2, A's 12 rows from L1
+        const int64_t j1 = std::min(npan, jc + kNCPAT);
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = jc; j < j1; ++j)
+            tile_kernel_at(A + i * kMR * la + kc, la, bp + j * P * kNR + kc * kNR, np, C + j * kNR * ldc + i * kMR,
+                           ldc, std::min(kMR, M - i * kMR), std::min(kNR, N - j * kNR), alpha, add);
+      }
+    }
+  });
+#else
+  (void)lda; (void)ldc; (void)alpha; (void)threads;
+#endif
+}
 }  // namespace
 
 void register_bf16_gemm(py::module_& m) {
@@ -286,4 +402,13 @@ void register_bf16_gemm(py::module_& m) {
         "C[M, N] (float32, row stride ldc) = alpha A B (+ C if accumulate): A [M, K] and B [K, N] by data "
         "pointer and element strides, bf16 bits, or float32 (a_f32 / b_f32) rounded to bf16 (nearest even) "
         "when packed; products exact, fp32 accumulation.");
+  m.def("bf16_packed_words", &bf16_packed_words, py::arg("N"), py::arg("K"),
+        "32-bit words of bf16_pack_b's packed form of a [K, N] operand.");
+  m.def("bf16_pack_b", &bf16_pack_b, py::arg("b"), py::arg("b_sk"), py::arg("b_sn"), py::arg("b_f32"), py::arg("K"),
+        py::arg("N"), py::arg("out"), py::arg("threads"),
+        "Packs B [K, N] (bf16 bits, or float32 rounded to bf16) for bf16_gemm_at into out.");
+  m.def("bf16_gemm_at", &bf16_gemm_at, py::arg("a"), py::arg("lda"), py::arg("bpacked"), py::arg("c"), py::arg("ldc"),
+        py::arg("M"), py::arg("N"), py::arg("K"), py::arg("alpha"), py::arg("accumulate"), py::arg("threads"),
+        "C[N, M] (float32, row stride ldc) = alpha (A B)^T (+ C if accumulate): A [M, K] bf16 read in place (unit "
+        "stride along K, even K and lda, 4-byte aligned), B packed by bf16_pack_b.");
 }

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["usable", "softmax_sums", "dlogits", "MODE_NONE", "MODE_DIFF", "MODE_GIVEN", "MODE_FORWARD_KL",
-           "has_forward_kl", "has_jsd_weights", "jsd_weights", "has_bf16_gemm", "bf16_gemm_usable", "bf16_matmul"]
+           "has_forward_kl", "has_jsd_weights", "jsd_weights", "has_bf16_gemm", "bf16_gemm_usable", "bf16_matmul",
+           "bf16_pack_rhs", "bf16_in_place_usable", "bf16_matmul_nt_packed"]
 
 MODE_NONE, MODE_DIFF, MODE_GIVEN, MODE_FORWARD_KL = 0, 1, 2, 3  # X of dlogits: none, s - t, t, (q - p)/p
 
@@ -144,4 +145,47 @@ def bf16_matmul(a: Tensor, b: Tensor, out: Tensor, *, alpha: float = 1.0, accumu
     _C.bf16_gemm(a.data_ptr(), a.stride(0), a.stride(1), a.dtype == torch.float32, b.data_ptr(), b.stride(0),
                  b.stride(1), b.dtype == torch.float32, out.data_ptr(), max(out.stride(0), N), M, N, K,
                  float(alpha), bool(accumulate), torch.get_num_threads())
+    return out
+
+
+def bf16_pack_rhs(b: Tensor) -> Tensor:
+    """b [K, N] (CPU, bfloat16, or float32 rounded to bfloat16, any strides) packed once as
+    the right-hand operand of `bf16_matmul_nt_packed` (an int32 tensor in the core's panel
+    layout): a token block's hidden rows (b = hᵀ), reused against every weight chunk."""
+    if not _HAVE_BF16:
+        raise RuntimeError("bf16_pack_rhs: the C++ core's bf16 GEMM does not run here (has_bf16_gemm() is False)")
+    if b.dim() != 2 or b.device.type != "cpu" or b.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"bf16_pack_rhs: b must be a 2-D CPU bfloat16 or float32 tensor, got "
+                         f"{tuple(b.shape)} {b.dtype} on {b.device}")
+    K, N = b.shape
+    out = torch.empty(_C.bf16_packed_words(N, K), dtype=torch.int32)
+    _C.bf16_pack_b(b.data_ptr(), b.stride(0), b.stride(1), b.dtype == torch.float32, K, N, out.data_ptr(),
+                   torch.get_num_threads())
+    return out
+
+
+def bf16_in_place_usable(w: Tensor) -> bool:
+    """Whether `bf16_matmul_nt_packed` can read w [M, K] in place: a CPU bfloat16 matrix with
+    unit stride along K, K and its row stride even, 4-byte aligned (its bf16 pairs are then
+    32-bit words)."""
+    return (_HAVE_BF16 and w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+            and w.stride(1) == 1 and w.shape[1] % 2 == 0 and w.stride(0) % 2 == 0 and w.data_ptr() % 4 == 0)
+
+
+def bf16_matmul_nt_packed(w: Tensor, x_packed: Tensor, n_rows: int, out: Tensor, *, alpha: float = 1.0,
+                          accumulate: bool = False) -> Tensor:
+    """out = alpha·(x @ wᵀ) (+ out with `accumulate`), returned, where `x_packed` is
+    `bf16_pack_rhs(x.t())` of x [n_rows, K] and w [M, K] a bfloat16 matrix read in place (unit
+    stride along K, K and its row stride even, 4-byte aligned: a row-major weight chunk);
+    out a float32 [n_rows, M] block with unit column stride. The same sums as `bf16_matmul(x,
+    w.t(), out)`, bit for bit, without rearranging w."""
+    M, K = w.shape
+    ok = (bf16_in_place_usable(w) and x_packed.numel() == _C.bf16_packed_words(n_rows, K) and tuple(out.shape) == (n_rows, M)
+          and out.dtype == torch.float32 and out.stride(1) == 1)
+    if not ok:
+        raise ValueError(f"bf16_matmul_nt_packed: w {tuple(w.shape)} {w.dtype} (strides {w.stride()}), "
+                         f"{x_packed.numel()} packed words for {n_rows} rows and out {tuple(out.shape)} "
+                         f"{out.dtype} do not make out[n_rows, M] = x @ w^T with w's pairs in place")
+    _C.bf16_gemm_at(w.data_ptr(), max(w.stride(0), K), x_packed.data_ptr(), out.data_ptr(),
+                    max(out.stride(0), M), M, n_rows, K, float(alpha), bool(accumulate), torch.get_num_threads())
     return out

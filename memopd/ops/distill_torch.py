@@ -106,6 +106,7 @@ class _HeadLogits:
                  resident: Optional[Tensor] = None):
         self.h_t, self.w, self.b, self.inv_t = rows.to(cdt).mul_(inv_t), w, b, inv_t
         self.h16 = rows if _bf16_route(rows, w) else None
+        self._h_packed: Optional[Tensor] = None  # h16ᵀ packed once per block for the logits GEMM
         self.resident = resident
         self._filled: set = set()
         self.jsd_weight = False  # the resident chunks were overwritten with the JSD weight -(δ - u)
@@ -116,8 +117,15 @@ class _HeadLogits:
                            self.inv_t, out)
         if self.b is not None:
             out.copy_((self.b[v0:v1].float() * self.inv_t).expand_as(out))
-        return _native_chunks.bf16_matmul(self.h16, self.w[v0:v1].t(), out, alpha=self.inv_t,
-                                          accumulate=self.b is not None)
+        wc = self.w[v0:v1]
+        if _native_chunks.bf16_in_place_usable(wc):
+            # the weight chunk read in place (its bf16 pairs are contiguous), the block's
+            # hidden rows packed once for all its chunks: the same sums, bit for bit
+            if self._h_packed is None:
+                self._h_packed = _native_chunks.bf16_pack_rhs(self.h16.t())
+            return _native_chunks.bf16_matmul_nt_packed(wc, self._h_packed, self.h16.shape[0], out,
+                                                        alpha=self.inv_t, accumulate=self.b is not None)
+        return _native_chunks.bf16_matmul(self.h16, wc.t(), out, alpha=self.inv_t, accumulate=self.b is not None)
 
     def full(self, V: int, out: Tensor) -> Tensor:
         """Logits / T of whole vocabulary rows into `out` [rows, V] (full-row mode)."""

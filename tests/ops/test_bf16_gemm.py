@@ -96,6 +96,46 @@ def test_gemm_writes_only_its_block_of_a_wider_output(seed):
 
 
 @needs_bf16
+@pytest.mark.parametrize("N,M,K", [(1, 1, 2), (5, 7, 6), (13, 33, 18), (32, 12, 2), (37, 95, 1026), (100, 61, 600)])
+def test_weight_in_place_gemm_is_bf16_matmul_bit_for_bit(seed, N, M, K):
+    # the logits' GEMM: w [M, K] read in place (a chunk of a wider weight, so its row stride
+    # is not K), x's rows packed once; the same sums in the same order as bf16_matmul, and
+    # it writes only its [N, M] block of a wider output, adding with accumulate
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, K, generator=g).bfloat16()
+    w = torch.randn(M + 9, K + 4, generator=g).bfloat16()[3:3 + M, 2:2 + K]
+    assert nc.bf16_in_place_usable(w)
+    xp = nc.bf16_pack_rhs(x.t())
+    want = torch.empty(N, M)
+    nc.bf16_matmul(x, w.t(), want)
+    assert _rel(want, x.double() @ w.double().t()) < 1e-6
+    wide = torch.full((N, M + 11), 7.0)
+    nc.bf16_matmul_nt_packed(w, xp, N, wide[:, 5:5 + M])
+    assert torch.equal(wide[:, 5:5 + M], want), (seed, N, M, K)
+    assert (wide[:, :5] == 7.0).all() and (wide[:, 5 + M:] == 7.0).all()
+    c0 = torch.randn(N, M, generator=g)
+    c1, c2 = c0.clone(), c0.clone()
+    nc.bf16_matmul(x, w.t(), c1, alpha=-0.75, accumulate=True)
+    nc.bf16_matmul_nt_packed(w, xp, N, c2, alpha=-0.75, accumulate=True)
+    assert torch.equal(c1, c2), (seed, N, M, K, "accumulate")
+    assert torch.equal(nc.bf16_pack_rhs(x.float().t()), xp)  # fp32 rows round to the same bf16
+
+
+@needs_bf16
+def test_weight_in_place_gemm_refuses_what_it_cannot_read_in_place():
+    w = torch.zeros(8, 10, dtype=torch.bfloat16)
+    xp = nc.bf16_pack_rhs(torch.zeros(4, 10, dtype=torch.bfloat16).t())
+    for bad in (w.t().contiguous().t(), w[:, 1:9], torch.zeros(8, 9, dtype=torch.bfloat16), w.float()):
+        assert not nc.bf16_in_place_usable(bad)
+    with pytest.raises(ValueError, match="bf16_matmul_nt_packed"):
+        nc.bf16_matmul_nt_packed(w[:, 1:9], xp, 4, torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="bf16_matmul_nt_packed"):
+        nc.bf16_matmul_nt_packed(w, xp, 40, torch.zeros(40, 8))  # packed for 4 rows (one 32-row panel)
+    with pytest.raises(ValueError, match="bf16_pack_rhs"):
+        nc.bf16_pack_rhs(torch.zeros(4, 10, dtype=torch.float16))
+
+
+@needs_bf16
 def test_gemm_rejects_mismatched_shapes_in_one_line():
     a = torch.zeros(4, 3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not make out"):
@@ -116,16 +156,21 @@ def test_gemm_zero_k_clears_or_keeps():
 
 
 class _CountBf16:
-    """Counts the calls that reach the core's bf16 GEMM (the real one runs)."""
+    """Counts the calls that reach the core's bf16 GEMMs (the real ones run): `bf16_matmul`
+    and the logits' weight-in-place `bf16_matmul_nt_packed`."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = nc.bf16_matmul
+        self.by_name = {"bf16_matmul": 0, "bf16_matmul_nt_packed": 0}
+        for name in self.by_name:
+            monkeypatch.setattr(nc, name, self._counted(name, getattr(nc, name)))
 
+    def _counted(self, name, real):
         def counted(*a, **k):
             self.calls += 1
+            self.by_name[name] += 1
             return real(*a, **k)
-        monkeypatch.setattr(nc, "bf16_matmul", counted)
+        return counted
 
 
 def _distill_case(seed):
@@ -175,12 +220,17 @@ def test_fused_distill_bf16_route(seed, monkeypatch, divergence, gradients, chun
 
 
 @needs_bf16
-def test_logprob_entropy_bf16_route(seed, monkeypatch):
-    inp = make_inputs(seed, N=50, Hs=40, V=333, dtype=torch.bfloat16)
+@pytest.mark.parametrize("H", [40, 39])
+def test_logprob_entropy_bf16_route(seed, monkeypatch, H):
+    # an even H: the logits read the weight in place; an odd one: its pairs straddle rows,
+    # so the logits take the packing GEMM (bf16_matmul), with the same precision
+    inp = make_inputs(seed, N=50, Hs=H, V=333, dtype=torch.bfloat16)
     count = _CountBf16(monkeypatch)
     args = (inp["hs"], inp["ws"], inp["y"])
     out = fused_linear_logprob_entropy(*args, bias=inp["bs"], mask=inp["mask"], chunk_size=64)
-    assert count.calls > 0
+    in_place = count.by_name["bf16_matmul_nt_packed"]
+    assert (in_place > 0 and count.by_name["bf16_matmul"] == 0) if H % 2 == 0 else \
+        (in_place == 0 and count.by_name["bf16_matmul"] > 0), (H, count.by_name)
     x = as64(inp)
     ref = reference_linear_logprob_entropy(x["hs"], x["ws"], x["y"], bias=x["bs"], mask=x["mask"])
     for name in ("logprobs", "entropy"):
