@@ -19,6 +19,19 @@ import pytest
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="compiles for a GPU; the interpreter is set in this process")
 
+if os.environ.get("TRITON_INTERPRET") != "1":
+    # Import the kernels compiled now, at collection: the interpreter test files collected
+    # later in the same session (tests/ops/*_triton.py) set TRITON_INTERPRET=1 for this
+    # process unless Triton's kernels are already loaded compiled (then they run themselves
+    # in a child process). Imported later, these kernels would be the interpreter's wrappers,
+    # which the matrix cannot read.
+    try:
+        import memopd.kernels.attention_kernels  # noqa: F401
+        import memopd.kernels.fused_distill  # noqa: F401
+        import memopd.kernels.lm_head_tiles  # noqa: F401
+    except ImportError:  # no Triton: the tests below skip themselves
+        pass
+
 
 def _site_dirs():
     extra = [d for d in os.environ.get("MEMOPD_AOT_TRITONS", "").split(os.pathsep) if d]
