@@ -34,7 +34,7 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     args = p.parse_args(argv)
     # a ConfigError (a memopd.errors.UserError) is reported by memopd.cli.main: one line, exit 2
-    cfg = TrainConfig.load(args.config, args.overrides)
+    cfg, asked = TrainConfig.load_given(args.config, args.overrides)
     if args.print_config:
         import yaml
 
@@ -42,5 +42,5 @@ def train_main(argv: list[str] | None = None) -> int:
         return 0
     from .loop import train
 
-    train(cfg, resume=args.resume, overwrite=args.overwrite)
+    train(cfg, resume=args.resume, overwrite=args.overwrite, asked=asked)
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +276,13 @@ class TrainConfig:
         """Read an optional YAML file, then apply `key=value` overrides (values parsed as YAML
         scalars); every value is type-checked where it comes from (file or override), then
         the whole config is validated. Nothing is loaded or built here."""
+        return cls.load_given(path, overrides)[0]
+
+    @classmethod
+    def load_given(cls, path: str | None = None,
+                   overrides: list[str] | None = None) -> tuple["TrainConfig", frozenset[str]]:
+        """`load`, and the top-level keys the file or the overrides set (a section counts as
+        its name): what the user asked for, as opposed to what was left at its default."""
         hints = _field_hints(cls)
         d: dict[str, Any] = {}
         if path:
@@ -312,7 +320,7 @@ class TrainConfig:
                 d.setdefault(section, {})[name] = value
             else:
                 d[name] = value
-        return cls.from_dict(d)
+        return cls.from_dict(d), frozenset(d)
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -422,12 +430,20 @@ def migrate_config(d: Any, *, source: str | None = None, strict: bool = True) ->
 STORED_BEFORE = {"pack_layout": "aligned"}
 
 
-def as_stored(cfg: "TrainConfig", stored: dict[str, Any]) -> tuple["TrainConfig", list[str]]:
+def as_stored(cfg: "TrainConfig", stored: dict[str, Any],
+              asked: Collection[str] | None = None) -> tuple["TrainConfig", list[str]]:
     """`cfg` for resuming the run whose stored config is `stored`: a key of `STORED_BEFORE`
-    that `stored` lacks and `cfg` leaves at its default takes the value the stored run
-    had. Returns the config and the keys so taken."""
-    given = migrate_config(stored, strict=False)
-    taken = [k for k in STORED_BEFORE if k not in given and getattr(cfg, k) == getattr(TrainConfig, k)]
+    that `stored` lacks and the user did not set takes the value the stored run had.
+    `asked`: the keys the user set (`TrainConfig.load_given`); None (a config built in
+    code) counts a key as unset where `cfg` holds its default. A key the user did set
+    keeps the user's value, which the run directory then compares with the stored run's
+    (a different value is refused there). Returns the config and the keys so taken."""
+    stored_keys = migrate_config(stored, strict=False)
+
+    def unset(k: str) -> bool:
+        return getattr(cfg, k) == getattr(TrainConfig, k) if asked is None else k not in asked
+
+    taken = [k for k in STORED_BEFORE if k not in stored_keys and unset(k)]
     return dataclasses.replace(cfg, **{k: STORED_BEFORE[k] for k in taken}), taken
 
 

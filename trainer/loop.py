@@ -14,6 +14,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -538,7 +539,7 @@ def _save_agent(trainer: "Trainer", bundle: "EnvironmentBundle", out_dir: str) -
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
-          log: Callable[[str], None] = print) -> dict:
+          log: Callable[[str], None] = print, asked: Collection[str] | None = None) -> dict:
     """The whole job: prepare, fit, evaluate on held-out Q-k sets, save the final model.
 
     Before anything is written, `check_requirements` checks the packages and files the
@@ -546,14 +547,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     directory unused. Before any model is loaded or trained, the run directory is opened (see
     trainer/rundir.py): every output location must be a writable directory, the
     directory is locked for this run, and a used one needs `resume` (same config up to
-    the safe keys) or `overwrite` (its earlier outputs are deleted)."""
+    the safe keys) or `overwrite` (its earlier outputs are deleted). `asked`: the config
+    keys the user set (`TrainConfig.load_given`); on resume, a key added since the stored
+    run was written that the user did not set takes the stored run's value, one the user
+    did set is compared with it (None: a key at its default counts as unset)."""
     from .rundir import RunDir
 
     t0 = time.time()
     cpu0 = time.process_time()
     check_requirements(cfg)  # packages and files, before anything is written
     if resume:
-        cfg = _as_stored_run(cfg, log)
+        cfg = _as_stored_run(cfg, log, asked)
     info = init_distributed()
     # the SFT cache is written only when a default model is needed (as in `prepare`)
     sft_needed = not cfg.student or (not (cfg.teacher or cfg.teacher_url) and cfg.arm_spec.uses_teacher)
@@ -570,8 +574,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         run.close()
 
 
-def _as_stored_run(cfg: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
-    """`cfg` with the values its stored run had for keys added since (`config.as_stored`),
+def _as_stored_run(cfg: TrainConfig, log: Callable[[str], None], asked: Collection[str] | None) -> TrainConfig:
+    """`cfg` with the values its stored run had for keys added since that the user did not
+    set (`config.as_stored`; `asked`: the keys the user set, None to judge by defaults),
     read from the run directory's config.yaml; `cfg` itself when there is none to read."""
     import yaml
 
@@ -582,7 +587,7 @@ def _as_stored_run(cfg: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
         return cfg  # nothing stored, or unreadable: the run directory's own checks say so
     if not isinstance(stored, dict):
         return cfg
-    cfg, taken = as_stored(cfg, stored)
+    cfg, taken = as_stored(cfg, stored, asked)
     for k in taken:
         log(f"resume: {cfg.run_dir}/config.yaml was written before {k} existed; the run continues with the "
             f"value it ran with, {k}={getattr(cfg, k)}")

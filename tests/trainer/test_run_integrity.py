@@ -579,3 +579,29 @@ def test_a_run_stored_before_pack_layout_existed_resumes_aligned(parts, sft_dirs
     for a, b in zip(_lines(ref), train_lines):
         strip = lambda m: {k: v for k, v in m.items() if not k.startswith(SKIP)}  # noqa: E731
         assert strip(b) == strip(a), f"step {a['step']}"
+
+
+def test_asking_for_trie_when_resuming_a_run_stored_before_pack_layout_is_refused(sft_dirs, ref, tmp_path):
+    """The same old run (no pack_layout stored), resumed with `pack_layout=trie` set by the
+    user (`load_given` reports it as asked), is not silently continued aligned: the run
+    directory refuses the changed key in one line and nothing is written. Overrides that do
+    not name the key still continue aligned (the stored run's value)."""
+    import yaml
+
+    from memopd.trainer.config import as_stored
+    from memopd.trainer.loop import train
+
+    d = tmp_path / "run"
+    old = {k: v for k, v in _cfg(sft_dirs, d).to_dict().items() if k != "pack_layout"}
+    _stored_with_config(ref, d, old)
+    stored = (d / "config.yaml").read_text()
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old, sort_keys=False))
+    cfg, asked = TrainConfig.load_given(str(path), ["pack_layout=trie"])
+    assert cfg.pack_layout == "trie" and "pack_layout" in asked and "steps" in asked
+    with pytest.raises(RunDirError, match=r"pack_layout: 'aligned' -> 'trie'"):
+        train(cfg, resume=True, asked=asked, log=lambda _: None)
+    assert (d / "config.yaml").read_text() == stored
+    cfg, asked = TrainConfig.load_given(str(path), ["steps=4"])
+    assert "pack_layout" not in asked and as_stored(cfg, old, asked)[0].pack_layout == "aligned"
+    assert as_stored(TrainConfig.from_dict(old), old)[0].pack_layout == "aligned"  # built in code: default = unset
