@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="rollout batches (steps 0..N-1 of the default run)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="", help="write the figures here too")
+    ap.add_argument("--student", help="an SFT'd student directory to use instead of the cache's default one")
+    ap.add_argument("--teacher", help="an SFT'd teacher directory to use instead of the cache's default one")
     args = ap.parse_args(argv)
 
     import torch
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     quiet = lambda *_: None  # noqa: E731
-    cfg = TrainConfig.load(None, [f"cache_dir={args.cache}", f"run_dir={tempfile.mkdtemp()}", "progress=false"])
+    models = [f"{role}={path}" for role, path in (("student", args.student), ("teacher", args.teacher)) if path]
+    cfg = TrainConfig.load(None, [f"cache_dir={args.cache}", f"run_dir={tempfile.mkdtemp()}", "progress=false", *models])
     set_seed(cfg.seed)
     bundle = prepare(cfg, quiet)
     tr = Trainer(cfg, student_lm=bundle.student, teacher_lm=bundle.teacher, env=bundle.env, tasks=bundle.tasks, log=quiet)

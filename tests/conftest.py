@@ -57,7 +57,7 @@ SLOW_MODULES = frozenset({
     "test_io_faults", "test_packaging", "test_packed_attention_triton", "test_readme", "test_real_scale",
     "test_replicate", "test_resume_models", "test_run_integrity", "test_sigterm",
     "test_sft_cache_lock", "test_system_faults", "test_train_baseline", "test_trainer_dist",
-    "test_trainer_run", "test_served_teacher",
+    "test_trainer_run", "test_served_teacher", "test_benchmark_scripts",
 })
 
 
