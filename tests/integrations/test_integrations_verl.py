@@ -88,9 +88,23 @@ def test_agg_loss_matches_verl(verl, seed, mode, info):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+def _count_fused(monkeypatch):
+    """Counts the calls of `fused_linear_actor_loss` (the path with gradients in the forward)."""
+    import memopd.ops
+
+    calls = []
+    real = memopd.ops.fused_linear_actor_loss
+    monkeypatch.setattr(memopd.ops, "fused_linear_actor_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("entropy_coeff", [0.01, 0.0])
 @pytest.mark.parametrize("info", list(GLOBAL_INFO))
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_policy_loss_matches_verl(verl, seed, mode, info):
+def test_policy_loss_matches_verl(verl, seed, mode, info, entropy_coeff, monkeypatch):
+    """Both paths: the fused actor loss (always, except seq-mean-token-mean with an entropy
+    bonus; its per-sequence weights are folded into the advantages when there is none) and
+    the recomputing one (seq-mean-token-mean with an entropy bonus)."""
     from omegaconf import OmegaConf
 
     core, tf = verl
@@ -102,26 +116,57 @@ def test_policy_loss_matches_verl(verl, seed, mode, info):
     # old log-probs around the new ones so that both clip branches and the dual clip are taken
     old = ref_lp.detach() + torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 2
+    old[0, 0], adv[0, 0] = ref_lp[0, 0].detach() - 2.0, -1.5  # ratio e^2 > clip_ratio_c with A < 0: the dual clip
     gbi = GLOBAL_INFO[info]
+    fused = _count_fused(monkeypatch)
     loss, metrics = policy_loss(hidden, weight, responses, mask, old, adv, bias=bias, clip_ratio_low=0.2,
-                                clip_ratio_high=0.28, entropy_coeff=0.01, loss_agg_mode=mode, temperature=0.9,
+                                clip_ratio_high=0.28, entropy_coeff=entropy_coeff, loss_agg_mode=mode, temperature=0.9,
                                 global_batch_info=gbi)
+    # every mode but seq-mean-token-mean weights all kept tokens alike
+    assert len(fused) == (1 if mode != "seq-mean-token-mean" or entropy_coeff == 0.0 else 0)
     # verl's ppo_loss: the vanilla policy loss minus entropy_coeff x the aggregated entropy
     config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
                                "clip_ratio_c": 3.0, "global_batch_info": gbi})
     pg_loss, pg_metrics = core.compute_policy_loss_vanilla(old, ref_lp, adv, mask, loss_agg_mode=mode, config=config)
-    ref = pg_loss - 0.01 * core.agg_loss(tf.entropy_from_logits(logits), mask, mode, **gbi)
+    ent = core.agg_loss(tf.entropy_from_logits(logits), mask, mode, **gbi)
+    ref = pg_loss - entropy_coeff * ent
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(metrics["pg_loss"], pg_loss.detach(), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(metrics["entropy"], ent.detach(), rtol=1e-12, atol=1e-13)
     for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
         assert float(metrics[name]) == pytest.approx(pg_metrics[f"actor/{name}"], rel=1e-12, abs=1e-14), name
-    assert 0.0 < float(metrics["pg_clipfrac"]) < 1.0
+    assert 0.0 < float(metrics["pg_clipfrac"]) < 1.0 and float(metrics["pg_clipfrac_lower"]) > 0.0
     params = [hidden, weight, bias]
     for a, b in zip(_grads(loss, params), _grads(ref, params)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_policy_loss_teacher_kl_term(verl, seed):
+def test_policy_loss_old_log_probs_below_minus_20_take_verls_clamp(verl, seed, monkeypatch):
+    """Old log-probs below -20 (where verl clamps the log-ratio at +20): the recomputing
+    path, equal to verl, finite where the ratio would overflow."""
+    from omegaconf import OmegaConf
+
+    core, tf = verl
+    hidden, weight, bias, responses, mask = _batch(seed + 3)
+    logits = _verl_logits(hidden, weight, bias, responses.shape[1], 1.0)
+    ref_lp = tf.logprobs_from_logits(logits, responses)
+    old = ref_lp.detach().clone()
+    old[0, 0] = -900.0  # e^900 overflows even float64
+    adv = torch.zeros_like(old)
+    adv[2, 0] = 1.5
+    fused = _count_fused(monkeypatch)
+    loss, _ = policy_loss(hidden, weight, responses, mask, old, adv, bias=bias)
+    assert fused == [] and torch.isfinite(loss)
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
+                               "global_batch_info": {}})
+    pg_loss, _ = core.compute_policy_loss_vanilla(old, ref_lp, adv, mask, loss_agg_mode="token-mean", config=config)
+    torch.testing.assert_close(loss, pg_loss, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+def test_policy_loss_teacher_kl_term(verl, seed, mode, monkeypatch):
+    """The teacher term alone (zero advantages), through the recomputing path (seq-mean)
+    and the fused one (token-mean), values and gradients against a float64 reference."""
     core, tf = verl
     hidden, weight, bias, responses, mask = _batch(seed + 2)
     g = torch.Generator().manual_seed(seed)
@@ -129,14 +174,19 @@ def test_policy_loss_teacher_kl_term(verl, seed):
     t_weight = torch.randn(37, 6, generator=g, dtype=torch.float64)
     old = torch.full(responses.shape, -3.0, dtype=torch.float64)
     adv = torch.zeros(responses.shape, dtype=torch.float64)
+    fused = _count_fused(monkeypatch)
     loss, metrics = policy_loss(hidden, weight, responses, mask, old, adv, bias=bias, teacher_hidden_states=t_hidden,
-                                teacher_weight=t_weight, teacher_kl_coef=0.5, loss_agg_mode="seq-mean-token-mean")
+                                teacher_weight=t_weight, teacher_kl_coef=0.5, loss_agg_mode=mode)
+    assert len(fused) == (mode == "token-mean")
     ls = torch.log_softmax(_verl_logits(hidden, weight, bias, 5, 1.0), -1)
     lt = torch.log_softmax(t_hidden[:, -6:-1] @ t_weight.T, -1)
     kl = (ls.exp() * (ls - lt)).sum(-1)  # full-vocabulary reverse KL: memopd's term, verl has no such loss
-    ref = 0.5 * core.agg_loss(kl, mask, "seq-mean-token-mean")
+    ref = 0.5 * core.agg_loss(kl, mask, mode)
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(metrics["kl"], ref.detach() / 0.5, rtol=1e-12, atol=1e-14)
+    params = [hidden, weight, bias]
+    for a, b in zip(_grads(loss, params), _grads(ref, params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_agg_loss_without_verl_counts_what_verl_counts():

@@ -160,6 +160,15 @@ def policy_loss(
     same aggregation. `metrics` holds detached `pg_loss`, `pg_clipfrac`, `ppo_kl`,
     `pg_clipfrac_lower`, `entropy` and (with a teacher) `kl` as verl logs them. `kl_coef=`
     is the deprecated old name of `teacher_kl_coef=` (it warns).
+
+    Where the aggregation allows, the loss takes its gradients in the forward
+    (`fused_linear_actor_loss`: 3 lm-head GEMMs, 4 with a teacher): every mode weights the
+    per-token losses linearly, and the surrogate takes any positive per-token weight
+    through the advantages; the entropy and KL terms need one weight for all kept tokens
+    (every mode but seq-mean-token-mean), and the old log-probs must be >= -20 (verl's
+    log-ratio clamp). Otherwise (seq-mean-token-mean with an entropy bonus or a teacher)
+    the log-probs, entropy and KL come from the recomputing ops and the loss is built from
+    them in torch.
     """
     from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy
     from memopd.ops._validate import teacher_kl_weight
@@ -178,6 +187,16 @@ def policy_loss(
     mask = _response_mask(response_mask, responses)
     B, R = responses.shape
     h = _response_hidden(hidden_states, responses).reshape(B * R, -1)
+    info = dict(global_batch_info or {})
+    with_teacher = teacher_hidden_states is not None
+    weights = _agg_weights(mask, loss_agg_mode, info, h.dtype)
+    if _weights_fold(weights, mask, entropy_coeff != 0.0 or with_teacher) and _ratio_bounded(old_log_prob, mask):
+        return _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, weights, bias=bias, low=low,
+                                  high=high, clip_ratio_c=clip_ratio_c, entropy_coeff=entropy_coeff,
+                                  temperature=temperature, vocab_size=vocab_size,
+                                  teacher=(_response_hidden(teacher_hidden_states, responses).reshape(B * R, -1),
+                                           teacher_weight, teacher_bias) if with_teacher else None,
+                                  teacher_kl_coef=teacher_kl_coef, mode=loss_agg_mode, info=info)
     common = dict(mask=mask.reshape(-1), temperature=temperature, vocab_size=vocab_size, ignore_index=None)
     kl = None
     if teacher_hidden_states is None:
@@ -192,15 +211,7 @@ def policy_loss(
     entropy = out.entropy.view(B, R)
 
     adv = advantages.to(log_prob.dtype)
-    log_ratio = torch.clamp(log_prob - old_log_prob.to(log_prob.dtype), -20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    pg_clip = torch.maximum(unclipped, clipped)
-    dual = torch.minimum(-adv * clip_ratio_c, pg_clip)
-    pg_losses = torch.where(adv < 0, dual, pg_clip)
-
-    info = dict(global_batch_info or {})
+    log_ratio, unclipped, clipped, pg_clip, pg_losses = _surrogate(log_prob, old_log_prob, adv, low, high, clip_ratio_c)
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, **info)
     entropy_loss = agg_loss(entropy, mask, loss_agg_mode, **info)
     loss = pg_loss - entropy_coeff * entropy_loss
@@ -209,20 +220,98 @@ def policy_loss(
         kl_loss = agg_loss(kl, mask, loss_agg_mode, **info)
         loss = loss + teacher_kl_coef * kl_loss
         metrics["kl"] = kl_loss.detach()
+    metrics.update(_surrogate_metrics(log_ratio, adv, mask, clipped, unclipped, pg_clip, clip_ratio_c),
+                   pg_loss=pg_loss.detach(), entropy=entropy_loss.detach())
+    return loss, metrics
+
+
+def _surrogate(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, low: float, high: float, clip_ratio_c: float):
+    """verl's vanilla surrogate per token: (log_ratio, unclipped, clipped, pg_clip, pg_losses)."""
+    log_ratio = torch.clamp(log_prob - old_log_prob.to(log_prob.dtype), -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    pg_clip = torch.maximum(unclipped, clipped)
+    dual = torch.minimum(-adv * clip_ratio_c, pg_clip)
+    return log_ratio, unclipped, clipped, pg_clip, torch.where(adv < 0, dual, pg_clip)
+
+
+def _surrogate_metrics(log_ratio, adv, mask, clipped, unclipped, pg_clip, clip_ratio_c) -> dict:
+    """The clip statistics verl logs, as token means over the kept tokens (detached)."""
     with torch.no_grad():
-        m = mask.to(log_prob.dtype)
+        m = mask.to(log_ratio.dtype)
 
         def token_mean(x):  # verl's masked_mean: its 1e-8 added to an integer count rounds away
             return (x * m).sum() / m.sum().clamp_min(1)
 
-        metrics.update(
-            pg_loss=pg_loss.detach(),
-            pg_clipfrac=token_mean(torch.gt(clipped, unclipped).to(m.dtype)),
-            ppo_kl=token_mean(-log_ratio),
-            pg_clipfrac_lower=token_mean((torch.gt(pg_clip, -adv * clip_ratio_c) & (adv < 0)).to(m.dtype)),
-            entropy=entropy_loss.detach(),
-        )
-    return loss, metrics
+        return dict(pg_clipfrac=token_mean(torch.gt(clipped, unclipped).to(m.dtype)),
+                    ppo_kl=token_mean(-log_ratio),
+                    pg_clipfrac_lower=token_mean((torch.gt(pg_clip, -adv * clip_ratio_c) & (adv < 0)).to(m.dtype)))
+
+
+def _agg_weights(mask: Tensor, mode: str, info: dict, dtype: torch.dtype) -> Tensor:
+    """The `[B, R]` weights w with agg_loss(x) = Σ w x for every x: each mode is linear in
+    the per-token losses, so w is its gradient at any point (0 off the mask)."""
+    x = torch.zeros(mask.shape, dtype=dtype, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        (w,) = torch.autograd.grad(agg_loss(x, mask, mode, **info), x)
+    return w
+
+
+def _weights_fold(weights: Tensor, mask: Tensor, uniform_needed: bool) -> bool:
+    """Whether the fused actor loss computes this aggregation: its surrogate is positively
+    homogeneous in the advantage, so any positive per-token weight folds into the
+    advantages; the entropy and teacher-KL terms take one weight for all tokens, so with
+    either present the weights must be equal on the kept tokens (all modes but
+    seq-mean-token-mean, whose weight is 1 / the sequence's kept tokens)."""
+    kept = weights[mask]
+    if kept.numel() == 0 or not bool((kept > 0).all()):
+        return False
+    return not uniform_needed or bool((kept == kept[0]).all())
+
+
+def _ratio_bounded(old_log_prob: Tensor, mask: Tensor) -> bool:
+    """Old log-probs >= -20 on the kept tokens: with log-probs <= 0 the log-ratio then never
+    reaches verl's upper clamp (+20), which the fused op does not apply."""
+    kept = old_log_prob[mask]
+    return kept.numel() > 0 and bool((kept >= -20.0).all())
+
+
+def _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, weights, *, bias, low, high, clip_ratio_c,
+                       entropy_coeff, temperature, vocab_size, teacher, teacher_kl_coef, mode, info):
+    """`policy_loss` through `fused_linear_actor_loss` (3 lm-head GEMMs without a teacher,
+    4 with one, gradients taken in the forward): the aggregation weights w_i become
+    advantages A_i w_i / w_0 and a normalizer 1 / w_0 (w_0: the first kept token's)."""
+    from memopd.ops import fused_linear_actor_loss
+
+    B, R = responses.shape
+    keep = mask.reshape(-1)
+    w = weights.reshape(-1)
+    w0 = float(w[keep][0])
+    adv = advantages.detach().reshape(-1).to(h.dtype)
+    scaled = torch.where(keep, adv * (w / w0), 0.0)
+    # verl clamps the log-ratio to [-20, 20] before exp; the fused op does not. With the old
+    # log-probs >= -20 (`_ratio_bounded`) the two agree except where log_ratio < -20 with
+    # A > 0: a loss term below A e^-20 there, whose gradient verl's clamp sets to 0.
+    old = old_log_prob.detach().reshape(-1).to(h.dtype)
+    t_h, t_w, t_b = teacher if teacher is not None else (None, None, None)
+    out = fused_linear_actor_loss(
+        h, weight, responses.reshape(-1), scaled, torch.where(keep, old, 0.0), student_bias=bias,
+        teacher_hidden=None if t_h is None else t_h.detach(), teacher_weight=None if t_w is None else t_w.detach(),
+        teacher_bias=None if t_b is None else t_b.detach(), mask=keep, clip_eps=low, clip_eps_high=high,
+        dual_clip=clip_ratio_c, entropy_coef=entropy_coeff, teacher_kl_coef=teacher_kl_coef if t_h is not None else None,
+        temperature=temperature, vocab_size=vocab_size, normalizer=1.0 / w0, kl_normalizer=1.0 / w0)
+    log_prob = out.logprobs.view(B, R)
+    adv2 = advantages.detach().to(h.dtype)
+    log_ratio, unclipped, clipped, pg_clip, pg_losses = _surrogate(log_prob, old_log_prob.detach(), adv2, low, high,
+                                                                   clip_ratio_c)
+    metrics = _surrogate_metrics(log_ratio, adv2, mask, clipped, unclipped, pg_clip, clip_ratio_c)
+    with torch.no_grad():
+        metrics.update(pg_loss=agg_loss(pg_losses, mask, mode, **info),
+                       entropy=agg_loss(out.entropy.view(B, R), mask, mode, **info))
+        if teacher is not None:
+            metrics["kl"] = agg_loss(out.kl.view(B, R), mask, mode, **info)
+    return out.loss, metrics
 
 
 def padded_to_packed(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, responses: Tensor,
