@@ -18,7 +18,7 @@ shows holds for any actor on the `[B, R]` response layout verl's `ppo_loss` uses
    `teacher_weight=` and `teacher_kl_coef=` add memopd's full-vocabulary reverse KL.
 3. Under FSDP / FSDP2 or DeepSpeed ZeRO-3 the lm_head weight is sharded; outside the
    forward of the module that owns it, it is a placeholder. The fused ops read the whole
-   weight in their forward and again in their backward, so they must run **inside the
+   weight in their forward (the recomputing ones again in their backward), so they must run **inside the
    forward of the module that owns the lm_head**: `ActorModule.forward` below is that
    module (the recipe's `install_packed_loss_forward` does the same for verl's engine).
    Under ZeRO-3, do the same (or declare the weight with
