@@ -163,6 +163,42 @@ def test_policy_loss_old_log_probs_below_minus_20_take_verls_clamp(verl, seed, m
     torch.testing.assert_close(loss, pg_loss, rtol=1e-12, atol=1e-14)
 
 
+def test_policy_loss_log_ratio_below_minus_20_takes_verls_clamp(verl, seed, monkeypatch):
+    """A kept token whose new log-prob is more than 20 below its old one, with A > 0: verl
+    clamps the log-ratio at -20 (a constant there, no gradient); the fused op, which does
+    not clamp, is tried and the loss is taken from the recomputing path, equal to verl."""
+    from omegaconf import OmegaConf
+
+    core, tf = verl
+    hidden, weight, bias, responses, mask = _batch(seed + 4)
+    with torch.no_grad():
+        weight.mul_(12.0)  # wide logits: some response tokens get log-probs far below -20
+    logits = _verl_logits(hidden, weight, bias, responses.shape[1], 1.0)
+    ref_lp = tf.logprobs_from_logits(logits, responses)
+    low_lp = torch.where(mask, ref_lp.detach(), 0.0)
+    idx = divmod(int(low_lp.argmin()), responses.shape[1])
+    assert float(low_lp[idx]) < -21.0
+    g = torch.Generator().manual_seed(seed)
+    old = ref_lp.detach() + torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 0.3
+    old = torch.maximum(old, torch.full_like(old, -19.0))  # every old log-prob >= -20
+    old[idx] = -0.5
+    adv = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64)
+    adv[idx] = 1.5
+    fused = _count_fused(monkeypatch)
+    loss, metrics = policy_loss(hidden, weight, responses, mask, old, adv, bias=bias, clip_ratio_low=0.2,
+                                clip_ratio_high=0.28)
+    assert fused == [1]  # tried, then left for the recomputing path
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                               "clip_ratio_c": 3.0, "global_batch_info": {}})
+    pg_loss, pg_metrics = core.compute_policy_loss_vanilla(old, ref_lp, adv, mask, loss_agg_mode="token-mean",
+                                                           config=config)
+    torch.testing.assert_close(loss, pg_loss, rtol=1e-12, atol=1e-14)
+    assert float(metrics["ppo_kl"]) == pytest.approx(pg_metrics["actor/ppo_kl"], rel=1e-12)
+    params = [hidden, weight, bias]
+    for a, b in zip(_grads(loss, params), _grads(pg_loss, params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
 def test_policy_loss_teacher_kl_term(verl, seed, mode, monkeypatch):
     """The teacher term alone (zero advantages), through the recomputing path (seq-mean)

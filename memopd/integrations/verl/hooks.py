@@ -166,7 +166,9 @@ def policy_loss(
     per-token losses linearly, and the surrogate takes any positive per-token weight
     through the advantages; the entropy and KL terms need one weight for all kept tokens
     (every mode but seq-mean-token-mean), and the old log-probs must be >= -20 (verl's
-    log-ratio clamp). Otherwise (seq-mean-token-mean with an entropy bonus or a teacher)
+    log-ratio clamp; a log-ratio below -20 with A > 0, seen after the forward, also
+    sends the loss to the recomputing path). Otherwise (seq-mean-token-mean with an
+    entropy bonus or a teacher)
     the log-probs, entropy and KL come from the recomputing ops and the loss is built from
     them in torch.
     """
@@ -191,12 +193,14 @@ def policy_loss(
     with_teacher = teacher_hidden_states is not None
     weights = _agg_weights(mask, loss_agg_mode, info, h.dtype)
     if _weights_fold(weights, mask, entropy_coeff != 0.0 or with_teacher) and _ratio_bounded(old_log_prob, mask):
-        return _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, weights, bias=bias, low=low,
+        fused = _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, weights, bias=bias, low=low,
                                   high=high, clip_ratio_c=clip_ratio_c, entropy_coeff=entropy_coeff,
                                   temperature=temperature, vocab_size=vocab_size,
                                   teacher=(_response_hidden(teacher_hidden_states, responses).reshape(B * R, -1),
                                            teacher_weight, teacher_bias) if with_teacher else None,
                                   teacher_kl_coef=teacher_kl_coef, mode=loss_agg_mode, info=info)
+        if fused is not None:
+            return fused
     common = dict(mask=mask.reshape(-1), temperature=temperature, vocab_size=vocab_size, ignore_index=None)
     kl = None
     if teacher_hidden_states is None:
@@ -281,7 +285,8 @@ def _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, wei
                        entropy_coeff, temperature, vocab_size, teacher, teacher_kl_coef, mode, info):
     """`policy_loss` through `fused_linear_actor_loss` (3 lm-head GEMMs without a teacher,
     4 with one, gradients taken in the forward): the aggregation weights w_i become
-    advantages A_i w_i / w_0 and a normalizer 1 / w_0 (w_0: the first kept token's)."""
+    advantages A_i w_i / w_0 and a normalizer 1 / w_0 (w_0: the first kept token's).
+    None where a kept token's log-ratio fell below verl's -20 clamp with A > 0."""
     from memopd.ops import fused_linear_actor_loss
 
     B, R = responses.shape
@@ -292,7 +297,8 @@ def _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, wei
     scaled = torch.where(keep, adv * (w / w0), 0.0)
     # verl clamps the log-ratio to [-20, 20] before exp; the fused op does not. With the old
     # log-probs >= -20 (`_ratio_bounded`) the two agree except where log_ratio < -20 with
-    # A > 0: a loss term below A e^-20 there, whose gradient verl's clamp sets to 0.
+    # A > 0 (a loss term below A e^-20, whose gradient verl's clamp sets to 0): checked
+    # after the forward, and the caller then takes the recomputing path (None).
     old = old_log_prob.detach().reshape(-1).to(h.dtype)
     t_h, t_w, t_b = teacher if teacher is not None else (None, None, None)
     out = fused_linear_actor_loss(
@@ -303,6 +309,8 @@ def _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, wei
         temperature=temperature, vocab_size=vocab_size, normalizer=1.0 / w0, kl_normalizer=1.0 / w0)
     log_prob = out.logprobs.view(B, R)
     adv2 = advantages.detach().to(h.dtype)
+    if bool((mask & (adv2 > 0) & (log_prob - old.view(B, R) < -20.0)).any()):
+        return None
     log_ratio, unclipped, clipped, pg_clip, pg_losses = _surrogate(log_prob, old_log_prob.detach(), adv2, low, high,
                                                                    clip_ratio_c)
     metrics = _surrogate_metrics(log_ratio, adv2, mask, clipped, unclipped, pg_clip, clip_ratio_c)
