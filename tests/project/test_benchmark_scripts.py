@@ -7,12 +7,16 @@ once broke `served_teacher.py` for a session without any test noticing).
 
 Not run here: the pytest-benchmark files (`bench_packing.py`'s tests,
 `bench_fused_distill.py`, `bench_packed_attention.py`: `pytest benchmarks/
---benchmark-only`, a `.ci/run` stage), `gpu_check.sh` (a GPU; its summary has its own
-test), `vllm_rollouts.py` (vLLM's venv: `--help` only here) and `sft_curve.py` (it reads
-`memopd sft` snapshots: `--help` only)."""
+--benchmark-only`, a `.ci/run` stage; only the fresh-process memory probe of
+`bench_fused_distill.py` runs here), `gpu_check.sh` (a GPU; its summary has its own
+test), `vllm_rollouts.py` (vLLM's venv: `--help` only here), `sft_curve.py` (it reads the
+resume states a long `memopd sft` run writes about once a minute: `--help` only here;
+tests/env/test_sft_curve.py checks its state-to-checkpoint step) and `gpu_cost_model.py`
+(`--help` here; tests/project/test_gpu_check.py runs it with `--json`)."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +127,23 @@ def test_rce_split():
 def test_expert_departures(sft_dirs):
     out = _run("analysis/expert_departures.py", sft_dirs[0], "--n", 2)
     assert "em_mean" in out
+
+
+def test_infogap_gap_tokens(sft_dirs):
+    out = _run("analysis/infogap_gap_tokens.py", *sft_dirs, "--tasks", 1, "--group", 1, "--show", 1)
+    m = re.search(r"^(\d+) information-gap calls, (\d+) action tokens; the teacher's top-1 differs at (\d+) ", out, re.M)
+    assert m, out[-2000:]
+    calls, tokens, differ = map(int, m.groups())
+    assert calls >= 1 and tokens >= calls and 0 <= differ <= tokens
+    assert "the rule's step after the memory span" in out
+
+
+@pytest.mark.parametrize("args", [("fused", 64, 32, 48, 512), ("fused", 64, 32, 32, 512, "train")], ids=["distill", "lpe-train"])
+def test_fused_distill_memory_probe(args):
+    # the fresh-process memory probe that bench_fused_distill.py's memory benchmarks start
+    (line,) = [ln for ln in _run("bench_fused_distill.py", "--measure", *args).splitlines() if ln.startswith("{")][-1:]
+    d = json.loads(line)
+    assert _finite_positive(d["peak_bytes"]) and _finite_positive(d["seconds"]) and d["exact"] is True
 
 
 def test_gpu_bench_smoke():

@@ -1,5 +1,6 @@
 """Every repository path the user docs name in backticks exists, so the docs stay true
-when files move. Checked: README.md, benchmarks/README.md and docs/*.md; a path counts
+when files move. Checked: README.md, benchmarks/README.md and every .md under docs/ (the
+research notebook in docs/research/ included); a path counts
 when its first component is a top-level entry of the repository (`memopd/ops/x.py`,
 `tests/ops/`), or, in benchmarks/README.md, one of that folder's entries
 (`results/…`). Outputs the docs name as what a command writes (`benchmarks/results/`
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".") or p.name == ".ci"}
 PLACEHOLDER = re.compile(r"(^|[/_])foo([._/]|$)|FOO|RUN_DIR|MODEL_DIR")
 
@@ -47,9 +48,12 @@ def _ignored_output(rel: str) -> bool:
 
 
 def _named_paths(doc: Path) -> list[str]:
-    """Relative repository paths in the doc's backtick spans, as written."""
+    """Relative repository paths in the doc's backtick spans, as written (a span may wrap
+    onto the next line, as a long command does; it never crosses a blank line)."""
     out = []
-    for span in re.findall(r"`([^`\n]+)`", _prose(doc.read_text())):
+    for span in re.findall(r"`([^`]+)`", _prose(doc.read_text())):
+        if "\n\n" in span:
+            continue
         for token in span.split():
             token = token.strip("\"'(),;[]").split("::")[0]
             token = re.sub(r":\d+(-\d+)?$", "", token)  # file.py:48
@@ -94,5 +98,8 @@ def test_the_check_sees_paths():
     named = set(_named_paths(ROOT / "docs" / "design.md"))
     assert "memopd/ops/attention.py" in named and "kernels/contract.py" in named
     assert "memopd/ops/foo.py" not in named  # the recipe's placeholder
+    research = ROOT / "docs" / "research" / "replication.md"
+    assert research in DOCS and "trainer/experiments/ruleteacher.py" in _named_paths(research)
+    assert "benchmarks/analysis/expert_departures.py" in _named_paths(research)  # a span wrapped onto two lines
     assert _resolve(ROOT / "README.md", "memopd/no_such_module.py") == (False, "memopd/no_such_module.py")
     assert _resolve(ROOT / "README.md", "trainer/configs/ds_zero{2,3}.json")[0]
