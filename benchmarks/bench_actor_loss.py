@@ -99,7 +99,7 @@ GROUPS = {
     "forward_kl": ("naive_fkl", ("fused_fkl", "liger_fkl"), "liger_fkl"),
     "jsd": ("naive_jsd", ("fused_jsd", "liger_jsd"), "liger_jsd"),
     "before": (None, ("fused_actor_before", "fused_rkl_before", "fused_fkl_before", "fused_jsd_before",
-                      "fused_actor_rows256", "fused_rkl_rows256", "fused_fkl_rows256", "fused_jsd_rows256"), None),
+                      "fused_lpe_before", "fused_actor_rows256", "fused_rkl_rows256", "fused_fkl_rows256", "fused_jsd_rows256"), None),
     "teacherless": ("naive_lpe", ("fused_lpe", "fused_lpe_recompute", "fused_actor_noteacher"), None),
     "floor": ("gemm_floor", ("gemm_floor_bf16", "gemm_floor3", "gemm_floor3_bf16"), None),
 }
@@ -116,7 +116,7 @@ _VARIANT_OF = {n: n.rsplit("_", 1)[0] for n in GROUPS["before"][1]}
 _PEER_OF_OP = {"fused_actor": "liger_rkl", "fused_rkl": "liger_rkl", "fused_fkl": "liger_fkl", "fused_jsd": "liger_jsd"}
 BASELINE.update({n: {"fused_actor": "naive"}.get(op, "naive_" + op.split("_")[1]) for n, op in _VARIANT_OF.items()})
 PEER = {n: peer for _, names, peer in GROUPS.values() for n in names if n.startswith(("fused", "composed")) and peer}
-PEER.update({n: _PEER_OF_OP[op] for n, op in _VARIANT_OF.items()})
+PEER.update({n: _PEER_OF_OP[op] for n, op in _VARIANT_OF.items() if op in _PEER_OF_OP})
 PEER.update({n: PEER[n[: -len("_bf16")]] + "_bf16" for n in _BF16 if n[: -len("_bf16")] in PEER})
 _TEACHERLESS = ("fused_lpe", "fused_actor_noteacher")  # their floor: the three GEMMs of gemm_floor3
 FLOOR = {n: ("gemm_floor3" if n.startswith(_TEACHERLESS) else "gemm_floor") + ("_bf16" if n.endswith("_bf16") else "")
