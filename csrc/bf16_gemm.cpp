@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -271,22 +272,33 @@ bool cpu_has_bf16() {
 #endif
 }
 
+// The checks both GEMMs share, for an output of `rows` x `cols` floats (row stride ok when
+// `ld_ok`): throws on a CPU without the kernel, bad sizes or null buffers; with K == 0 it
+// zeroes the output (unless accumulating). True when the GEMM has work left to do.
+bool gemm_prologue(const char* name, int64_t rows, int64_t cols, int64_t K, bool ld_ok, uintptr_t a, uintptr_t b,
+                   uintptr_t c, int64_t ldc, bool accumulate) {
+  const std::string n(name);
+  if (!cpu_has_bf16()) throw std::runtime_error(n + ": this CPU has no AVX512-BF16");
+  if (rows < 0 || cols < 0 || K < 0 || !ld_ok) throw std::invalid_argument(n + ": bad sizes");
+  if (rows == 0 || cols == 0) return false;
+  if (c == 0) throw std::invalid_argument(n + ": null output buffer");
+  if (K == 0) {
+    float* C = reinterpret_cast<float*>(c);
+    if (!accumulate)
+      for (int64_t i = 0; i < rows; ++i) std::fill(C + i * ldc, C + i * ldc + cols, 0.0f);
+    return false;
+  }
+  if (a == 0 || b == 0) throw std::invalid_argument(n + ": null operand buffer");
+  return true;
+}
+
 // C [M, N] (row stride ldc) = alpha·A·B (+ C if accumulate), A [M, K] and B [K, N] given by
 // their element strides; a_f32 / b_f32: the operand is float32, rounded to bf16 on packing.
 void bf16_gemm(uintptr_t a, int64_t a_sm, int64_t a_sk, bool a_f32, uintptr_t b, int64_t b_sk, int64_t b_sn,
                bool b_f32, uintptr_t c, int64_t ldc, int64_t M, int64_t N, int64_t K, float alpha, bool accumulate,
                int threads) {
-  if (!cpu_has_bf16()) throw std::runtime_error("bf16_gemm: this CPU has no AVX512-BF16");
-  if (M < 0 || N < 0 || K < 0 || ldc < N) throw std::invalid_argument("bf16_gemm: bad sizes");
-  if (M == 0 || N == 0) return;
-  if (c == 0) throw std::invalid_argument("bf16_gemm: null output buffer");
+  if (!gemm_prologue("bf16_gemm", M, N, K, ldc >= N, a, b, c, ldc, accumulate)) return;
   float* C = reinterpret_cast<float*>(c);
-  if (K == 0) {
-    if (!accumulate)
-      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
-    return;
-  }
-  if (a == 0 || b == 0) throw std::invalid_argument("bf16_gemm: null operand buffer");
 #ifdef MEMOPD_HAVE_BF16_KERNEL
   py::gil_scoped_release release;
   const Operand A{reinterpret_cast<const void*>(a), a_sm, a_sk, a_f32};
@@ -354,18 +366,12 @@ void bf16_pack_b(uintptr_t b, int64_t b_sk, int64_t b_sn, bool b_f32, int64_t K,
 // logits: A a row-major weight chunk, B the block's hidden rows, C the [rows, chunk] logits.
 void bf16_gemm_at(uintptr_t a, int64_t lda, uintptr_t bpacked, uintptr_t c, int64_t ldc, int64_t M, int64_t N,
                   int64_t K, float alpha, bool accumulate, int threads) {
-  if (!cpu_has_bf16()) throw std::runtime_error("bf16_gemm_at: this CPU has no AVX512-BF16");
-  if (M < 0 || N < 0 || K < 0 || ldc < M || lda < K || (K & 1) || (lda & 1) || (a & 3))
-    throw std::invalid_argument("bf16_gemm_at: bad sizes, or A's pairs are not aligned 32-bit words");
-  if (M == 0 || N == 0) return;
-  if (c == 0) throw std::invalid_argument("bf16_gemm_at: null output buffer");
+  if (lda < K || (K & 1) || (lda & 1) || (a & 3))
+    throw std::invalid_argument("bf16_gemm_at: A's pairs are not aligned 32-bit words (lda >= K, both even, "
+                                "4-byte aligned base)");
+  // the output is Cᵗ: N rows of M values
+  if (!gemm_prologue("bf16_gemm_at", N, M, K, ldc >= M, a, bpacked, c, ldc, accumulate)) return;
   float* C = reinterpret_cast<float*>(c);
-  if (K == 0) {
-    if (!accumulate)
-      for (int64_t i = 0; i < N; ++i) std::fill(C + i * ldc, C + i * ldc + M, 0.0f);
-    return;
-  }
-  if (a == 0 || bpacked == 0) throw std::invalid_argument("bf16_gemm_at: null operand buffer");
 #ifdef MEMOPD_HAVE_BF16_KERNEL
   py::gil_scoped_release release;
   const uint32_t* A = reinterpret_cast<const uint32_t*>(a);
