@@ -141,6 +141,34 @@ def test_policy_loss_matches_verl(verl, seed, mode, info, entropy_coeff, monkeyp
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_policy_loss_bf16_head_keeps_fp32_advantages_and_old_log_probs(verl, seed, monkeypatch):
+    """A bf16 model (hidden states and lm_head in bf16) with verl's fp32 old log-probs and
+    advantages, through the fused path: the loss and metrics equal verl's on the same bf16
+    values in float64 to fp32 rounding; the advantages and old log-probs are not rounded
+    to bf16 on the way (that alone moves the loss by ~1e-3 relative)."""
+    from omegaconf import OmegaConf
+
+    core, tf = verl
+    hidden, weight, bias, responses, mask = _batch(seed + 4, H=32)
+    h16, w16 = hidden.detach().bfloat16(), weight.detach().bfloat16()
+    logits = _verl_logits(h16.double(), w16.double(), torch.zeros(37, dtype=torch.float64), 5, 1.0)
+    ref_lp = tf.logprobs_from_logits(logits, responses)
+    g = torch.Generator().manual_seed(seed)
+    old = (ref_lp + torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 0.3).clamp_max(0.0).float()
+    adv = (torch.randn(ref_lp.shape, generator=g, dtype=torch.float64) * 2).float()
+    fused = _count_fused(monkeypatch)
+    loss, metrics = policy_loss(h16.requires_grad_(), w16.requires_grad_(), responses, mask, old, adv,
+                                clip_ratio_low=0.9, clip_ratio_high=10.0, clip_ratio_c=100.0)  # every ratio enters
+    assert fused == [1]
+    config = OmegaConf.create({"clip_ratio": 0.9, "clip_ratio_low": 0.9, "clip_ratio_high": 10.0,
+                               "clip_ratio_c": 100.0, "global_batch_info": {}})
+    pg_loss, _ = core.compute_policy_loss_vanilla(old.double(), ref_lp, adv.double(), mask, loss_agg_mode="token-mean",
+                                                  config=config)
+    assert loss.dtype == torch.float32 and float(metrics["pg_clipfrac"]) == 0.0
+    torch.testing.assert_close(loss.double(), pg_loss, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["pg_loss"].double(), pg_loss, rtol=2e-5, atol=1e-6)
+
+
 def test_policy_loss_old_log_probs_below_minus_20_take_verls_clamp(verl, seed, monkeypatch):
     """Old log-probs below -20 (where verl clamps the log-ratio at +20): the recomputing
     path, equal to verl, finite where the ratio would overflow."""

@@ -168,9 +168,8 @@ def policy_loss(
     (every mode but seq-mean-token-mean), and the old log-probs must be >= -20 (verl's
     log-ratio clamp; a log-ratio below -20 with A > 0, seen after the forward, also
     sends the loss to the recomputing path). Otherwise (seq-mean-token-mean with an
-    entropy bonus or a teacher)
-    the log-probs, entropy and KL come from the recomputing ops and the loss is built from
-    them in torch.
+    entropy bonus or a teacher) the log-probs, entropy and KL come from the recomputing
+    ops and the loss is built from them in torch.
     """
     from memopd.ops import fused_linear_distill, fused_linear_logprob_entropy
     from memopd.ops._validate import teacher_kl_weight
@@ -191,7 +190,8 @@ def policy_loss(
     h = _response_hidden(hidden_states, responses).reshape(B * R, -1)
     info = dict(global_batch_info or {})
     with_teacher = teacher_hidden_states is not None
-    weights = _agg_weights(mask, loss_agg_mode, info, h.dtype)
+    # the dtype the ops compute their per-token statistics in (fp32 for bf16/fp16 heads)
+    weights = _agg_weights(mask, loss_agg_mode, info, torch.float64 if h.dtype == torch.float64 else torch.float32)
     if _weights_fold(weights, mask, entropy_coeff != 0.0 or with_teacher) and _ratio_bounded(old_log_prob, mask):
         fused = _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, weights, bias=bias, low=low,
                                   high=high, clip_ratio_c=clip_ratio_c, entropy_coeff=entropy_coeff,
@@ -290,30 +290,29 @@ def _fused_policy_loss(h, weight, responses, mask, old_log_prob, advantages, wei
     from memopd.ops import fused_linear_actor_loss
 
     B, R = responses.shape
-    keep = mask.reshape(-1)
-    w = weights.reshape(-1)
-    w0 = float(w[keep][0])
-    adv = advantages.detach().reshape(-1).to(h.dtype)
-    scaled = torch.where(keep, adv * (w / w0), 0.0)
+    w0 = float(weights[mask][0])
+    # advantages and old log-probs in the weights' dtype, the one the op's log-probs come in
+    # (never rounded to a bf16 head's dtype)
+    adv = advantages.detach().to(weights.dtype)
+    old = old_log_prob.detach().to(weights.dtype)
+    scaled = torch.where(mask, adv * (weights / w0), 0.0)
     # verl clamps the log-ratio to [-20, 20] before exp; the fused op does not. With the old
     # log-probs >= -20 (`_ratio_bounded`) the two agree except where log_ratio < -20 with
     # A > 0 (a loss term below A e^-20, whose gradient verl's clamp sets to 0): checked
     # after the forward, and the caller then takes the recomputing path (None).
-    old = old_log_prob.detach().reshape(-1).to(h.dtype)
     t_h, t_w, t_b = teacher if teacher is not None else (None, None, None)
     out = fused_linear_actor_loss(
-        h, weight, responses.reshape(-1), scaled, torch.where(keep, old, 0.0), student_bias=bias,
-        teacher_hidden=None if t_h is None else t_h.detach(), teacher_weight=None if t_w is None else t_w.detach(),
-        teacher_bias=None if t_b is None else t_b.detach(), mask=keep, clip_eps=low, clip_eps_high=high,
-        dual_clip=clip_ratio_c, entropy_coef=entropy_coeff, teacher_kl_coef=teacher_kl_coef if t_h is not None else None,
-        temperature=temperature, vocab_size=vocab_size, normalizer=1.0 / w0, kl_normalizer=1.0 / w0)
+        h, weight, responses.reshape(-1), scaled.reshape(-1), torch.where(mask, old, 0.0).reshape(-1),
+        student_bias=bias, teacher_hidden=None if t_h is None else t_h.detach(),
+        teacher_weight=None if t_w is None else t_w.detach(), teacher_bias=None if t_b is None else t_b.detach(),
+        mask=mask.reshape(-1), clip_eps=low, clip_eps_high=high, dual_clip=clip_ratio_c, entropy_coef=entropy_coeff,
+        teacher_kl_coef=teacher_kl_coef if t_h is not None else None, temperature=temperature, vocab_size=vocab_size,
+        normalizer=1.0 / w0, kl_normalizer=1.0 / w0)
     log_prob = out.logprobs.view(B, R)
-    adv2 = advantages.detach().to(h.dtype)
-    if bool((mask & (adv2 > 0) & (log_prob - old.view(B, R) < -20.0)).any()):
+    if bool((mask & (adv > 0) & (log_prob - old < -20.0)).any()):
         return None
-    log_ratio, unclipped, clipped, pg_clip, pg_losses = _surrogate(log_prob, old_log_prob.detach(), adv2, low, high,
-                                                                   clip_ratio_c)
-    metrics = _surrogate_metrics(log_ratio, adv2, mask, clipped, unclipped, pg_clip, clip_ratio_c)
+    log_ratio, unclipped, clipped, pg_clip, pg_losses = _surrogate(log_prob, old, adv, low, high, clip_ratio_c)
+    metrics = _surrogate_metrics(log_ratio, adv, mask, clipped, unclipped, pg_clip, clip_ratio_c)
     with torch.no_grad():
         metrics.update(pg_loss=agg_loss(pg_losses, mask, mode, **info),
                        entropy=agg_loss(out.entropy.view(B, R), mask, mode, **info))
